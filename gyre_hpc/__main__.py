@@ -1,0 +1,3 @@
+from gyre_hpc.cli.app import main
+
+main()

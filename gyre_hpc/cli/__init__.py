@@ -1,0 +1,1 @@
+"""The gyre-hpc command line: one module per command group, composed in ``app``."""

@@ -1,0 +1,55 @@
+"""The ``gyre-hpc`` command: every command group composed in one typer app.
+
+``main`` turns a user's mistake (``GyreError``) into one line and an exit code, never a
+traceback; set ``GYRE_DEBUG=1`` to see the traceback anyway.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+from rich.console import Console
+
+from gyre_hpc import __version__
+from gyre_hpc.cli import recipe, run, slurm, status
+from gyre_hpc.errors import GyreError
+
+app = typer.Typer(
+    name="gyre-hpc",
+    help="Elastic online RL for long-horizon LLM agents, on Slurm or on this machine.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.command()(run.run)
+app.command()(slurm.submit)
+app.command()(status.status)
+app.command()(slurm.cancel)
+app.add_typer(recipe.app, name="recipe")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"gyre-hpc {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", help="Print the version and exit.", is_eager=True, callback=_print_version
+    ),
+) -> None:
+    """Elastic online RL for long-horizon LLM agents, on Slurm or on this machine."""
+
+
+def main() -> None:
+    try:
+        app()  # click handles its own usage errors (one line, exit 2); ours arrive here
+    except GyreError as err:
+        if os.environ.get("GYRE_DEBUG"):
+            raise
+        Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+        sys.exit(err.exit_code)

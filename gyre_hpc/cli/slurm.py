@@ -1,0 +1,62 @@
+"""``gyre-hpc submit`` and ``gyre-hpc cancel``: the run as one heterogeneous Slurm job."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from gyre_hpc.cli.recipe import RecipeArg, SetOption, load
+from gyre_hpc.cli.status import TargetArg, resolve
+from gyre_hpc.errors import LaunchError
+from gyre_hpc.launch import slurm
+from gyre_hpc.launch.sbatch import render_sbatch
+from gyre_hpc.observability.events import EventLog
+from gyre_hpc.rundir import RunDir
+from gyre_hpc.runtime.world import Layout
+
+
+def submit(
+    recipe: RecipeArg,
+    set_: SetOption = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the sbatch script; submit nothing.")
+    ] = False,
+) -> None:
+    """Submit a recipe as ONE heterogeneous sbatch job: controller + cells in one MPI world."""
+    r = load(recipe, set_)
+    layout = Layout.from_config(r.cells)
+    python = r.slurm.python or sys.executable
+    if dry_run:
+        where = Path(r.run.runs_dir).resolve() / f"{r.run.name}-<time>"
+        typer.echo(
+            render_sbatch(r.slurm, layout, job_name=r.run.name, run_dir=where, python=python), nl=False
+        )
+        return
+    run_dir = RunDir.create(r.run.runs_dir, r.run.name)
+    run_dir.write_recipe(r)
+    script = run_dir.path / "job.sbatch"
+    script.write_text(
+        render_sbatch(r.slurm, layout, job_name=r.run.name, run_dir=run_dir.path, python=python)
+    )
+    job_id = slurm.submit(str(script))
+    run_dir.write_job(launcher="slurm", job_id=job_id, script=str(script))
+    with EventLog(run_dir.events) as events:
+        events.emit("run_start", launcher="slurm", job_id=job_id)
+    typer.echo(f"submitted job {job_id}\nrun directory: {run_dir.path}")
+
+
+def cancel(
+    target: TargetArg = None, runs_dir: Annotated[Path, typer.Option(help="Where runs live.")] = Path("runs")
+) -> None:
+    """Cancel a submitted run (by run directory or job id)."""
+    run_dir, job_id = resolve(target, runs_dir)
+    if job_id is None:
+        raise LaunchError(
+            f"{run_dir.path if run_dir else target} was not submitted to Slurm; stop a local run with Ctrl-C"
+        )
+    slurm.cancel(job_id)
+    Console().print(f"cancelled job {job_id}")

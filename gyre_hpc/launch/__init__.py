@@ -1,0 +1,1 @@
+"""Starting a run: locally under mpirun, or as one heterogeneous Slurm job."""

@@ -1,0 +1,119 @@
+"""The heterogeneous sbatch script, rendered by a pure function (golden-tested).
+
+```
+ component 0   controller      1 node, 1 task                 (rank 0)
+ component 1   cells           cells × nodes_per_cell nodes,  (ranks 1 … cells·ranks_per_cell)
+                               ranks_per_cell / nodes_per_cell tasks per node
+ component 2   rollout pool    one node and one task per standalone engine (only if any)
+```
+
+``srun --mpi=pmix --het-group=0,1[,2]`` then starts one MPI world across the components, in
+that order, which is exactly the rank order ``runtime.world.Layout`` expects. Output goes to
+``<run_dir>/logs/slurm.out``: never ``%j`` in a path shared by components, it expands per component.
+"""
+
+from __future__ import annotations
+
+import shlex
+import string
+from pathlib import Path
+
+from gyre_hpc.errors import LaunchError
+from gyre_hpc.recipe.schema import SlurmConfig
+from gyre_hpc.runtime.world import Layout
+
+TEMPLATE = Path(__file__).resolve().parents[2] / "sbatch" / "hetjob.sh"
+SRUN_GRACE_S = 10  # how long srun may outlive its step before the script stops it
+
+
+class _Template(string.Template):
+    delimiter = "@"  # the script is bash: leave every $ to it
+
+
+def render_sbatch(
+    slurm: SlurmConfig,
+    layout: Layout,
+    *,
+    job_name: str,
+    run_dir: Path,
+    python: str,
+    template: Path = TEMPLATE,
+) -> str:
+    """The complete sbatch script for ``layout``; no I/O but reading the template."""
+    components = [_controller(slurm), _cells(slurm, layout)]
+    if layout.pool:
+        components.append(_pool(slurm, layout))
+    common = [
+        f"--job-name={job_name}",
+        f"--output={run_dir}/logs/slurm.out",
+        f"--time={slurm.time}",
+        f"--chdir={run_dir}",
+        "--requeue" if slurm.requeue else "--no-requeue",
+    ]
+    if slurm.signal_grace_s:
+        common.append(f"--signal=B:USR2@{slurm.signal_grace_s}")
+    common += _opt("account", slurm.account) + _opt("qos", slurm.qos)
+    header = [f"#SBATCH {o}" for o in common + components[0]]
+    for options in components[1:]:
+        header += ["#SBATCH hetjob", *(f"#SBATCH {o}" for o in options)]
+    try:
+        text = template.read_text()
+    except FileNotFoundError:
+        raise LaunchError(
+            f"sbatch template {template} is missing (install gyre-hpc from a checkout with pip -e)"
+        ) from None
+    return _Template(text).substitute(
+        header="\n".join(header),
+        setup="\n".join(slurm.setup) if slurm.setup else "# (no slurm.setup lines)",
+        run_dir=shlex.quote(str(run_dir)),
+        python=shlex.quote(python),
+        mpi=slurm.mpi,
+        het_groups=",".join(str(i) for i in range(len(components))),
+        srun_grace_s=SRUN_GRACE_S,
+    )
+
+
+def _controller(slurm: SlurmConfig) -> list[str]:
+    partition = slurm.controller_partition or slurm.partition
+    return [
+        "--nodes=1",
+        "--ntasks=1",
+        f"--cpus-per-task={slurm.controller_cpus}",
+        *_opt("partition", partition),
+    ]
+
+
+def _cells(slurm: SlurmConfig, layout: Layout) -> list[str]:
+    nodes = layout.cells * slurm.nodes_per_cell
+    per_node = layout.ranks_per_cell // slurm.nodes_per_cell
+    return [
+        f"--nodes={nodes}",
+        f"--ntasks={layout.cells * layout.ranks_per_cell}",
+        f"--ntasks-per-node={per_node}",
+        f"--cpus-per-task={slurm.cpus_per_task}",
+        *_gpu_node(slurm),
+    ]
+
+
+def _pool(slurm: SlurmConfig, layout: Layout) -> list[str]:
+    return [
+        f"--nodes={layout.pool}",
+        f"--ntasks={layout.pool}",
+        "--ntasks-per-node=1",
+        f"--cpus-per-task={slurm.cpus_per_task}",
+        *_gpu_node(slurm),
+    ]
+
+
+def _gpu_node(slurm: SlurmConfig) -> list[str]:
+    opts = _opt("partition", slurm.partition)
+    if slurm.gpus_per_node:
+        opts.append(f"--gpus-per-node={slurm.gpus_per_node}")
+    opts += _opt("mem", slurm.mem) + _opt("constraint", slurm.constraint)
+    if slurm.exclusive:
+        opts.append("--exclusive")
+    return opts
+
+
+def _opt(name: str, value: str) -> list[str]:
+    return [f"--{name}={value}"] if value else []

@@ -1,0 +1,1 @@
+"""Events and metrics of a run, written to its run directory."""

@@ -1,0 +1,247 @@
+"""The recipe schema: one small, frozen config dataclass per component.
+
+A recipe is a TOML file with one table per component. Each component is handed only its own
+dataclass (the controller passes ``recipe.engine`` to the engine, never the whole recipe), so a
+component's knobs are documented and validated in one place: here.
+
+Field metadata carries the documentation (``doc``) and numeric bounds (``min``/``max``); allowed
+string values are ``Literal`` types. ``recipe.load`` enforces both and names the TOML path of any
+violation. Cross-section rules live in ``Recipe.__post_init__``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from gyre_hpc.errors import RecipeError
+
+Mode = Literal["elastic", "async", "colocate"]
+ROLE_PRIORITY = ["main", "main-summary", "sub-agent", "sub-agent-summary"]
+
+
+def knob(default: Any, doc: str, *, min: float | None = None, max: float | None = None) -> Any:
+    """A documented recipe field; lists get a fresh copy per instance."""
+    meta = {"doc": doc, "min": min, "max": max}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    """What the run is called, where it writes and how long it lasts."""
+
+    name: str = knob("run", "Run name; the run directory is <runs_dir>/<name>-<time>.")
+    runs_dir: str = knob("runs", "Where run directories are created (shared storage on a cluster).")
+    model: str = knob("tiny", "Hugging Face model directory, or 'tiny' for the offline tiny Qwen3.")
+    seed: int = knob(0, "Seed for prompts, sampling and initialisation.", min=0)
+    steps: int = knob(2, "Optimizer steps to run.", min=1)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CellsConfig:
+    """How the GPUs are grouped into cells, each holding one complete model replica."""
+
+    count: int = knob(2, "Number of cells; cell 0 is the core (weights and optimizer).", min=1)
+    ranks_per_cell: int = knob(1, "MPI ranks per cell (one per GPU on a cluster).", min=1)
+    capacity: int = knob(8, "Concurrent executions one sampling cell serves.", min=1)
+    rollout_pool: int = knob(0, "Standalone rollout engines that never switch role (one rank each).", min=0)
+    heartbeat_s: float = knob(0.5, "Seconds between a cell's status reports to the controller.", min=0.01)
+    heartbeat_timeout_s: float = knob(60.0, "A cell silent this long is declared dead.", min=1)
+    hello_timeout_s: float = knob(120.0, "Seconds the controller waits for every cell to say hello.", min=1)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SchedulerConfig:
+    """Which policy decides the cells' roles."""
+
+    mode: Mode = knob("elastic", "elastic (water level), async (fixed split) or colocate (all, in turn).")
+    async_train_cells: int = knob(
+        1, "async: number of cells, first in switch order, that always train.", min=1
+    )
+    min_queued_microsteps: int = knob(
+        1, "elastic: micro-steps that must be queued before the next cell may switch to training.", min=1
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineConfig:
+    """The sampling engine each cell (and the rollout pool) runs."""
+
+    backend: Literal["embedded", "sglang"] = knob("embedded", "embedded (CPU/torch) or sglang (GPU).")
+    base_port: int = knob(30000, "First HTTP port; engine i listens on base_port + i.", min=1024, max=65000)
+    tp_size: int = knob(1, "Tensor-parallel size of one engine.", min=1)
+    mem_fraction_static: float = knob(0.8, "GPU memory fraction for weights and KV cache.", min=0.05, max=1.0)
+    enable_memory_saver: bool = knob(True, "Release and resume GPU memory on role switches.")
+    max_total_tokens: int = knob(0, "KV cache size in tokens; 0 lets the engine decide.", min=0)
+    max_new_tokens: int = knob(1024, "Tokens one model call may generate.", min=1)
+    temperature: float = knob(1.0, "Sampling temperature.", min=0.0)
+    top_p: float = knob(1.0, "Nucleus sampling mass.", min=0.0, max=1.0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainerConfig:
+    """The training replica each cell runs while in the TRAINING role."""
+
+    backend: Literal["torch", "megatron"] = knob(
+        "torch", "torch (plain PyTorch) or megatron (megatron-core)."
+    )
+    dtype: Literal["float32", "bfloat16"] = knob("float32", "Parameter and compute dtype.")
+    lr: float = knob(1e-6, "Adam learning rate.", min=0.0)
+    weight_decay: float = knob(0.0, "AdamW weight decay.", min=0.0)
+    grad_clip: float = knob(1.0, "Global gradient-norm clip; 0 disables.", min=0.0)
+    clip_low: float = knob(0.2, "PPO ratio clip below 1.", min=0.0, max=1.0)
+    clip_high: float = knob(0.28, "PPO ratio clip above 1.", min=0.0)
+    micro_step_tokens: int = knob(8192, "Tokens packed into one micro-step.", min=16)
+    tp_size: int = knob(1, "Tensor-parallel size inside a cell.", min=1)
+    pp_size: int = knob(1, "Pipeline-parallel size inside a cell.", min=1)
+    checkpoint_every: int = knob(1, "Write a checkpoint every N steps; 0 never.", min=0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TransportConfig:
+    """How snapshots, gradients and KV move between cells."""
+
+    backend: Literal["auto", "verbs", "mpi"] = knob(
+        "auto", "auto picks verbs when an RDMA device exists, else mpi."
+    )
+    verbs_device: str = knob("", "RDMA device name (e.g. mlx5_0); empty: the first one found.")
+    verbs_port: int = knob(1, "RDMA device port.", min=1)
+    gid_index: int = knob(0, "GID index (RoCE needs the right one).", min=0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProxyConfig:
+    """The OpenAI-compatible proxy that records TITO traces."""
+
+    host: str = knob("127.0.0.1", "Address the proxy listens on.")
+    port: int = knob(0, "Port; 0 picks a free one (written to the run directory).", min=0, max=65535)
+    max_body_mb: int = knob(64, "Largest request body accepted (MiB); larger gets HTTP 413.", min=1)
+    request_timeout_s: float = knob(
+        900.0, "A model call that cannot be served in this time fails (503).", min=1
+    )
+    drain_mode: Literal["continue", "restart"] = knob(
+        "continue", "On drain: continue in-flight requests elsewhere (KV migration) or restart them."
+    )
+    admission_limit: int = knob(0, "Requests in flight per engine; 0 uses cells.capacity.", min=0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AgentConfig:
+    """The built-in agent harness."""
+
+    max_calls: int = knob(64, "Model calls one execution may make (sub-agents included).", min=1)
+    context_limit_tokens: int = knob(8192, "Compact the main context past this many tokens.", min=64)
+    timeout_s: float = knob(1800.0, "Wall-clock limit of one execution; then it is partially scored.", min=1)
+    max_subagents: int = knob(4, "Sub-agents one execution may delegate to.", min=0)
+    command_timeout_s: float = knob(60.0, "Limit of one shell command run by the agent.", min=1)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TasksConfig:
+    """Which tasks are run and how many per step."""
+
+    suite: str = knob("smoke", "Built-in suite name or path to a JSONL suite.")
+    group_size: int = knob(4, "Executions per prompt (group-relative advantages).", min=1)
+    prompts_per_step: int = knob(4, "Prompts per optimizer step.", min=1)
+    eval_every: int = knob(0, "Held-out evaluation every N steps; 0 never.", min=0)
+    eval_n: int = knob(32, "Held-out tasks per evaluation.", min=1)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrajectoryConfig:
+    """How TITO records become training sequences."""
+
+    jmax: int = knob(8, "Paths selected per run at most.", min=1)
+    priority: list[str] = knob(ROLE_PRIORITY, "Role classes in selection priority order.")
+    std_normalize: bool = knob(False, "Divide group-relative advantages by the group's std.")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ScoringConfig:
+    """How finished and timed-out executions are scored."""
+
+    scorer: str = knob("hidden-tests", "Built-in scorer name or dotted path module:Class.")
+    max_retries: int = knob(2, "Retries of an evaluation error before the run is dropped.", min=0)
+    timeout_s: float = knob(300.0, "Limit of one evaluation.", min=1)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SlurmConfig:
+    """The heterogeneous sbatch job `gyre-hpc submit` renders."""
+
+    partition: str = knob("", "Partition for the cells; empty: the cluster default.")
+    controller_partition: str = knob("", "Partition for the controller; empty: same as partition.")
+    account: str = knob("", "Account to charge; empty: your default.")
+    qos: str = knob("", "Quality of service; empty: default.")
+    time: str = knob("04:00:00", "Wall-clock limit (Slurm time format).")
+    nodes_per_cell: int = knob(
+        1, "Nodes one cell spans; cells.ranks_per_cell is split evenly over them.", min=1
+    )
+    gpus_per_node: int = knob(0, "GPUs per cell node (--gpus-per-node); 0 asks for none.", min=0)
+    cpus_per_task: int = knob(4, "CPUs per cell rank.", min=1)
+    controller_cpus: int = knob(4, "CPUs for the controller (proxy, harness, trajectories).", min=1)
+    mem: str = knob("", "Memory per node (e.g. 200G); empty: the partition default.")
+    constraint: str = knob("", "Node feature constraint; empty: none.")
+    exclusive: bool = knob(False, "Ask for cell nodes exclusively.")
+    mpi: str = knob("pmix", "srun --mpi plugin; pmix is what Open MPI needs.")
+    python: str = knob("", "Python on the compute nodes; empty: the one running gyre-hpc submit.")
+    setup: list[str] = knob([], "Shell lines run before srun (module load, activate an environment).")
+    signal_grace_s: int = knob(
+        120, "Seconds before the time limit at which the job is told to checkpoint.", min=0
+    )
+    requeue: bool = knob(True, "Requeue the job on preemption or node failure.")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BenchConfig:
+    """Side-by-side comparisons of scheduling modes."""
+
+    modes: list[Mode] = knob(
+        ["elastic", "async", "colocate"], "Modes compared, on the same workload and seed."
+    )
+    repeats: int = knob(1, "Repetitions of each mode.", min=1)
+    emulate: bool = knob(False, "Replace model compute by calibrated delays (emulated GPUs).")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Recipe:
+    """A whole run: one section per component."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    cells: CellsConfig = field(default_factory=CellsConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    tasks: TasksConfig = field(default_factory=TasksConfig)
+    trajectory: TrajectoryConfig = field(default_factory=TrajectoryConfig)
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+
+    def __post_init__(self) -> None:
+        cells, sched, trainer = self.cells, self.scheduler, self.trainer
+        if cells.ranks_per_cell % self.slurm.nodes_per_cell:
+            raise RecipeError(
+                f"cells.ranks_per_cell = {cells.ranks_per_cell} must be a multiple of "
+                f"slurm.nodes_per_cell = {self.slurm.nodes_per_cell}"
+            )
+        if cells.ranks_per_cell % (trainer.tp_size * trainer.pp_size):
+            raise RecipeError(
+                f"cells.ranks_per_cell = {cells.ranks_per_cell} must be a multiple of "
+                f"trainer.tp_size * trainer.pp_size = {trainer.tp_size * trainer.pp_size}"
+            )
+        if sched.mode == "async" and sched.async_train_cells >= cells.count + (cells.rollout_pool > 0):
+            raise RecipeError(
+                f"scheduler.async_train_cells = {sched.async_train_cells} leaves no cell sampling "
+                f"(cells.count = {cells.count}); async needs at least one sampling cell or a rollout pool"
+            )
+
+
+# Section name -> its config dataclass, in recipe order.
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Recipe)}  # type: ignore[misc]

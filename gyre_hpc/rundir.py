@@ -1,0 +1,93 @@
+"""The run directory: everything a run leaves, on storage every node and the login node see.
+
+```
+runs/<name>-<YYYYmmdd-HHMMSS>/
+  recipe.toml     the resolved recipe (every key, documented)
+  events.jsonl    what happened, one JSON record per line (observability.events)
+  job.json        how it was launched: local mpirun or the Slurm job id
+  logs/           mpirun.log or slurm-<job>.out, rank-<N>.log
+  ranks/          rank-<N>.json: pid, host, role of every rank (written when it starts)
+```
+
+``status`` and later ``bench`` and plots read only this directory, never a live process.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gyre_hpc.recipe import Recipe, load_recipe, to_toml
+
+
+@dataclass(frozen=True)
+class RunDir:
+    path: Path
+
+    @classmethod
+    def create(cls, runs_dir: str | Path, name: str, now: float | None = None) -> RunDir:
+        """A new, empty run directory ``<runs_dir>/<name>-<time>`` (suffixed if taken)."""
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+        base = Path(runs_dir).resolve() / f"{name}-{stamp}"
+        path, n = base, 1
+        while True:
+            try:
+                path.mkdir(parents=True)
+                break
+            except FileExistsError:
+                n += 1
+                path = base.with_name(f"{base.name}.{n}")
+        run = cls(path)
+        run.logs.mkdir()
+        run.ranks.mkdir()
+        return run
+
+    @property
+    def recipe_path(self) -> Path:
+        return self.path / "recipe.toml"
+
+    @property
+    def events(self) -> Path:
+        return self.path / "events.jsonl"
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    @property
+    def ranks(self) -> Path:
+        return self.path / "ranks"
+
+    @property
+    def job_path(self) -> Path:
+        return self.path / "job.json"
+
+    def write_recipe(self, recipe: Recipe) -> None:
+        self.recipe_path.write_text(to_toml(recipe))
+
+    def read_recipe(self) -> Recipe:
+        return load_recipe(self.recipe_path)
+
+    def write_job(self, **info: Any) -> None:
+        self.job_path.write_text(json.dumps(info, indent=1) + "\n")
+
+    def read_job(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.job_path.read_text())
+        except FileNotFoundError:
+            return {}
+
+    def write_rank(self, rank: int, **info: Any) -> None:
+        (self.ranks / f"rank-{rank}.json").write_text(json.dumps({"rank": rank, **info}) + "\n")
+
+    def read_ranks(self) -> list[dict[str, Any]]:
+        out = []
+        for p in sorted(self.ranks.glob("rank-*.json")):
+            try:
+                out.append(json.loads(p.read_text()))
+            except json.JSONDecodeError:  # a rank killed while writing
+                continue
+        return sorted(out, key=lambda r: r["rank"])

@@ -1,0 +1,5 @@
+import sys
+
+from gyre_hpc.runtime.main import main
+
+sys.exit(main())

@@ -1,0 +1,127 @@
+"""The control protocol between the controller and the cells: typed messages over MPI.
+
+```
+ controller (rank 0)                         cell leader            cell members
+   │◀──────────────── Hello ──────────────────┤                        │
+   ├──────────────── SwitchRole ─────────────▶├── SwitchRole ─────────▶│
+   │◀─────────────── RoleSwitched ────────────┤◀── RoleSwitched ───────┤
+   │◀─────────────── Heartbeat (every heartbeat_s) ─┤                   │
+   ├──────────────── Shutdown ───────────────▶├── Shutdown ───────────▶│
+```
+
+Messages are frozen dataclasses sent with mpi4py's pickled ``send`` on one tag. The protocol
+knows nothing about engines or training: it carries only who is where and in which role.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+from typing import Any
+
+CONTROL_TAG = 17
+POLL_INTERVAL_S = 0.002  # between probes: ranks outnumber cores on a laptop, so never spin
+
+
+class Role(enum.StrEnum):
+    IDLE = "idle"
+    SAMPLING = "sampling"
+    DRAINING = "draining"
+    TRAINING = "training"
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """A cell (or standalone rollout engine) is up and says where it serves."""
+
+    cell: int
+    rank: int
+    host: str
+    pid: int
+    address: str
+    capacity: int
+    standalone: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchRole:
+    cell: int
+    role: Role
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class RoleSwitched:
+    cell: int
+    role: Role
+    seq: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    cell: int
+    role: Role
+    sent: float
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    reason: str
+
+
+Message = Hello | SwitchRole | RoleSwitched | Heartbeat | Shutdown
+MESSAGE_TYPES = (Hello, SwitchRole, RoleSwitched, Heartbeat, Shutdown)
+
+
+class ProtocolError(RuntimeError):
+    """A peer sent something that is not a protocol message, or nothing in time."""
+
+
+class Channel:
+    """Typed, non-blocking control messages on one communicator.
+
+    Receiving polls with short sleeps instead of blocking in MPI, so signal handlers run and
+    timeouts are honoured.
+    """
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+
+    def send(self, message: Message, dest: int) -> None:
+        self.comm.send(message, dest=dest, tag=CONTROL_TAG)
+
+    def poll(self, source: int | None = None) -> tuple[int, Message] | None:
+        """One message if one is waiting, else None."""
+        from mpi4py import MPI
+
+        status = MPI.Status()
+        src = MPI.ANY_SOURCE if source is None else source
+        if not self.comm.iprobe(source=src, tag=CONTROL_TAG, status=status):
+            return None
+        message = self.comm.recv(source=status.Get_source(), tag=CONTROL_TAG)
+        if not isinstance(message, MESSAGE_TYPES):
+            raise ProtocolError(f"rank {status.Get_source()} sent {type(message).__name__}, not a message")
+        return status.Get_source(), message
+
+    def recv(
+        self, timeout: float | None, source: int | None = None, what: str = "a message"
+    ) -> tuple[int, Message]:
+        """The next message, or ProtocolError after ``timeout`` seconds (None: wait for ever)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (got := self.poll(source)) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise ProtocolError(f"no {what} within {timeout:g} s")
+            time.sleep(POLL_INTERVAL_S)
+        return got
+
+
+def wait_barrier(comm: Any, timeout: float) -> None:
+    """A barrier that gives up instead of hanging when a peer is gone."""
+    request = comm.Ibarrier()
+    deadline = time.monotonic() + timeout
+    while not request.Test():
+        if time.monotonic() > deadline:
+            raise ProtocolError(f"barrier not reached by every rank within {timeout:g} s")
+        time.sleep(POLL_INTERVAL_S)

@@ -1,0 +1,1 @@
+"""Scheduling policy (pure) and the controller's schedule."""

@@ -1,0 +1,1 @@
+"""Status views of a run; they read only its run directory (and Slurm's job state)."""

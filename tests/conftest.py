@@ -1,0 +1,75 @@
+"""Hardware and service needs are pytest markers (mpi, slurm, gpu, rdma).
+
+Plain ``pytest`` runs everything this machine can run and skips the rest, saying why. Where a
+capability must be there (CI sets ``GYRE_REQUIRE=mpi,slurm``), its absence fails the run instead
+of hiding behind skips.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CAPABILITIES = ("mpi", "slurm", "gpu", "rdma")
+
+
+@functools.cache
+def why_missing(capability: str) -> str | None:
+    """None when this machine has ``capability``, else the reason it does not."""
+    if capability == "mpi":
+        if shutil.which("mpirun") is None:
+            return "mpirun not found (apt install openmpi-bin)"
+        if importlib.util.find_spec("mpi4py") is None:
+            return "mpi4py not installed"
+        return None
+    if capability == "slurm":
+        if shutil.which("sinfo") is None:
+            return "Slurm not installed (tools/setup.sh)"
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True)
+        nodes = [line for line in out.stdout.splitlines() if line.split()[-1] in ("idle", "mix", "alloc")]
+        if out.returncode or len(nodes) < 3:
+            return "no running Slurm with 3 usable nodes (tools/local_slurm.sh start)"
+        return None
+    if capability == "gpu":
+        import torch
+
+        return None if torch.cuda.is_available() else "no CUDA GPU"
+    if capability == "rdma":
+        try:
+            from pyverbs.device import get_device_list
+
+            return None if get_device_list() else "no RDMA device"
+        except Exception as err:  # pyverbs raises when the kernel has no RDMA subsystem at all
+            return f"no RDMA ({type(err).__name__})"
+    raise ValueError(capability)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    required = {c for c in os.environ.get("GYRE_REQUIRE", "").split(",") if c}
+    for capability in sorted(required):
+        if (why := why_missing(capability)) is not None:
+            raise pytest.UsageError(f"GYRE_REQUIRE includes {capability}, but {why}")
+    for item in items:
+        for capability in CAPABILITIES:
+            if capability in item.keywords and (why := why_missing(capability)) is not None:
+                item.add_marker(pytest.mark.skip(reason=why))
+
+
+def gyre(*args: str, cwd: Path | None = None, timeout: float = 120, **kw) -> subprocess.CompletedProcess[str]:
+    """Run the real ``gyre-hpc`` command line in a subprocess."""
+    return subprocess.run(
+        [sys.executable, "-m", "gyre_hpc", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd or REPO,
+        timeout=timeout,
+        **kw,
+    )

@@ -1,0 +1,179 @@
+"""``gyre-hpc run``: real MPI ranks under mpirun on this machine, end to end."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, gyre
+
+from gyre_hpc.observability.events import read_events
+from gyre_hpc.recipe import load_recipe
+from gyre_hpc.rundir import RunDir
+
+pytestmark = pytest.mark.mpi
+SMOKE = str(REPO / "recipes" / "smoke.toml")
+ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
+def only_run(runs: Path) -> RunDir:
+    (path,) = runs.iterdir()
+    return RunDir(path)
+
+
+def kinds(run: RunDir) -> list[str]:
+    return [e["event"] for e in read_events(run.events)]
+
+
+def processes_of(run: RunDir) -> list[int]:
+    """Live processes whose command line names this run directory (mpirun and every rank)."""
+    needle = str(run.path).encode()
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and needle in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_smoke_run_brings_up_the_world_and_exits_0(tmp_path: Path) -> None:
+    proc = gyre("run", SMOKE, "--set", f"run.runs_dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr
+    assert "run completed" in proc.stderr
+    run = only_run(tmp_path)
+    events = read_events(run.events)
+    world = next(e for e in events if e["event"] == "world_up")
+    assert (world["size"], world["launcher"]) == (3, "mpirun")
+    assert sorted(e["cell"] for e in events if e["event"] == "hello") == [0, 1]
+    switched = {e["cell"]: e["role"] for e in events if e["event"] == "role_switched"}
+    assert switched == {0: "sampling", 1: "sampling"}  # colocate starts with every cell sampling
+    assert [e["step"] for e in events if e["event"] == "step"] == [1, 2, 3]
+    assert kinds(run)[-2:] == ["shutdown", "run_end"] and events[-1]["status"] == "completed"
+    assert [r["rank"] for r in run.read_ranks()] == [0, 1, 2]
+    assert load_recipe(run.recipe_path) == load_recipe(SMOKE, [f"run.runs_dir={tmp_path}"])
+    assert processes_of(run) == []
+
+
+def test_multi_rank_cells_pool_and_async_roles(tmp_path: Path) -> None:
+    proc = gyre(
+        "run",
+        SMOKE,
+        "--set",
+        f"run.runs_dir={tmp_path}",
+        "--set",
+        "cells.ranks_per_cell=2",
+        "--set",
+        "cells.rollout_pool=1",
+        "--set",
+        "scheduler.mode=async",
+        "--set",
+        "run.steps=1",
+    )
+    assert proc.returncode == 0, proc.stderr
+    run = only_run(tmp_path)
+    events = read_events(run.events)
+    assert next(e for e in events if e["event"] == "world_up")["size"] == 6
+    hellos = {e["cell"]: (e["rank"], e["standalone"]) for e in events if e["event"] == "hello"}
+    assert hellos == {0: (1, False), 1: (3, False), 2: (5, True)}  # leaders only
+    switched = {e["cell"]: e["role"] for e in events if e["event"] == "role_switched"}
+    assert switched == {0: "training", 1: "sampling", 2: "sampling"}
+    assert sorted((r["rank"], r["cell"]) for r in run.read_ranks()) == [
+        (0, None),
+        (1, 0),
+        (2, 0),
+        (3, 1),
+        (4, 1),
+        (5, 2),
+    ]
+
+
+def start_long_run(tmp_path: Path) -> tuple[subprocess.Popen[str], RunDir]:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gyre_hpc",
+            "run",
+            SMOKE,
+            "--set",
+            f"run.runs_dir={tmp_path}",
+            "--set",
+            "run.steps=100000",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for(lambda: any(tmp_path.iterdir()), 30, "the run directory")
+    run = only_run(tmp_path)
+    wait_for(lambda: "step" in kinds(run), 60, "the first step")
+    return proc, run
+
+
+def test_killing_a_cell_rank_fails_the_run_cleanly(tmp_path: Path) -> None:
+    proc, run = start_long_run(tmp_path)
+    cell_rank = next(r for r in run.read_ranks() if r["rank"] == 2)
+    os.kill(cell_rank["pid"], signal.SIGKILL)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1
+    assert "run failed: rank 2 (cell 1) died:" in err and "exited on signal 9" in err
+    end = read_events(run.events)[-1]
+    assert (end["event"], end["status"]) == ("run_end", "failed")
+    assert processes_of(run) == []
+
+
+def test_ctrl_c_stops_every_rank_and_records_the_interrupt(tmp_path: Path) -> None:
+    proc, run = start_long_run(tmp_path)
+    started = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert time.monotonic() - started < 10
+    assert proc.returncode == 130 and "run interrupted" in err
+    end = read_events(run.events)[-1]
+    assert (end["event"], end["status"]) == ("run_end", "interrupted")
+    assert processes_of(run) == []
+
+
+@pytest.mark.parametrize(
+    ("launcher_env", "message"),
+    [
+        ({}, "MPI world has 1 rank but the recipe needs 3 (1 controller + 2 cells × 1 ranks)"),
+        (
+            {"SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "3"},
+            "MPI world has 1 rank but slurm started 3 tasks — srun's --mpi plugin does not match",
+        ),
+    ],
+)
+def test_wrong_world_size_is_an_error_not_a_hang(
+    tmp_path: Path, launcher_env: dict[str, str], message: str
+) -> None:
+    """A rank started alone (or by srun with the wrong --mpi plugin) sees a size-1 world."""
+    run = RunDir.create(tmp_path, "alone")
+    run.write_recipe(load_recipe(SMOKE))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "SLURM_", "PMI"))}
+    proc = subprocess.run(
+        [sys.executable, "-m", "gyre_hpc.runtime", str(run.path)],
+        capture_output=True,
+        text=True,
+        env={**env, **ROOT_OK, **launcher_env},
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    failed = [e for e in read_events(run.events) if e["event"] == "rank_failed"]
+    assert len(failed) == 1 and message in failed[0]["error"]

@@ -1,0 +1,160 @@
+"""Recipes: every shipped file loads, the schema is snapshotted, mistakes are one clear line."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from conftest import REPO, gyre
+
+from gyre_hpc.errors import RecipeError
+from gyre_hpc.recipe import Recipe, load_recipe, to_toml
+from gyre_hpc.recipe.load import schema_lines
+
+RECIPES = sorted((REPO / "recipes").glob("*.toml"))
+SCHEMA_GOLDEN = Path(__file__).parent / "golden" / "recipe_schema.txt"
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_every_shipped_recipe_loads(path: Path) -> None:
+    recipe = load_recipe(path)
+    assert isinstance(recipe, Recipe)
+    assert load_recipe_text(to_toml(recipe), path.parent) == recipe  # show -> load is lossless
+
+
+def load_recipe_text(text: str, tmp: Path) -> Recipe:
+    p = tmp / ".roundtrip.toml"
+    try:
+        p.write_text(text)
+        return load_recipe(p)
+    finally:
+        p.unlink(missing_ok=True)
+
+
+def test_shipped_recipes_cover_smoke_and_a_cluster() -> None:
+    smoke = load_recipe(REPO / "recipes" / "smoke.toml")
+    assert (smoke.cells.count, smoke.cells.ranks_per_cell) == (2, 1)
+    clusters = [load_recipe(p) for p in RECIPES if load_recipe(p).engine.backend == "sglang"]
+    assert any(
+        r.cells.count == 8 and r.slurm.gpus_per_node == 8 and r.trainer.backend == "megatron"
+        for r in clusters
+    )
+
+
+def test_schema_snapshot() -> None:
+    """Adding or removing a recipe key must update tests/golden/recipe_schema.txt on purpose."""
+    current = "\n".join(schema_lines()) + "\n"
+    if os.environ.get("GYRE_UPDATE_GOLDEN"):
+        SCHEMA_GOLDEN.write_text(current)
+    assert current == SCHEMA_GOLDEN.read_text(), "recipe keys changed: rerun with GYRE_UPDATE_GOLDEN=1"
+
+
+def test_every_section_is_in_the_schema() -> None:
+    sections = {line.split(".")[0] for line in schema_lines()}
+    assert sections == {
+        "run",
+        "cells",
+        "scheduler",
+        "engine",
+        "trainer",
+        "transport",
+        "proxy",
+        "agent",
+        "tasks",
+        "trajectory",
+        "scoring",
+        "slurm",
+        "bench",
+    }
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "cells.cont=3",
+            "--set cells.cont=3: unknown key cells.cont (did you mean count?); valid keys of "
+            "[cells]: count = 2, ranks_per_cell = 1, capacity = 8,",
+        ),
+        ("cells.count=two", '--set cells.count=two: cells.count must be an integer, got "two"'),
+        ("cells.count=0", "--set cells.count=0: cells.count = 0 is out of range: must be >= 1"),
+        ("engine.top_p=1.5", "engine.top_p = 1.5 is out of range: must be <= 1.0"),
+        (
+            "scheduler.mode=elastc",
+            'scheduler.mode = "elastc" is not valid; valid values: "elastic", "async", "colocate"',
+        ),
+        ("bench.modes=['x']", 'bench.modes[0] = "x" is not valid'),
+        ("run.steps=true", "run.steps must be an integer, got true"),
+        ("cell.count=1", "unknown section [cell] (did you mean cells?); valid sections: run, cells,"),
+        ("cellscount", "expected section.key=value"),
+    ],
+)
+def test_override_errors_name_the_path_and_what_is_valid(override: str, message: str) -> None:
+    with pytest.raises(RecipeError) as err:
+        load_recipe(REPO / "recipes" / "smoke.toml", [override])
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_file_errors_name_the_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[cells]\ncount = 2\ncapacityy = 3\n")
+    with pytest.raises(
+        RecipeError, match=rf"^{bad}: unknown key cells.capacityy \(did you mean capacity\?\)"
+    ):
+        load_recipe(bad)
+    bad.write_text("[cells\n")
+    with pytest.raises(RecipeError, match="not valid TOML"):
+        load_recipe(bad)
+    bad.write_text("steps = 3\n")
+    with pytest.raises(RecipeError, match="top-level key 'steps' is not a \\[section\\]"):
+        load_recipe(bad)
+
+
+def test_overrides_apply_in_order_and_type_by_field() -> None:
+    r = load_recipe(
+        None,
+        [
+            "run.name=123",
+            "cells.count=3",
+            "cells.count=4",
+            "engine.temperature=1",
+            "slurm.setup=['module load x']",
+            'run.model="/m/q"',
+        ],
+    )
+    assert (r.run.name, r.cells.count, r.engine.temperature) == ("123", 4, 1.0)
+    assert r.slurm.setup == ["module load x"] and r.run.model == "/m/q"
+
+
+def test_cross_section_rules() -> None:
+    with pytest.raises(
+        RecipeError, match="cells.ranks_per_cell = 3 must be a multiple of slurm.nodes_per_cell = 2"
+    ):
+        load_recipe(None, ["cells.ranks_per_cell=3", "slurm.nodes_per_cell=2"])
+    with pytest.raises(RecipeError, match="leaves no cell sampling"):
+        load_recipe(None, ["scheduler.mode=async", "scheduler.async_train_cells=2", "cells.count=2"])
+
+
+def test_cli_errors_are_one_line_and_exit_2(tmp_path: Path) -> None:
+    proc = gyre("recipe", "check", "recipes/smoke.toml", "--set", "scheduler.mode=fast")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+    assert 'scheduler.mode = "fast" is not valid; valid values: "elastic", "async", "colocate"' in proc.stderr
+    for args in (
+        ["run", "missing.toml"],
+        ["submit", "missing.toml", "--dry-run"],
+        ["recipe", "show", "missing.toml"],
+    ):
+        proc = gyre(*args)
+        assert (proc.returncode, proc.stderr.strip()) == (2, "error: missing.toml: no such recipe file"), args
+
+
+def test_cli_check_and_show() -> None:
+    proc = gyre("recipe", "check", "recipes/smoke.toml")
+    assert proc.returncode == 0 and "recipes/smoke.toml: ok — colocate, 2 cells × 1 ranks" in proc.stdout
+    proc = gyre("recipe", "show", "recipes/smoke.toml", "--set", "cells.count=5", "--no-docs")
+    assert proc.returncode == 0
+    assert "[cells]\ncount = 5\nranks_per_cell = 1" in proc.stdout
+    assert "[bench]" in proc.stdout  # every section, defaults filled in

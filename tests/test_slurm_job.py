@@ -1,0 +1,83 @@
+"""``gyre-hpc submit``: the same world as ONE heterogeneous job on a real (local) Slurm."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, gyre
+
+from gyre_hpc.launch.slurm import JobState, job_state
+from gyre_hpc.observability.events import read_events
+from gyre_hpc.rundir import RunDir
+
+pytestmark = [pytest.mark.slurm, pytest.mark.mpi]
+SMOKE = str(REPO / "recipes" / "smoke.toml")
+
+
+def submit(tmp_path: Path, *sets: str) -> tuple[str, RunDir]:
+    args = ["submit", SMOKE, "--set", f"run.runs_dir={tmp_path}"]
+    for s in sets:
+        args += ["--set", s]
+    proc = gyre(*args)
+    assert proc.returncode == 0, proc.stderr
+    job_id = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    run_dir = re.search(r"run directory: (\S+)", proc.stdout).group(1)
+    return job_id, RunDir(Path(run_dir))
+
+
+def wait_for_event(run: RunDir, kind: str, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [e for e in read_events(run.events) if e["event"] == kind]
+        if found:
+            return found[-1]
+        time.sleep(0.25)
+    raise AssertionError(
+        f"no {kind} event in {timeout} s; log: {(run.logs / 'slurm.out').read_text()[-2000:]}"
+    )
+
+
+def wait_for_state(job_id: str, expected: str, timeout: float = 60) -> JobState:
+    """Accounting lags the job a little: poll until sacct agrees."""
+    deadline = time.monotonic() + timeout
+    while (state := job_state(job_id)).state != expected:
+        assert time.monotonic() < deadline, f"job {job_id} is {state}, expected {expected}"
+        time.sleep(0.5)
+    return state
+
+
+def test_submit_runs_one_het_world_to_completed(tmp_path: Path) -> None:
+    job_id, run = submit(tmp_path)
+    assert run.read_job()["job_id"] == job_id
+    end = wait_for_event(run, "run_end")
+    assert end["status"] == "completed", end
+    events = read_events(run.events)
+    world = next(e for e in events if e["event"] == "world_up")
+    assert (world["size"], world["launcher"], world["job_id"]) == (3, "slurm", job_id)
+    ranks = {r["rank"]: r for r in run.read_ranks()}
+    hello_hosts = {e["cell"]: e["host"] for e in events if e["event"] == "hello"}
+    # One MPI_COMM_WORLD spans the components: the controller and each cell on its own emulated node.
+    assert len({ranks[0]["host"], *hello_hosts.values()}) == 3
+    assert {e["cell"]: e["role"] for e in events if e["event"] == "role_switched"} == {
+        0: "sampling",
+        1: "sampling",
+    }
+    state = wait_for_state(job_id, "COMPLETED")
+    assert state.components == {f"{job_id}+0": "COMPLETED", f"{job_id}+1": "COMPLETED"}
+    for target in (str(run.path), job_id):
+        proc = gyre("status", target, "--once", "--runs-dir", str(tmp_path))
+        assert proc.returncode == 0, proc.stderr
+        assert f"slurm job {job_id}: COMPLETED" in proc.stdout and "run: completed · step 3/3" in proc.stdout
+
+
+def test_cancel_interrupts_the_job_and_records_it(tmp_path: Path) -> None:
+    job_id, run = submit(tmp_path, "run.steps=100000")
+    wait_for_event(run, "step")
+    proc = gyre("cancel", str(run.path))
+    assert proc.returncode == 0 and f"cancelled job {job_id}" in proc.stdout
+    end = wait_for_event(run, "run_end", timeout=60)
+    assert end["status"] == "interrupted"
+    wait_for_state(job_id, "CANCELLED")

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Set up everything, start a local Slurm (munge, slurmdbd, slurmctld, 3 emulated nodes), and run
+# the whole test suite. Idempotent. CI runs exactly this; extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash tools/setup.sh --test
+bash tools/local_slurm.sh start
+# Here the mpi and slurm tests must run: a missing launcher is an error, not a skip.
+export GYRE_REQUIRE="${GYRE_REQUIRE-mpi,slurm}"
+exec .venv/bin/python -m pytest "$@"

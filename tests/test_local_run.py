@@ -137,10 +137,11 @@ def test_killing_a_cell_rank_fails_the_run_cleanly(tmp_path: Path) -> None:
     assert processes_of(run) == []
 
 
-def test_ctrl_c_stops_every_rank_and_records_the_interrupt(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_interrupt_stops_every_rank_and_is_recorded(tmp_path: Path, signum: int) -> None:
     proc, run = start_long_run(tmp_path)
     started = time.monotonic()
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=30)
     assert time.monotonic() - started < 10
     assert proc.returncode == 130 and "run interrupted" in err

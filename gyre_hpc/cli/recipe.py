@@ -27,7 +27,10 @@ def load(path: Path, sets: list[str] | None) -> Recipe:
 
 @app.command()
 def check(recipe: RecipeArg, set_: SetOption = None) -> None:
-    """Validate a recipe; prints one line, exit code 2 on the first error."""
+    """Validate a recipe; prints one line, exit code 2 on the first error.
+
+    Example: `gyre-hpc recipe check recipes/smoke.toml --set cells.count=4`
+    """
     r = load(recipe, set_)
     cells = r.cells
     typer.echo(

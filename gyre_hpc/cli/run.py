@@ -24,7 +24,14 @@ EXIT = {"completed": 0, "failed": 1, "interrupted": 130}
 
 
 def run(recipe: RecipeArg, set_: SetOption = None) -> None:
-    """Run a recipe locally: 1 controller + the recipe's cells as MPI ranks on this machine."""
+    """Run a recipe locally: 1 controller + the recipe's cells as MPI ranks on this machine.
+
+    Writes `runs/<name>-<time>/` (resolved recipe, events.jsonl, logs) and shows progress.
+    Exit code 0 when the run completes, 1 when a rank fails (its message is printed),
+    130 when interrupted (Ctrl-C or SIGTERM stop every rank within seconds).
+
+    Example: `gyre-hpc run recipes/smoke.toml --set cells.count=3 --set scheduler.mode=async`
+    """
     r = load(recipe, set_)
     layout = Layout.from_config(r.cells)
     run_dir = RunDir.create(r.run.runs_dir, r.run.name)

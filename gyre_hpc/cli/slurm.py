@@ -26,7 +26,14 @@ def submit(
         bool, typer.Option("--dry-run", help="Print the sbatch script; submit nothing.")
     ] = False,
 ) -> None:
-    """Submit a recipe as ONE heterogeneous sbatch job: controller + cells in one MPI world."""
+    """Submit a recipe as ONE heterogeneous sbatch job: controller + cells in one MPI world.
+
+    Component 0 runs the controller (1 task), component 1 the cells, component 2 the optional
+    rollout pool; `srun --mpi=pmix --het-group=0,1[,2]` starts them as one MPI world.
+    Prints the job id and the run directory; --dry-run prints the script instead.
+
+    Example: `gyre-hpc submit recipes/qwen3-8b-8cells.toml --set slurm.partition=h100 --dry-run`
+    """
     r = load(recipe, set_)
     layout = Layout.from_config(r.cells)
     python = r.slurm.python or sys.executable

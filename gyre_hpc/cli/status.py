@@ -50,7 +50,13 @@ def status(
     runs_dir: Annotated[Path, typer.Option(help="Where to look for runs.")] = Path("runs"),
     interval: Annotated[float, typer.Option(help="Seconds between refreshes.", min=0.1)] = 1.0,
 ) -> None:
-    """Show a run: job state, cells and their roles, steps, recent events."""
+    """Show a run: job state, cells and their roles, steps, recent events.
+
+    Reads only the run directory (and sacct/squeue), so it works from a login node and on
+    finished runs. Without --once it refreshes until the run ends.
+
+    Examples: `gyre-hpc status --once`, `gyre-hpc status runs/smoke-20261130-120000`, `gyre-hpc status 4242`
+    """
     run_dir, job_id = resolve(target, runs_dir)
     watcher = slurm.HetJobWatcher(delay_s=30)
 

@@ -4,9 +4,11 @@
 runs/<name>-<YYYYmmdd-HHMMSS>/
   recipe.toml     the resolved recipe (every key, documented)
   events.jsonl    what happened, one JSON record per line (observability.events)
+  tito.bin        every model call's exact token ids, delta-encoded (trajectory.codec)
   job.json        how it was launched: local mpirun or the Slurm job id
   logs/           mpirun.log or slurm-<job>.out, rank-<N>.log
-  ranks/          rank-<N>.json: pid, host, role of every rank (written when it starts)
+  ranks/          rank-<N>.json: pid, host, role of every rank (written when it starts);
+                  rank-<N>.exit: its exit code (written as it ends)
 ```
 
 ``status`` and later ``bench`` and plots read only this directory, never a live process.
@@ -54,6 +56,11 @@ class RunDir:
         return self.path / "events.jsonl"
 
     @property
+    def tito_log(self) -> Path:
+        """Every model call of every execution, as checksummed encoded records (trajectory.codec)."""
+        return self.path / "tito.bin"
+
+    @property
     def logs(self) -> Path:
         return self.path / "logs"
 
@@ -82,6 +89,10 @@ class RunDir:
 
     def write_rank(self, rank: int, **info: Any) -> None:
         (self.ranks / f"rank-{rank}.json").write_text(json.dumps({"rank": rank, **info}) + "\n")
+
+    def write_exit(self, rank: int, code: int) -> None:
+        """A rank's exit code, left as it ends (the sbatch script watches for these)."""
+        (self.ranks / f"rank-{rank}.exit").write_text(f"{code}\n")
 
     def read_ranks(self) -> list[dict[str, Any]]:
         out = []

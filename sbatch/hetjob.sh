@@ -16,25 +16,27 @@ interrupted=""
 trap 'interrupted=interrupted; kill -TERM "$srun_pid" 2>/dev/null' TERM INT
 trap 'kill -USR2 "$srun_pid" 2>/dev/null' USR2
 
-step_running() { squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null | grep -q "^$SLURM_JOB_ID\.0$"; }
-step_rc() {  # the highest exit code of the MPI step's components, from accounting
-  sacct -n -P -j "$SLURM_JOB_ID" -o JobID,ExitCode 2>/dev/null |
-    awk -F'[|:]' '$1 ~ /\.0$/ && $2 > rc { rc = $2 } END { print rc + 0 }'
-}
-
+rm -f "$RUN_DIR"/ranks/*.exit   # each rank leaves its exit code here (a requeue starts afresh)
 srun --mpi=@{mpi} --het-group=@{het_groups} --kill-on-bad-exit=1 \
   "$PYTHON" -m gyre_hpc.runtime "$RUN_DIR" &
 srun_pid=$!
 # Slurm 22.05's pmix plugin can leave srun hanging after every task of a het step has exited
-# (it never joins its abort agent). Once Slurm reports the step gone and srun is still here
-# after a grace period, stop srun and take the tasks' exit codes from accounting.
-rc="" seen=0 overdue=0
+# (it never joins its abort agent). Once every rank has left its exit code and srun is still
+# here after a grace period, stop srun and take the highest of those codes.
+# Interrupted, the same hang must not outlast KillWait, after which Slurm kills this script
+# before it could record how the run ended.
+rc="" overdue=0 waited=0
 while kill -0 "$srun_pid" 2>/dev/null; do
-  sleep 2
-  if step_running; then seen=1; overdue=0
-  elif [ "$seen" = 1 ] && [ -z "$interrupted" ] && [ $((overdue += 2)) -ge @{srun_grace_s} ]; then
-    echo "gyre-hpc: srun outlived its step by ${overdue}s; stopping it" >&2
-    kill -KILL "$srun_pid"; rc=$(step_rc); break
+  sleep 1
+  if [ -n "$interrupted" ]; then
+    [ $((waited += 1)) -lt 3 ] || { kill -KILL "$srun_pid"; break; }
+    continue
+  fi
+  exited=$(find "$RUN_DIR/ranks" -name '*.exit' 2>/dev/null | wc -l)
+  if [ "$exited" -ge @{world_size} ] && [ $((overdue += 1)) -ge @{srun_grace_s} ]; then
+    echo "gyre-hpc: srun outlived every rank by ${overdue}s; stopping it" >&2
+    kill -KILL "$srun_pid"; wait "$srun_pid" 2>/dev/null
+    rc=$(cat "$RUN_DIR"/ranks/*.exit | sort -n | tail -n 1); break
   fi
 done
 [ -n "$rc" ] || { wait "$srun_pid"; rc=$?; }

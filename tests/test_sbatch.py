@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -45,3 +48,38 @@ def test_dry_run_submits_nothing(tmp_path: Path) -> None:
     proc = gyre("submit", str(REPO / "recipes" / "smoke.toml"), "--dry-run", cwd=tmp_path)
     assert proc.returncode == 0 and proc.stdout.startswith("#!/bin/bash")
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_script_stops_an_srun_that_outlives_every_rank(tmp_path: Path) -> None:
+    """Slurm 22.05 + pmix sometimes leaves srun hanging after all tasks exited: the script must not."""
+    from gyre_hpc.observability.events import read_events
+    from gyre_hpc.rundir import RunDir
+
+    run = RunDir.create(tmp_path, "hang")
+    r = load_recipe(REPO / "recipes" / "smoke.toml")
+    script = tmp_path / "job.sh"
+    script.write_text(
+        render_sbatch(
+            r.slurm, Layout.from_config(r.cells), job_name="hang", run_dir=run.path, python=sys.executable
+        )
+    )
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake_srun = bin_dir / "srun"  # the subprocess boundary: every rank ends, srun never returns
+    fake_srun.write_text(
+        f"#!/bin/bash\nfor r in 0 1 2; do echo 0 > {run.ranks}/rank-$r.exit; done\nexec sleep 600\n"
+    )
+    fake_srun.chmod(0o755)
+    started = time.monotonic()
+    proc = subprocess.run(
+        ["bash", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - started < 30
+    assert "srun outlived every rank" in proc.stderr
+    assert read_events(run.events)[-1]["status"] == "completed"

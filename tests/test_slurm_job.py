@@ -41,9 +41,9 @@ def wait_for_event(run: RunDir, kind: str, timeout: float = 120) -> dict:
 
 
 def wait_for_state(job_id: str, expected: str, timeout: float = 60) -> JobState:
-    """Accounting lags the job a little: poll until sacct agrees."""
+    """Accounting lags the job by a second or so, and lists a het job's components late."""
     deadline = time.monotonic() + timeout
-    while (state := job_state(job_id)).state != expected:
+    while (state := job_state(job_id)).state != expected or len(state.components) < 2:
         assert time.monotonic() < deadline, f"job {job_id} is {state}, expected {expected}"
         time.sleep(0.5)
     return state

@@ -41,19 +41,27 @@ def test_combine(states: list[str], combined: str) -> None:
     assert combine(states) == combined
 
 
-def test_squeue_fallback_without_accounting(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_squeue_is_trusted_while_the_job_is_queued(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
 
     def fake(args: list[str]) -> str:  # the one subprocess boundary
         calls.append(args[0])
-        return "7+0|RUNNING\n7+1|PENDING\n"
+        return "0|RUNNING|\n1|PENDING|\n"  # squeue -O HetJobOffset:|,State:
 
     monkeypatch.setattr(slurm, "_slurm", fake)
     watcher = HetJobWatcher(delay_s=0)
-    monkeypatch.setattr(watcher, "get_info", lambda job_id, mode="standard": {})  # sacct had nothing
+    monkeypatch.setattr(watcher, "get_info", lambda job_id, mode="standard": {"State": "PENDING"})  # lagging
     state = slurm.job_state("7", watcher)
     assert (state.state, state.components, state.source) == (
         "RUNNING",
         {"7+0": "RUNNING", "7+1": "PENDING"},
         "squeue",
     )
+
+
+def test_sacct_once_the_job_left_the_queue(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(slurm, "_slurm", lambda args: "")  # squeue: gone
+    watcher = HetJobWatcher(delay_s=0)
+    monkeypatch.setattr(watcher, "get_info", lambda job_id, mode="standard": watcher.read_info(SACCT)[job_id])
+    state = slurm.job_state("12", watcher)
+    assert (state.state, state.source) == ("FAILED", "sacct")

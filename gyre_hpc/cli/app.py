@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 
 from gyre_hpc import __version__
-from gyre_hpc.cli import recipe, run, slurm, status
+from gyre_hpc.cli import recipe, run, slurm, status, traj
 from gyre_hpc.errors import GyreError
 
 app = typer.Typer(
@@ -29,6 +29,7 @@ app.command()(slurm.submit)
 app.command()(status.status)
 app.command()(slurm.cancel)
 app.add_typer(recipe.app, name="recipe")
+app.add_typer(traj.app, name="traj")
 
 
 def _print_version(value: bool) -> None:

@@ -23,7 +23,7 @@ from gyre_hpc.recipe.schema import SlurmConfig
 from gyre_hpc.runtime.world import Layout
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "sbatch" / "hetjob.sh"
-SRUN_GRACE_S = 10  # how long srun may outlive its step before the script stops it
+SRUN_GRACE_S = 10  # how long srun may outlive every rank before the script stops it
 
 
 class _Template(string.Template):
@@ -70,6 +70,7 @@ def render_sbatch(
         mpi=slurm.mpi,
         het_groups=",".join(str(i) for i in range(len(components))),
         srun_grace_s=SRUN_GRACE_S,
+        world_size=layout.world_size,
     )
 
 

@@ -96,21 +96,28 @@ class HetJobWatcher(SlurmInfoWatcher):
 
 
 def job_state(job_id: str, watcher: HetJobWatcher | None = None, mode: str = "force") -> JobState:
-    """The job's state from sacct (through the watcher's cache and back-off), else from squeue."""
-    watcher = watcher or HetJobWatcher(delay_s=60)
-    stats: dict[str, Any] = watcher.get_info(job_id, mode=mode)
+    """squeue while the job is in the queue (the controller's live view), then sacct.
+
+    Accounting lags and, for a het job, first lists it as plain ``N`` before its components
+    appear: it is only trusted once the job has left the queue.
+    """
+    live = _squeue_state(job_id)
+    if live.state != "UNKNOWN":
+        return live
+    stats: dict[str, Any] = (watcher or HetJobWatcher(delay_s=60)).get_info(job_id, mode=mode)
     if stats.get("State"):
         return JobState(job_id, stats["State"].split()[0], dict(stats.get("Components", {})))
-    return _squeue_state(job_id)
+    return live
 
 
 def _squeue_state(job_id: str) -> JobState:
     try:
-        out = _slurm(["squeue", "-h", "-j", job_id, "-o", "%i|%T"])
+        out = _slurm(["squeue", "-h", "-j", job_id, "-O", "HetJobOffset:|,State:"])
     except LaunchError:
         return JobState(job_id, "UNKNOWN", source="squeue")
-    comps = dict(line.split("|", 1) for line in out.splitlines() if "|" in line)
-    if not comps:
+    rows = [line.split("|")[:2] for line in out.splitlines() if "|" in line]
+    if not rows:
         return JobState(job_id, "UNKNOWN", source="squeue")  # gone from the queue, no accounting
-    het = {k: v for k, v in comps.items() if "+" in k}
-    return JobState(job_id, combine(list(het.values()) or list(comps.values())), het, source="squeue")
+    states = [state.strip() for _, state in rows]
+    het = {f"{job_id}+{offset.strip()}": state.strip() for offset, state in rows if offset.strip().isdigit()}
+    return JobState(job_id, combine(states), het, source="squeue")

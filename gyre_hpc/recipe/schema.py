@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gyre_hpc.errors import RecipeError
+from gyre_hpc.trajectory.records import ROLE_PRIORITY
 
 Mode = Literal["elastic", "async", "colocate"]
-ROLE_PRIORITY = ["main", "main-summary", "sub-agent", "sub-agent-summary"]
 
 
 def knob(default: Any, doc: str, *, min: float | None = None, max: float | None = None) -> Any:
@@ -155,7 +155,7 @@ class TrajectoryConfig:
     """How TITO records become training sequences."""
 
     jmax: int = knob(8, "Paths selected per run at most.", min=1)
-    priority: list[str] = knob(ROLE_PRIORITY, "Role classes in selection priority order.")
+    priority: list[str] = knob(list(ROLE_PRIORITY), "Role classes in selection priority order.")
     std_normalize: bool = knob(False, "Divide group-relative advantages by the group's std.")
 
 

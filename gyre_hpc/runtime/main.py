@@ -73,18 +73,15 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("rank %d interrupted by %s", rank, sig)
         if world is not None and world.is_controller:
             events.emit("interrupted", rank=rank, signal=str(sig))
+        run_dir.write_exit(rank, 128 + sig.signum)
         return 128 + sig.signum
     except Exception as err:
         log.exception("rank %d failed", rank)
         cell = world.unit if world is not None else None
-        events.emit(
-            "rank_failed",
-            rank=rank,
-            task=env.rank,
-            cell=cell,
-            host=env.node_name,
-            error=f"{type(err).__name__}: {err}",
-        )
+        error = f"{type(err).__name__}: {err}"
+        events.emit("rank_failed", rank=rank, task=env.rank, cell=cell, host=env.node_name, error=error)
         print(f"gyre-hpc: rank {rank} failed: {err}", file=sys.stderr, flush=True)
+        run_dir.write_exit(rank, 1)
         comm.Abort(1)
+    run_dir.write_exit(rank, 0)
     return 0

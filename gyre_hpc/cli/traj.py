@@ -1,0 +1,100 @@
+"""``gyre-hpc traj show RUN_DIR``: the trajectory trees of a run's executions."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.tree import Tree
+
+from gyre_hpc.errors import GyreError
+from gyre_hpc.recipe.schema import RunConfig, TrajectoryConfig
+from gyre_hpc.rundir import RunDir
+from gyre_hpc.trajectory import TrajectoryTree, select_paths
+from gyre_hpc.trajectory.codec import by_run, read_records
+from gyre_hpc.trajectory.view import Segment, outline
+
+app = typer.Typer(help="Inspect trajectory trees.", no_args_is_help=True)
+
+
+@app.command()
+def show(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory (holds tito.bin).", show_default=False)],
+    run: Annotated[str | None, typer.Option("--run", help="Only this execution (run id).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a tree.")] = False,
+) -> None:
+    """Show each execution's trajectory tree: roles, token and trainable counts, selected paths.
+
+    Chains of calls that only extend each other are collapsed into one line. Selection uses the
+    run's recipe (`trajectory.jmax`, `trajectory.priority`, `run.seed`).
+
+    Example: `gyre-hpc traj show runs/smoke-20261130-120000 --run smoke-p0-g1`
+    """
+    rd = RunDir(run_dir)
+    if not rd.tito_log.exists():
+        raise GyreError(
+            f"{run_dir} has no TITO log ({rd.tito_log.name}): not a run directory, or no calls yet"
+        )
+    read = read_records(rd.tito_log)
+    traj, seed = (TrajectoryConfig(), RunConfig().seed)
+    if rd.recipe_path.exists():
+        recipe = rd.read_recipe()
+        traj, seed = recipe.trajectory, recipe.run.seed
+    runs = dict(by_run(read.records))
+    if run is not None:
+        if run not in runs:
+            raise GyreError(f"no run {run!r} in {rd.tito_log}; runs: {', '.join(sorted(runs)[:20])}")
+        runs = {run: runs[run]}
+    result = []
+    for run_id, encoded in runs.items():
+        tree = TrajectoryTree.from_encoded(encoded)
+        chosen = select_paths(
+            tree, jmax=traj.jmax, rng=random.Random(f"{seed}:{run_id}"), priority=traj.priority
+        )
+        result.append((run_id, tree, outline(tree, chosen)))
+    if as_json:
+        typer.echo(
+            json.dumps(
+                [
+                    {
+                        "run": r,
+                        "calls": t.num_records,
+                        "unique_tokens": t.num_unique_tokens,
+                        "record_tokens": t.num_record_tokens,
+                        "trainable_tokens": t.num_trainable_tokens,
+                        "segments": [s.to_dict() for s in segs],
+                    }
+                    for r, t, segs in result
+                ],
+                indent=1,
+            )
+        )
+        return
+    console = Console()
+    for run_id, tree, segments in result:
+        root = Tree(
+            f"[bold]{run_id}[/] · {tree.num_records} calls · {tree.num_unique_tokens:,} unique tokens "
+            f"({tree.num_record_tokens:,} sent) · {tree.num_trainable_tokens:,} trainable"
+        )
+        for seg in segments:
+            _add(root, seg)
+        console.print(root)
+    if read.torn_bytes:
+        console.print(f"[yellow]{read.torn_bytes} bytes of a torn last record were ignored[/]")
+
+
+def _add(parent: Tree, seg: Segment) -> None:
+    calls = ", ".join(f"{role} ×{n}" for role, n in seg.calls.items()) or "no call ends here"
+    span = f"[{seg.depth_start:,}–{seg.depth_end:,})"
+    label = f"{seg.tokens:,} tokens {span} · {seg.trainable:,} trainable · {calls}"
+    if seg.leaf_role:
+        label += f" · [bold]leaf {seg.leaf_role}[/]"
+    for order, loss_tokens in seg.selected:
+        label += f" · [green]selected #{order} ({loss_tokens:,} loss tokens)[/]"
+    node = parent.add(label)
+    for child in seg.children:
+        _add(node, child)

@@ -1,0 +1,1 @@
+"""Policy losses as pure torch functions."""

@@ -1,0 +1,14 @@
+"""Scoring finished, timed-out and crashed executions on the artifacts they left."""
+
+from gyre_hpc.scoring.contract import EvaluationError, NoArtifact, RunArtifacts, Scorer
+from gyre_hpc.scoring.runner import ScoreResult, ScoringRunner, load_scorer
+
+__all__ = [
+    "EvaluationError",
+    "NoArtifact",
+    "RunArtifacts",
+    "ScoreResult",
+    "Scorer",
+    "ScoringRunner",
+    "load_scorer",
+]

@@ -1,0 +1,146 @@
+"""Built-in scorers: the fraction of hidden tests passing, and rule-based milestones."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from gyre_hpc.recipe.schema import ScoringConfig
+from gyre_hpc.scoring.contract import EvaluationError, RunArtifacts, Scorer
+
+# The agent's code runs here: keep the evaluation's environment small and predictable.
+_ENV_KEEP = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR")
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if k in _ENV_KEEP}, **extra}
+
+
+class HiddenTestsScorer:
+    """Copies the workspace and the task's hidden tests aside, runs pytest, returns passed/total.
+
+    ``task["hidden_tests"]``: a directory of test files. ``task["hidden_test_count"]`` (optional):
+    the number of tests, so that a test file that cannot even be imported still counts fully.
+    """
+
+    def __init__(self, config: ScoringConfig) -> None:
+        self.timeout_s = config.timeout_s
+
+    def score(self, artifacts: RunArtifacts) -> float:
+        hidden = Path(artifacts.task.get("hidden_tests", ""))
+        if not hidden.is_dir():
+            raise EvaluationError(f"task has no hidden tests directory ({hidden})")
+        with tempfile.TemporaryDirectory(prefix="gyre-score-") as tmp:
+            work = Path(tmp) / "workspace"
+            shutil.copytree(artifacts.workspace, work, symlinks=True)
+            shutil.copytree(hidden, work / "_hidden_tests")
+            report = Path(tmp) / "report.xml"
+            cmd = [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "--continue-on-collection-errors",
+                f"--junitxml={report}",
+                "_hidden_tests",
+            ]
+            try:
+                proc = subprocess.run(
+                    cmd,
+                    cwd=work,
+                    capture_output=True,
+                    text=True,
+                    timeout=self.timeout_s,
+                    env=_clean_env(PYTHONPATH=str(work), PYTHONDONTWRITEBYTECODE="1"),
+                )
+            except subprocess.TimeoutExpired:
+                raise EvaluationError(f"hidden tests ran over {self.timeout_s:g} s") from None
+            if proc.returncode not in (0, 1) or not report.exists():
+                raise EvaluationError(
+                    f"pytest exited {proc.returncode}: {proc.stdout[-300:]}{proc.stderr[-300:]}"
+                )
+            passed, total = _junit_counts(report)
+        total = max(total, int(artifacts.task.get("hidden_test_count", 0)))
+        if total == 0:
+            raise EvaluationError("no hidden tests were collected")
+        return passed / total
+
+
+def _junit_counts(report: Path) -> tuple[int, int]:
+    root = ET.parse(report).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    total = sum(int(s.get("tests", 0)) for s in suites)
+    bad = sum(int(s.get("failures", 0)) + int(s.get("errors", 0)) + int(s.get("skipped", 0)) for s in suites)
+    return total - bad, total
+
+
+class MilestonesScorer:
+    """Weighted fraction of ``task["milestones"]`` reached in the workspace's end state.
+
+    Each milestone is ``{"weight": w, <check>}`` with one check: ``"file_exists": path``,
+    ``"file_contains": [path, text]`` or ``"command": shell`` (reached when it exits 0).
+    """
+
+    def __init__(self, config: ScoringConfig) -> None:
+        self.timeout_s = config.timeout_s
+
+    def score(self, artifacts: RunArtifacts) -> float:
+        milestones = artifacts.task.get("milestones")
+        if not milestones:
+            raise EvaluationError("task has no milestones")
+        total = reached = 0.0
+        for m in milestones:
+            weight = float(m.get("weight", 1.0))
+            total += weight
+            reached += weight * self._reached(m, artifacts.workspace)
+        return reached / total
+
+    def _reached(self, milestone: Mapping[str, Any], ws: Path) -> bool:
+        checks: dict[str, Callable[[Any], bool]] = {
+            "file_exists": lambda p: _inside(ws, p).exists(),
+            "file_contains": lambda a: (
+                _inside(ws, a[0]).is_file() and a[1] in _inside(ws, a[0]).read_text(errors="replace")
+            ),
+            "command": lambda c: self._command_ok(c, ws),
+        }
+        kinds = [k for k in checks if k in milestone]
+        if len(kinds) != 1:
+            raise EvaluationError(f"milestone {milestone} needs exactly one of {', '.join(checks)}")
+        return bool(checks[kinds[0]](milestone[kinds[0]]))
+
+    def _command_ok(self, command: str, ws: Path) -> bool:
+        try:
+            return (
+                subprocess.run(
+                    ["bash", "-c", command],
+                    cwd=ws,
+                    capture_output=True,
+                    timeout=self.timeout_s,
+                    env=_clean_env(),
+                ).returncode
+                == 0
+            )
+        except subprocess.TimeoutExpired:
+            return False
+
+
+def _inside(ws: Path, rel: str) -> Path:
+    path = (ws / rel).resolve()
+    if not path.is_relative_to(ws.resolve()):
+        raise EvaluationError(f"milestone path {rel!r} leaves the workspace")
+    return path
+
+
+BUILTIN: dict[str, Callable[[ScoringConfig], Scorer]] = {
+    "hidden-tests": HiddenTestsScorer,
+    "milestones": MilestonesScorer,
+}

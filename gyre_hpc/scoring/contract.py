@@ -1,0 +1,36 @@
+"""What a scorer is given and what it may answer.
+
+A scorer looks only at what a run left behind (its workspace) and the task; never at its
+length, its transcript or whether it finished. It returns a reward in [0, 1], or raises
+``EvaluationError`` when the *evaluation* failed (retried; not a legitimate 0), or
+``NoArtifact`` when there is nothing to evaluate at all (an infrastructure failure).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+Status = Literal["finished", "timed_out", "crashed"]
+
+
+@dataclass(frozen=True)
+class RunArtifacts:
+    run_id: str
+    workspace: Path
+    status: Status
+    task: Mapping[str, Any] = field(default_factory=dict)
+
+
+class EvaluationError(Exception):
+    """The evaluation could not be carried out (a broken harness, not a bad answer)."""
+
+
+class NoArtifact(Exception):
+    """The run left nothing to evaluate."""
+
+
+class Scorer(Protocol):
+    def score(self, artifacts: RunArtifacts) -> float: ...

@@ -1,0 +1,89 @@
+"""The scoring rules around any scorer (DESIGN.md §8, partial scoring).
+
+```
+ workspace missing / NoArtifact ──────────────▶ placeholder: reward 0, counts in its group, no tokens
+ score() ok ──▶ finished: scored │ timed_out/crashed: partial (scored on what it left)
+ EvaluationError ──▶ retry … up to max_retries ──▶ dropped from training (why is recorded)
+```
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Literal
+
+from gyre_hpc.errors import RecipeError
+from gyre_hpc.recipe.schema import ScoringConfig
+from gyre_hpc.scoring.contract import EvaluationError, NoArtifact, RunArtifacts, Scorer
+
+Kind = Literal["scored", "partial", "placeholder", "dropped"]
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    run_id: str
+    kind: Kind
+    reward: float | None
+    attempts: int
+    reason: str = ""
+
+    @property
+    def counts_in_group(self) -> bool:
+        """Dropped runs have no reward; every other run takes part in its group's statistics."""
+        return self.kind != "dropped"
+
+    @property
+    def trainable(self) -> bool:
+        """Only runs with a real evaluation contribute tokens."""
+        return self.kind in ("scored", "partial")
+
+
+class ScoringRunner:
+    def __init__(self, scorer: Scorer, max_retries: int) -> None:
+        self.scorer = scorer
+        self.max_retries = max_retries
+
+    def score(self, artifacts: RunArtifacts) -> ScoreResult:
+        attempts = 0
+        if not artifacts.workspace.is_dir():
+            return ScoreResult(
+                artifacts.run_id, "placeholder", 0.0, 0, f"no workspace at {artifacts.workspace}"
+            )
+        errors = []
+        while attempts <= self.max_retries:
+            attempts += 1
+            try:
+                reward = float(self.scorer.score(artifacts))
+            except NoArtifact as err:
+                return ScoreResult(artifacts.run_id, "placeholder", 0.0, attempts, f"no artifact: {err}")
+            except EvaluationError as err:
+                errors.append(str(err))
+                continue
+            if not 0.0 <= reward <= 1.0:
+                raise ValueError(f"{type(self.scorer).__name__} returned {reward}, outside [0, 1]")
+            kind: Kind = "scored" if artifacts.status == "finished" else "partial"
+            return ScoreResult(
+                artifacts.run_id, kind, reward, attempts, artifacts.status if kind == "partial" else ""
+            )
+        return ScoreResult(
+            artifacts.run_id, "dropped", None, attempts, f"evaluation failed {attempts} times: {errors[-1]}"
+        )
+
+
+def load_scorer(config: ScoringConfig) -> Scorer:
+    """A built-in scorer by name, or ``package.module:Class`` (constructed with the config)."""
+    from gyre_hpc.scoring.builtin import BUILTIN
+
+    name = config.scorer
+    if name in BUILTIN:
+        return BUILTIN[name](config)
+    module, _, attr = name.partition(":")
+    if not attr:
+        raise RecipeError(
+            f"scoring.scorer = {name!r} is neither a built-in ({', '.join(BUILTIN)}) nor package.module:Class"
+        )
+    try:
+        return getattr(importlib.import_module(module), attr)(config)
+    except (ImportError, AttributeError) as err:
+        raise RecipeError(f"scoring.scorer = {name!r} cannot be loaded: {err}") from None

@@ -1,0 +1,85 @@
+"""From selected paths and rewards to weighted training sequences packed into micro-steps.
+
+Advantages are group-relative over the runs of one prompt and inherited by every selected
+path of a run. The loss is the paper's two-level mean — mean over a run's selected trainable
+tokens, then mean over runs — written as per-token weights ``1/T_run`` and one ``1/R`` factor
+applied when the batch gradient is complete. A sum over any partition of the sequences into
+micro-steps, trained on any cells, then equals the unsplit loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from gyre_hpc.trajectory.select import SelectedPath
+
+
+def group_advantages(rewards: Sequence[float], std_normalize: bool = False, eps: float = 1e-6) -> list[float]:
+    """Mean-centred rewards of one prompt's group (optionally divided by the group's std)."""
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.size == 0:
+        return []
+    adv = r - r.mean()
+    if std_normalize:
+        adv = adv / (r.std() + eps)
+    return adv.tolist()
+
+
+@dataclass(frozen=True, eq=False)
+class TrainSequence:
+    run_id: str
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    behaviour_logprobs: np.ndarray
+    advantage: float
+    token_weight: float
+    """``1/T_run``: T_run = the run's selected trainable tokens over all its paths."""
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True)
+class Batch:
+    sequences: list[TrainSequence]
+    num_runs: int
+    """R: runs that contribute tokens; the summed gradient is divided by it once, at the end."""
+
+
+def build_batch(paths_by_run: Mapping[str, Sequence[SelectedPath]], advantages: Mapping[str, float]) -> Batch:
+    sequences = []
+    runs = 0
+    for run_id, paths in paths_by_run.items():
+        total = sum(p.num_loss_tokens for p in paths)
+        if total == 0:
+            continue  # nothing to learn from (e.g. a placeholder run): it counted in its group only
+        runs += 1
+        for p in paths:
+            if p.num_loss_tokens:
+                sequences.append(
+                    TrainSequence(run_id, p.tokens, p.loss_mask, p.logprobs, advantages[run_id], 1.0 / total)
+                )
+    return Batch(sequences, runs)
+
+
+def pack_micro_steps(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """First-fit decreasing: sequence indices grouped into micro-steps of at most ``max_tokens``.
+
+    A sequence longer than ``max_tokens`` gets a micro-step of its own.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(max_tokens - lengths[i])
+    return bins

@@ -92,7 +92,7 @@ def test_unsplit_loss_is_the_mean_over_runs_of_the_mean_over_tokens() -> None:
         )
         per_run.setdefault(seq.run_id, []).append(loss[torch.as_tensor(seq.loss_mask)])
     expected = np.mean([float(torch.cat(v).mean().detach()) for v in per_run.values()])
-    got = float(sum(sequence_loss(model, s) for s in batch.sequences)) / batch.num_runs
+    got = float(sum(sequence_loss(model, s) for s in batch.sequences).detach()) / batch.num_runs
     assert got == pytest.approx(expected, rel=1e-5)
 
 

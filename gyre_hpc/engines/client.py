@@ -1,0 +1,118 @@
+"""A client of the SGLang-native HTTP API: the same verbs against SGLang or the embedded engine.
+
+One method per verb, so a role switch reads as a sequence of them: ``pause`` → ``release_memory``
+… ``resume_memory`` → ``update_weights_from_disk`` → ``continue_``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+
+
+class EngineError(RuntimeError):
+    """The engine answered with an error status."""
+
+
+class EngineClient:
+    def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _post(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        async with self._session.post(self.base_url + path, json=body or {}) as resp:
+            if resp.status >= 400:
+                raise EngineError(f"{path}: HTTP {resp.status}: {await resp.text()}")
+            if resp.content_type == "application/json":
+                return await resp.json()
+            return await resp.text()
+
+    async def _get(self, path: str) -> Any:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        async with self._session.get(self.base_url + path) as resp:
+            if resp.status >= 400:
+                raise EngineError(f"{path}: HTTP {resp.status}: {await resp.text()}")
+            return await resp.json() if resp.content_type == "application/json" else await resp.text()
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any] | None = None,
+        *,
+        rid: str | None = None,
+        return_logprob: bool = True,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "input_ids": input_ids,
+            "sampling_params": sampling_params or {},
+            "return_logprob": return_logprob,
+        }
+        if rid is not None:
+            body["rid"] = rid
+        return await self._post("/generate", body)
+
+    async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
+        await self._post("/abort_request", {"rid": rid, "abort_all": abort_all})
+
+    async def pause(self, mode: str = "abort") -> None:
+        await self._post("/pause_generation", {"mode": mode})
+
+    async def continue_(self) -> None:
+        await self._post("/continue_generation")
+
+    async def flush_cache(self) -> None:
+        await self._post("/flush_cache")
+
+    async def health(self) -> bool:
+        try:
+            await self._get("/health")
+            return True
+        except (aiohttp.ClientError, EngineError):
+            return False
+
+    async def health_generate(self) -> None:
+        await self._get("/health_generate")
+
+    async def model_info(self) -> dict[str, Any]:
+        return await self._get("/get_model_info")
+
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str, flush_cache: bool = True, abort_all_requests: bool = False
+    ) -> dict[str, Any]:
+        return await self._post(
+            "/update_weights_from_disk",
+            {
+                "model_path": model_path,
+                "weight_version": weight_version,
+                "flush_cache": flush_cache,
+                "abort_all_requests": abort_all_requests,
+            },
+        )
+
+    async def release_memory(self, tags: list[str] | None = None) -> None:
+        await self._post("/release_memory_occupation", {"tags": tags} if tags else {})
+
+    async def resume_memory(self, tags: list[str] | None = None) -> None:
+        await self._post("/resume_memory_occupation", {"tags": tags} if tags else {})
+
+    async def begin_weight_update(self) -> None:
+        await self._post("/begin_weight_update", {"selector": "all"})
+
+    async def end_weight_update(self) -> None:
+        await self._post("/end_weight_update", {})

@@ -1,0 +1,384 @@
+"""The embedded engine: a Qwen3 model served on CPU (or one GPU) with the behaviour of SGLang
+that the proxy and the scheduler rely on.
+
+```
+ submit ─▶ waiting ──admit: prefix-cache lookup, prefill the rest──▶ running ──┐
+                ▲                                                      │ one batched decode step
+                └────────────── retract (pause) ◀──────────────────────┤ for every running sequence
+                          finished / aborted ◀─────────────────────────┘ (continuous batching)
+```
+
+- Continuous batching: sequences join and leave the decode batch between steps.
+- Prefix cache: the keys/values of finished sequences are kept (LRU, bounded in tokens);
+  a new request reuses the longest cached prefix — multi-turn agents resend their whole
+  context, so most of it is cached — and reports it as ``cached_tokens``.
+- Log-probs are those of the distribution each token was sampled from.
+- Weights load from a checkpoint directory or from a flat buffer with a version number.
+
+The engine works on token ids; its tokenizer is used only to return ``text`` and match stop
+strings. It knows nothing about chats, runs or roles.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from gyre_hpc.engines.sampling import BadRequest, SamplingParams, sample
+from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
+from gyre_hpc.models.tokenizer import ChatTokenizer
+
+
+@dataclass
+class Sequence:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    on_done: Callable[[dict[str, Any]], None]
+    on_token: Callable[[Sequence], None] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    keys: torch.Tensor | None = None  # [layers, kv_heads, capacity, head_dim]
+    values: torch.Tensor | None = None
+    length: int = 0  # positions whose keys/values are held
+    cached_tokens: int = 0
+    finish_reason: dict[str, Any] | None = None
+    generator: torch.Generator | None = None
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+
+@dataclass
+class _CacheEntry:
+    tokens: np.ndarray
+    keys: torch.Tensor  # [layers, kv_heads, len, head_dim]
+    values: torch.Tensor
+    used: float
+
+
+class PrefixCache:
+    """Keys/values of earlier sequences, found by longest common token prefix (LRU, bounded)."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.entries: list[_CacheEntry] = []
+
+    def lookup(self, tokens: list[int]) -> tuple[_CacheEntry | None, int]:
+        arr = np.asarray(tokens, dtype=np.int32)
+        best, best_len = None, 0
+        for e in self.entries:
+            n = min(len(arr), len(e.tokens))
+            if n <= best_len:
+                continue
+            neq = np.flatnonzero(arr[:n] != e.tokens[:n])
+            m = n if len(neq) == 0 else int(neq[0])
+            if m > best_len:
+                best, best_len = e, m
+        if best is not None:
+            best.used = time.monotonic()
+        return best, best_len
+
+    def insert(self, tokens: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+        if not tokens or self.max_tokens <= 0:
+            return
+        arr = np.asarray(tokens, dtype=np.int32)
+        # An entry this one extends is redundant.
+        self.entries = [
+            e
+            for e in self.entries
+            if not (len(e.tokens) <= len(arr) and np.array_equal(e.tokens, arr[: len(e.tokens)]))
+        ]
+        self.entries.append(_CacheEntry(arr, keys.clone(), values.clone(), time.monotonic()))
+        while sum(len(e.tokens) for e in self.entries) > self.max_tokens and len(self.entries) > 1:
+            self.entries.remove(min(self.entries, key=lambda e: e.used))
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(e.tokens) for e in self.entries)
+
+
+class Engine:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        max_running: int = 32,
+        cache_tokens: int = 1 << 20,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.model = Qwen3ForCausalLM.from_pretrained(self.model_dir, dtype)
+        self.config = self.model.config
+        self.tokenizer = ChatTokenizer(self.model_dir)
+        self.max_running = max_running
+        self.cache = PrefixCache(cache_tokens)
+        self.weight_version = "default"
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.paused = False
+        self.lock = threading.RLock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "decode_steps": 0}
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def submit(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        on_done: Callable[[dict[str, Any]], None],
+        rid: str | None = None,
+        on_token: Callable[[Sequence], None] | None = None,
+    ) -> Sequence:
+        if not input_ids:
+            raise BadRequest("input_ids is empty")
+        if any(not isinstance(t, int) or not 0 <= t < self.config.vocab_size for t in input_ids):
+            raise BadRequest(f"input_ids must be token ids in [0, {self.config.vocab_size})")
+        seq = Sequence(rid or uuid.uuid4().hex, list(input_ids), params, on_done, on_token)
+        if params.sampling_seed is not None:
+            seq.generator = torch.Generator().manual_seed(params.sampling_seed)
+        with self.lock:
+            self.waiting.append(seq)
+        self._wake.set()
+        return seq
+
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
+        with self.lock:
+            victims = [s for s in self.waiting + self.running if abort_all or s.rid == rid]
+            for s in victims:
+                self._finish(s, {"type": "abort", "message": "aborted by request"})
+        return len(victims)
+
+    def pause(self, mode: str = "abort") -> None:
+        """Stop generating: ``abort`` in-flight requests, ``retract`` them to the queue, or ``in_place``."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise BadRequest(f"mode = {mode!r} is not valid; valid: abort, retract, in_place")
+        with self.lock:
+            self.paused = True
+            if mode == "abort":
+                self.abort(abort_all=True)
+            elif mode == "retract":
+                for s in self.running:
+                    self._release(s)
+                self.waiting[:0] = self.running
+                self.running = []
+
+    def resume(self) -> None:
+        with self.lock:
+            self.paused = False
+        self._wake.set()
+
+    def flush_cache(self) -> None:
+        with self.lock:
+            self.cache.clear()
+
+    # ---- weights ----------------------------------------------------------------------------
+
+    def load_weights_from_disk(self, model_path: str | Path, version: str) -> None:
+        state: dict[str, torch.Tensor] = {}
+        for f in sorted(Path(model_path).glob("*.safetensors")):
+            state.update(load_file(f))
+        if not state:
+            raise BadRequest(f"no *.safetensors in {model_path}")
+        with self.lock:
+            if self.config.tie_word_embeddings:
+                state.pop("lm_head.weight", None)
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
+            if unexpected or [m for m in missing if m != "lm_head.weight"]:
+                raise BadRequest(f"{model_path} does not fit this model")
+            self.cache.clear()
+            self.weight_version = version
+
+    def load_flat(self, buffer: torch.Tensor, version: str) -> None:
+        """Weights from one flat buffer laid out as ``flat_parameters`` returns them."""
+        with self.lock, torch.no_grad():
+            at = 0
+            for p in unique_parameters(self.model):
+                n = p.numel()
+                p.copy_(buffer[at : at + n].view_as(p))
+                at += n
+            if at != buffer.numel():
+                raise BadRequest(f"flat buffer holds {buffer.numel()} values, the model {at}")
+            self.cache.clear()
+            self.weight_version = version
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def start(self) -> Engine:
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread:
+            self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self._stop:
+            if not self.step():
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Admit waiting sequences, then one decode step for all running ones. False when idle."""
+        with self.lock:
+            if self.paused:
+                return False
+            while self.waiting and len(self.running) < self.max_running:
+                seq = self.waiting.pop(0)
+                self._prefill(seq)
+                if seq.finish_reason is None:
+                    self.running.append(seq)
+            if not self.running:
+                return False
+            self._decode(self.running)
+            self.running = [s for s in self.running if s.finish_reason is None]
+            return True
+
+    def _prefill(self, seq: Sequence) -> None:
+        tokens = seq.tokens  # a retracted sequence resumes with what it had generated
+        entry, hit = self.cache.lookup(tokens)
+        hit = min(hit, len(tokens) - 1)  # the last token must run to give the next logits
+        c = self.config
+        cap = max(64, 2 * (len(tokens) + seq.params.max_new_tokens))
+        seq.keys = torch.zeros(c.num_hidden_layers, c.num_key_value_heads, cap, c.head_dim)
+        seq.values = torch.zeros_like(seq.keys)
+        past = None
+        if entry is not None and hit > 0:
+            seq.keys[:, :, :hit] = entry.keys[:, :, :hit]
+            seq.values[:, :, :hit] = entry.values[:, :, :hit]
+            past = [
+                (seq.keys[i, None, :, :hit], seq.values[i, None, :, :hit]) for i in range(c.num_hidden_layers)
+            ]
+        seq.length = hit
+        seq.cached_tokens = hit if not seq.output_ids else seq.cached_tokens
+        new = torch.tensor([tokens[hit:]])
+        logits, kv = self.model(new, past=past)
+        self._append_kv(seq, kv, 0)
+        self.stats["prompt_tokens"] += len(seq.input_ids) if not seq.output_ids else 0
+        self.stats["cached_tokens"] += hit if not seq.output_ids else 0
+        self._emit(seq, logits[0, -1])
+
+    def _decode(self, batch: list[Sequence]) -> None:
+        c = self.config
+        lengths = [s.length for s in batch]
+        longest = max(lengths)
+        b = len(batch)
+        past = []
+        for layer in range(c.num_hidden_layers):
+            k = torch.stack([s.keys[layer, :, :longest] for s in batch])  # right-padded
+            v = torch.stack([s.values[layer, :, :longest] for s in batch])
+            past.append((k, v))
+        mask = torch.zeros(b, 1, longest + 1, dtype=torch.bool)
+        for i, n in enumerate(lengths):
+            mask[i, 0, :n] = True
+        mask[:, 0, longest] = True
+        last = torch.tensor([[s.tokens[-1]] for s in batch])
+        positions = torch.tensor([[n] for n in lengths])
+        logits, kv = self.model(last, positions=positions, past=past, mask=mask)
+        self.stats["decode_steps"] += 1
+        for i, seq in enumerate(batch):
+            self._append_kv(seq, kv, i)
+            self._emit(seq, logits[i, -1])
+
+    def _append_kv(self, seq: Sequence, kv: list[tuple[torch.Tensor, torch.Tensor]], row: int) -> None:
+        assert seq.keys is not None and seq.values is not None
+        t = kv[0][0].shape[2]
+        if seq.length + t > seq.keys.shape[2]:
+            grow = max(seq.keys.shape[2], t)
+            seq.keys = torch.cat([seq.keys, torch.zeros_like(seq.keys[:, :, :grow])], 2)
+            seq.values = torch.cat([seq.values, torch.zeros_like(seq.values[:, :, :grow])], 2)
+        for layer, (k, v) in enumerate(kv):
+            seq.keys[layer, :, seq.length : seq.length + t] = k[row]
+            seq.values[layer, :, seq.length : seq.length + t] = v[row]
+        seq.length += t
+
+    def _emit(self, seq: Sequence, logits: torch.Tensor) -> None:
+        token, logprob = sample(logits, seq.params, seq.generator)
+        seq.output_ids.append(token)
+        seq.logprobs.append(logprob)
+        self.stats["generated_tokens"] += 1
+        p = seq.params
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.config.eos_ids))
+        if token in stops:
+            self._finish(seq, {"type": "stop", "matched": token})
+        elif p.stop and (
+            hit := next((s for s in p.stop if s in self.tokenizer.decode(seq.output_ids)), None)
+        ):
+            self._finish(seq, {"type": "stop", "matched": hit})
+        elif len(seq.output_ids) >= p.max_new_tokens:
+            self._finish(seq, {"type": "length", "length": len(seq.output_ids)})
+        elif seq.on_token:
+            seq.on_token(seq)
+
+    def _finish(self, seq: Sequence, reason: dict[str, Any]) -> None:
+        if seq.finish_reason is not None:
+            return
+        seq.finish_reason = reason
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        self._release(seq)
+        seq.on_done(self.response(seq))
+
+    def _release(self, seq: Sequence) -> None:
+        """Hand the sequence's keys/values to the prefix cache and drop them from the sequence."""
+        if seq.keys is not None and seq.length:
+            tokens = seq.tokens[: seq.length]
+            self.cache.insert(tokens, seq.keys[:, :, : seq.length], seq.values[:, :, : seq.length])
+        seq.keys = seq.values = None
+        seq.length = 0
+
+    def response(self, seq: Sequence) -> dict[str, Any]:
+        text = self.tokenizer.decode(seq.output_ids)
+        reason = seq.finish_reason
+        if reason and reason.get("type") == "stop" and isinstance(reason.get("matched"), str):
+            text = text[: text.index(reason["matched"])]
+        return {
+            "text": text,
+            "output_ids": list(seq.output_ids),
+            "meta_info": {
+                "id": seq.rid,
+                "prompt_tokens": len(seq.input_ids),
+                "completion_tokens": len(seq.output_ids),
+                "cached_tokens": seq.cached_tokens,
+                "finish_reason": reason,
+                "weight_version": self.weight_version,
+                "output_token_logprobs": [
+                    [lp, t, None] for lp, t in zip(seq.logprobs, seq.output_ids, strict=True)
+                ],
+                "e2e_latency": time.monotonic() - seq.started,
+            },
+        }
+
+
+def unique_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Parameters in a fixed order, tied ones once: the layout of a flat weight buffer."""
+    return list(dict.fromkeys(model.parameters()))
+
+
+def flat_parameters(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in unique_parameters(model)])

@@ -1,0 +1,125 @@
+"""The tiny offline model: a few-layer Qwen3 with random weights and a locally trained tokenizer.
+
+``init_tiny(dir, seed)`` writes a standard Hugging Face model directory — ``config.json``,
+``generation_config.json``, ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``,
+``chat_template.jinja`` — in seconds on a CPU with no network, identical for a given seed.
+The byte-level BPE is trained on a small built-in corpus of code, prose and tool calls.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from gyre_hpc.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+]
+VOCAB_SIZE = 2048
+TEMPLATE = (Path(__file__).parent / "chat_template.jinja").read_text()
+
+_CORPUS = [
+    "You are a helpful coding agent. Read the spec, write the package, run the tests, and finish.",
+    "The user asks you to implement a small Python package from a natural-language specification.",
+    "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n",
+    "import os\nimport sys\nfrom pathlib import Path\n\n\nclass Stack:\n",
+    "    def __init__(self):\n        self.items = []\n",
+    "    def push(self, item):\n        self.items.append(item)\n",
+    "    def pop(self):\n        return self.items.pop()\n",
+    'for i in range(10):\n    if i % 2 == 0:\n        print(f"{i} is even")\n    else:\n        continue\n',
+    '<tool_call>\n{"name": "write_file", "arguments": {"path": "calc/ops.py", "content": "def add(a, b):"}}\n'
+    "</tool_call>",
+    '<tool_call>\n{"name": "run_shell", "arguments": {"command": "python -m pytest -q"}}\n</tool_call>',
+    '<tool_call>\n{"name": "read_file", "arguments": {"path": "README.md"}}\n</tool_call>',
+    '<tool_call>\n{"name": "finish", "arguments": {"summary": "All tests pass."}}\n</tool_call>',
+    "<tool_response>\n4 passed in 0.01s\n</tool_response>",
+    "<tool_response>\nFAILED tests/test_ops.py::test_mul - AssertionError: assert 5 == 6\n</tool_response>",
+    "mkdir -p /srv/app && echo 'port = 8080' > /srv/app/app.conf && chmod +x run.sh && ls -la",
+    "Summary of progress so far: the package layout exists, two of four functions pass their tests.",
+    "The quick brown fox jumps over the lazy dog. 0123456789 !\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~",
+]
+
+
+def train_tokenizer() -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    corpus = _CORPUS * 8 + [TEMPLATE]
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return tok
+
+
+def tiny_config(vocab_size: int, eos: list[int]) -> Qwen3Config:
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+        eos_token_id=eos,
+        bos_token_id=None,
+    )
+
+
+def init_tiny(model_dir: str | Path, seed: int = 0) -> Path:
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer()
+    tok.save(str(model_dir / "tokenizer.json"))
+    eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
+    config = tiny_config(tok.get_vocab_size(), eos)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02)
+    save_weights(model, model_dir / "model.safetensors")
+    (model_dir / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}, indent=2) + "\n")
+    (model_dir / "chat_template.jinja").write_text(TEMPLATE)
+    (model_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "bos_token": None,
+                "model_max_length": config.max_position_embeddings,
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    return model_dir
+
+
+def save_weights(model: Qwen3ForCausalLM, path: Path) -> None:
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(path), metadata={"format": "pt"})

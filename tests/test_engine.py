@@ -1,0 +1,250 @@
+"""The embedded engine over real HTTP on loopback: batching, prefix cache, log-probs, control verbs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from aiohttp import web
+from conftest import REPO
+
+from gyre_hpc.engines.client import EngineClient, EngineError
+from gyre_hpc.engines.embedded import Engine, flat_parameters
+from gyre_hpc.engines.server import make_app
+from gyre_hpc.engines.sglang import sglang_command
+from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
+from gyre_hpc.models.tiny import init_tiny
+from gyre_hpc.recipe.schema import EngineConfig
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_tiny(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+class Served:
+    """An embedded engine and its HTTP server on a free loopback port, for one test."""
+
+    def __init__(self, model: Path, **kw: object) -> None:
+        self.engine = Engine(model, **kw).start()  # type: ignore[arg-type]
+        self.runner = web.AppRunner(make_app(self.engine))
+
+    async def __aenter__(self) -> EngineClient:
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = self.runner.addresses[0][1]
+        self.client = EngineClient(f"http://127.0.0.1:{port}")
+        return self.client
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.client.close()
+        await self.runner.cleanup()
+        self.engine.stop()
+
+
+def run(coro) -> object:  # noqa: ANN001
+    return asyncio.run(coro)
+
+
+def prompt(tiny: Path, text: str) -> list[int]:
+    from gyre_hpc.models.tokenizer import ChatTokenizer
+
+    tok = ChatTokenizer(tiny)
+    return tok.encode(tok.render([{"role": "user", "content": text}]))
+
+
+def test_concurrent_requests_decode_together(tiny: Path) -> None:
+    async def go() -> tuple[list[dict], dict]:
+        served = Served(tiny)
+        async with served as client:
+            params = {"max_new_tokens": 24, "ignore_eos": True, "sampling_seed": 0}
+            outs = await asyncio.gather(
+                *(client.generate(prompt(tiny, f"task {i}"), params) for i in range(8))
+            )
+            return outs, dict(served.engine.stats)
+
+    outs, stats = run(go())
+    assert all(o["meta_info"]["completion_tokens"] == 24 for o in outs)
+    assert stats["generated_tokens"] == 8 * 24
+    assert stats["decode_steps"] < 3 * 24  # 8 sequences shared the decode steps
+
+
+def test_prefix_cache_reuses_earlier_turns(tiny: Path) -> None:
+    async def go() -> list[tuple[int, int]]:
+        async with Served(tiny) as client:
+            ids, seen = prompt(tiny, "build a calculator"), []
+            for turn in range(4):  # a multi-turn agent resends its whole context every call
+                out = await client.generate(
+                    ids, {"max_new_tokens": 12, "ignore_eos": True, "sampling_seed": turn}
+                )
+                seen.append((out["meta_info"]["cached_tokens"], len(ids)))
+                ids = ids + out["output_ids"] + prompt(tiny, f"tool result {turn}")
+            return seen
+
+    seen = run(go())
+    assert seen[0][0] == 0
+    for (cached, _), (_, prev_total) in zip(seen[1:], seen, strict=False):
+        assert cached >= prev_total + 11  # the previous input and all but the last output token
+    assert sum(c for c, _ in seen[1:]) / sum(t for _, t in seen[1:]) > 0.6
+
+
+def test_logprobs_are_those_of_the_sampled_distribution(tiny: Path) -> None:
+    params = {
+        "max_new_tokens": 10,
+        "temperature": 0.7,
+        "top_k": 20,
+        "top_p": 0.9,
+        "sampling_seed": 3,
+        "ignore_eos": True,
+    }
+
+    async def go() -> dict:
+        async with Served(tiny) as client:
+            return await client.generate(prompt(tiny, "hello"), params)
+
+    out = run(go())
+    model = Qwen3ForCausalLM.from_pretrained(tiny)
+    ids = prompt(tiny, "hello") + out["output_ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]))[0][0]
+    n = len(prompt(tiny, "hello"))
+    for k, (lp, tok, _) in enumerate(out["meta_info"]["output_token_logprobs"]):
+        scaled = logits[n - 1 + k] / 0.7  # recomputed from scratch: no cache, no batching
+        kth = torch.topk(scaled, 20).values[-1]
+        probs = torch.softmax(scaled.masked_fill(scaled < kth, float("-inf")), -1)
+        sorted_p, order = torch.sort(probs, descending=True)
+        probs[order[(torch.cumsum(sorted_p, 0) - sorted_p) > 0.9]] = 0
+        assert lp == pytest.approx(float(torch.log(probs[tok] / probs.sum())), abs=2e-4)
+
+
+def test_abort_pause_continue(tiny: Path) -> None:
+    async def go() -> tuple[dict, float, dict]:
+        served = Served(tiny)
+        async with served as client:
+            long = asyncio.create_task(
+                client.generate(prompt(tiny, "x"), {"max_new_tokens": 100000, "ignore_eos": True}, rid="long")
+            )
+            await asyncio.sleep(0.3)
+            await client.abort("long")
+            aborted = await long
+            await client.pause("in_place")
+            paused = asyncio.create_task(client.generate(prompt(tiny, "y"), {"max_new_tokens": 5}))
+            await asyncio.sleep(0.3)
+            assert not paused.done()
+            t0 = time.monotonic()
+            await client.continue_()
+            finished = await paused
+            return aborted, time.monotonic() - t0, finished
+
+    aborted, waited, finished = run(go())
+    assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < aborted["meta_info"]["completion_tokens"] < 100000
+    assert finished["meta_info"]["finish_reason"]["type"] in ("length", "stop") and waited < 5
+
+
+def test_weights_from_disk_and_from_a_flat_buffer(tiny: Path, tmp_path: Path) -> None:
+    other = init_tiny(tmp_path / "other", seed=1)
+    greedy = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+    def logprobs(out: dict) -> list[float]:  # random tiny models agree on greedy tokens, not on log-probs
+        return [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+
+    async def go() -> tuple[list[float], list[float], str, list[float]]:
+        served = Served(tiny)
+        async with served as client:
+            ids = prompt(tiny, "weights")
+            before = logprobs(await client.generate(ids, greedy))
+            reply = await client.update_weights_from_disk(str(other), "v1")
+            assert reply["success"]
+            after = await client.generate(ids, greedy)
+            served.engine.load_flat(flat_parameters(Qwen3ForCausalLM.from_pretrained(tiny)), "v2")
+            again = logprobs(await client.generate(ids, greedy))
+            return before, logprobs(after), after["meta_info"]["weight_version"], again
+
+    before, after, version, again = run(go())
+    assert (
+        version == "v1"
+        and after != pytest.approx(before, abs=1e-3)
+        and again == pytest.approx(before, abs=1e-5)
+    )
+
+
+def test_bad_requests_get_400_with_the_reason(tiny: Path) -> None:
+    async def go() -> list[str]:
+        async with Served(tiny) as client:
+            errors = []
+            for body in (
+                {"input_ids": []},
+                {"input_ids": [1], "sampling_params": {"temperature": -1}},
+                {"input_ids": [10**9]},
+            ):
+                try:
+                    await client._post("/generate", body)
+                except EngineError as err:
+                    errors.append(str(err))
+            ok = await client._post(
+                "/generate",
+                {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}, "some_future_key": True},
+            )  # unknown keys are ignored
+            assert ok["meta_info"]["completion_tokens"] == 1
+            return errors
+
+    errors = run(go())
+    assert len(errors) == 3 and all("HTTP 400" in e for e in errors)
+    assert "sampling_params.temperature = -1 is not valid" in errors[1]
+
+
+def test_sglang_command_golden() -> None:
+    cmd = sglang_command(
+        EngineConfig(tp_size=4, mem_fraction_static=0.85, max_total_tokens=262144),
+        "/models/Qwen3-8B",
+        30001,
+        "0.0.0.0",
+        python="python",
+    )
+    assert " ".join(cmd) == (
+        "python -m sglang.launch_server --model-path /models/Qwen3-8B --host 0.0.0.0 --port 30001 "
+        "--tp-size 4 --mem-fraction-static 0.85 --weight-version 0 --skip-server-warmup "
+        "--enable-memory-saver --max-total-tokens 262144"
+    )
+
+
+def test_readme_commands_init_tiny_serve_and_curl(tmp_path: Path) -> None:
+    model = tmp_path / "tiny"
+    assert (
+        subprocess.run(
+            [sys.executable, "-m", "gyre_hpc", "model", "init-tiny", str(model)],
+            cwd=REPO,
+            capture_output=True,
+        ).returncode
+        == 0
+    )
+    server = subprocess.Popen(
+        [sys.executable, "-m", "gyre_hpc", "engine", "serve", str(model), "--port", "30471"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        body = json.dumps({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 8}}).encode()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen("http://127.0.0.1:30471/generate", body, timeout=30) as resp:
+                    out = json.loads(resp.read())
+                break
+            except OSError:
+                assert time.monotonic() < deadline, server.stdout.read1(4000) if server.stdout else ""
+                time.sleep(0.3)
+        assert out["meta_info"]["completion_tokens"] <= 8 and len(out["output_ids"]) >= 1
+    finally:
+        server.terminate()
+        server.wait(10)

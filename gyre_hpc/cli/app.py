@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 
 from gyre_hpc import __version__
-from gyre_hpc.cli import model, recipe, run, slurm, status, traj
+from gyre_hpc.cli import model, proxy, recipe, run, slurm, status, traj
 from gyre_hpc.errors import GyreError
 
 app = typer.Typer(
@@ -32,6 +32,7 @@ app.add_typer(recipe.app, name="recipe")
 app.add_typer(traj.app, name="traj")
 app.add_typer(model.model_app, name="model")
 app.add_typer(model.engine_app, name="engine")
+app.add_typer(proxy.app, name="proxy")
 
 
 def _print_version(value: bool) -> None:

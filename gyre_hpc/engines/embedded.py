@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from gyre_hpc.engines import kv_transfer
 from gyre_hpc.engines.sampling import BadRequest, SamplingParams, sample
 from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 from gyre_hpc.models.tokenizer import ChatTokenizer
@@ -128,6 +129,7 @@ class Engine:
         self.tokenizer = ChatTokenizer(self.model_dir)
         self.max_running = max_running
         self.cache = PrefixCache(cache_tokens)
+        self.pinned: dict[str, bytes] = {}  # exported KV, held until the destination acknowledges
         self.weight_version = "default"
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -190,6 +192,30 @@ class Engine:
     def flush_cache(self) -> None:
         with self.lock:
             self.cache.clear()
+
+    # ---- KV migration -----------------------------------------------------------------------
+
+    def export_kv(self, rid: str) -> tuple[str, int] | None:
+        """Pin the keys/values of in-flight request ``rid``; (handle, tokens) or None if unknown."""
+        with self.lock:
+            seq = next((s for s in self.running if s.rid == rid), None)
+            if seq is None or seq.keys is None or seq.values is None:
+                return None
+            handle = uuid.uuid4().hex
+            n = seq.length
+            self.pinned[handle] = kv_transfer.pack(seq.tokens[:n], seq.keys[:, :, :n], seq.values[:, :, :n])
+            return handle, n
+
+    def import_kv(self, data: bytes) -> int:
+        """Keys/values moved from another engine go into the prefix cache; returns their tokens."""
+        tokens, keys, values = kv_transfer.unpack(data)
+        with self.lock:
+            self.cache.insert(tokens, keys, values)
+        return len(tokens)
+
+    def release_kv(self, handle: str) -> None:
+        with self.lock:
+            self.pinned.pop(handle, None)
 
     # ---- weights ----------------------------------------------------------------------------
 
@@ -262,7 +288,7 @@ class Engine:
         entry, hit = self.cache.lookup(tokens)
         hit = min(hit, len(tokens) - 1)  # the last token must run to give the next logits
         c = self.config
-        cap = max(64, 2 * (len(tokens) + seq.params.max_new_tokens))
+        cap = len(tokens) + min(seq.params.max_new_tokens, 256) + 1  # grows by doubling when needed
         seq.keys = torch.zeros(c.num_hidden_layers, c.num_key_value_heads, cap, c.head_dim)
         seq.values = torch.zeros_like(seq.keys)
         past = None

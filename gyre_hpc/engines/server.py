@@ -17,16 +17,19 @@ from typing import Any
 from aiohttp import web
 
 from gyre_hpc.engines.embedded import Engine, Sequence
+from gyre_hpc.engines.kv_transfer import HttpKVTransfer, KVTransfer
 from gyre_hpc.engines.sampling import BadRequest, SamplingParams
 
 ENGINE = web.AppKey("engine", Engine)
 STATE = web.AppKey("state", dict)
+TRANSFER = web.AppKey("transfer", object)
 
 
-def make_app(engine: Engine) -> web.Application:
+def make_app(engine: Engine, transfer: KVTransfer | None = None) -> web.Application:
     app = web.Application(client_max_size=256 << 20, middlewares=[_errors])
     app[ENGINE] = engine
     app[STATE] = {"released": False, "weight_update_session": False}
+    app[TRANSFER] = transfer or HttpKVTransfer()
     app.router.add_post("/generate", generate)
     app.router.add_post("/abort_request", abort_request)
     app.router.add_post("/pause_generation", pause_generation)
@@ -38,6 +41,10 @@ def make_app(engine: Engine) -> web.Application:
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
     app.router.add_post("/release_memory_occupation", release_memory)
     app.router.add_post("/resume_memory_occupation", resume_memory)
+    app.router.add_post("/export_kv", export_kv)
+    app.router.add_get("/kv/{handle}", kv_bytes)
+    app.router.add_post("/import_kv", import_kv)
+    app.router.add_post("/release_kv", release_kv)
     app.router.add_post("/begin_weight_update", begin_weight_update)
     app.router.add_post("/end_weight_update", end_weight_update)
     return app
@@ -230,6 +237,38 @@ async def release_memory(request: web.Request) -> web.Response:
 
 async def resume_memory(request: web.Request) -> web.Response:
     request.app[STATE]["released"] = False
+    return web.json_response({"success": True})
+
+
+async def export_kv(request: web.Request) -> web.Response:
+    body = await _body(request)
+    got = request.app[ENGINE].export_kv(str(body.get("rid")))
+    if got is None:
+        raise BadRequest(f"no running request {body.get('rid')!r}")
+    return web.json_response({"handle": got[0], "tokens": got[1]})
+
+
+async def kv_bytes(request: web.Request) -> web.Response:
+    data = request.app[ENGINE].pinned.get(request.match_info["handle"])
+    if data is None:
+        return web.json_response(
+            {"error": {"message": "unknown or released handle", "code": 404}}, status=404
+        )
+    return web.Response(body=data, content_type="application/octet-stream")
+
+
+async def import_kv(request: web.Request) -> web.Response:
+    body = await _body(request)
+    if not body.get("source") or not body.get("handle"):
+        raise BadRequest("import_kv needs source and handle")
+    data = await request.app[TRANSFER].fetch(body["source"], body["handle"])  # type: ignore[attr-defined]
+    tokens = await asyncio.to_thread(request.app[ENGINE].import_kv, data)
+    return web.json_response({"success": True, "tokens": tokens})
+
+
+async def release_kv(request: web.Request) -> web.Response:
+    body = await _body(request)
+    request.app[ENGINE].release_kv(str(body.get("handle")))
     return web.json_response({"success": True})
 
 

@@ -1,0 +1,78 @@
+"""``gyre-hpc proxy serve`` and ``gyre-hpc proxy key``: the TITO proxy on its own."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from gyre_hpc.errors import GyreError
+
+app = typer.Typer(help="Run the TITO proxy in front of engines.", no_args_is_help=True)
+
+
+@app.command()
+def serve(
+    engine: Annotated[list[str], typer.Option("--engine", help="Engine base URL (repeatable).")],
+    run_dir: Annotated[Path, typer.Option("--run-dir", help="Where the TITO log and the key secret live.")],
+    model: Annotated[
+        Path | None,
+        typer.Option(
+            help="Model directory (tokenizer, chat template); default: asked from the first engine."
+        ),
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+) -> None:
+    """Serve the OpenAI-compatible API for harnesses, backed by SGLang-native engines.
+
+    Example: `gyre-hpc proxy serve --engine http://127.0.0.1:30000 --run-dir runs/try`, then
+    point a harness at `http://127.0.0.1:8000/v1` with a key from `gyre-hpc proxy key`.
+    """
+    from aiohttp import web
+
+    from gyre_hpc.engines.client import EngineClient
+    from gyre_hpc.proxy.server import Proxy
+    from gyre_hpc.recipe.schema import ProxyConfig
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if model is None:
+
+        async def ask() -> str:
+            async with EngineClient(engine[0], timeout_s=10) as client:
+                return (await client.model_info())["tokenizer_path"]
+
+        try:
+            model = Path(asyncio.run(ask()))
+        except Exception as err:
+            raise GyreError(f"cannot ask {engine[0]} for its model ({err}); pass --model DIR") from None
+    proxy = Proxy(run_dir, model, engine, ProxyConfig(host=host, port=port))
+    typer.echo(f"proxy on http://{host}:{port}/v1 → {', '.join(engine)}; TITO log {run_dir / 'tito.bin'}")
+    try:  # a faster event loop where available: the proxy is on every model call's path
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+    except ImportError:
+        loop = None
+    web.run_app(proxy.app(), host=host, port=port, print=None, loop=loop)
+
+
+@app.command()
+def key(
+    run_dir: Annotated[Path, typer.Argument(help="The proxy's run directory.", show_default=False)],
+    run: Annotated[str, typer.Option("--run", help="Run (execution) id the key writes to.")],
+    role: Annotated[
+        str, typer.Option("--role", help="main, main-summary, sub-agent, sub-agent-summary, …")
+    ] = "main",
+) -> None:
+    """Mint an API key that fixes its run and role.
+
+    Example: `gyre-hpc proxy key runs/try --run task7-g0 --role main`
+    """
+    from gyre_hpc.proxy.keys import KeyRing
+
+    if not run_dir.is_dir():
+        raise GyreError(f"{run_dir} is not a directory; use the proxy's --run-dir")
+    typer.echo(KeyRing.for_run_dir(run_dir).mint(run, role))

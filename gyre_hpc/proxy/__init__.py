@@ -1,0 +1,1 @@
+"""The proxy between agent harnesses and engines: OpenAI API in, SGLang-native API out, TITO log."""

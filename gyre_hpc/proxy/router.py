@@ -1,0 +1,208 @@
+"""Routing model calls to engines, and draining an engine without failing any call.
+
+```
+ acquire: sticky engine of the run (prefix-cache locality) if it admits and has room,
+          else the admitting engine that stays available longest (highest rank), least loaded;
+          none → wait until one frees up or the request's deadline (then HTTP 503)
+ drain(engine): stop admitting; abort its in-flight calls; each call goes on elsewhere —
+          "continue": from its partial output (its KV moved first when the engines can),
+          "restart": from scratch — and its TITO record is marked rerouted
+```
+
+The router knows engines by URL and speaks the SGLang-native API through ``EngineClient``;
+it knows nothing about chats or the TITO log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import aiohttp
+
+from gyre_hpc.engines.client import EngineClient, EngineError
+
+DrainMode = Literal["continue", "restart"]
+
+
+class NoEngine(RuntimeError):
+    """No engine could serve the call before its deadline (HTTP 503)."""
+
+
+@dataclass
+class _Flight:
+    rid: str
+    drained: DrainMode | None = None
+    kv_handle: str | None = None
+
+
+@dataclass
+class EngineSlot:
+    url: str
+    limit: int
+    rank: int = 0
+    """Higher stays available longer (the scheduler's switch order); preferred by new calls."""
+    client: EngineClient = field(init=False)
+    admitting: bool = True
+    down_until: float = 0.0
+    inflight: dict[str, _Flight] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.client = EngineClient(self.url)
+
+    def available(self, now: float) -> bool:
+        return self.admitting and now >= self.down_until and len(self.inflight) < self.limit
+
+
+@dataclass
+class Completion:
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: dict[str, Any] | None
+    engine: str
+    weight_version: str
+    cached_tokens: int
+    rerouted: bool
+    t_start: float
+    t_end: float
+
+
+class Router:
+    def __init__(
+        self, engines: list[EngineSlot], timeout_s: float = 900.0, retry_down_s: float = 2.0
+    ) -> None:
+        self.engines = {e.url: e for e in engines}
+        self.timeout_s = timeout_s
+        self.retry_down_s = retry_down_s
+        self.sticky: dict[str, str] = {}
+        self._changed = asyncio.Condition()
+        self._ids = itertools.count()
+
+    async def close(self) -> None:
+        for e in self.engines.values():
+            await e.client.close()
+
+    async def acquire(self, run_id: str, deadline: float) -> EngineSlot:
+        async with self._changed:
+            while True:
+                now = time.monotonic()
+                slot = self._pick(run_id, now)
+                if slot is not None:
+                    self.sticky[run_id] = slot.url
+                    return slot
+                if now >= deadline:
+                    raise NoEngine("no engine could take the call in time")
+                try:
+                    await asyncio.wait_for(self._changed.wait(), timeout=min(0.5, deadline - now))
+                except TimeoutError:
+                    pass
+
+    def _pick(self, run_id: str, now: float) -> EngineSlot | None:
+        sticky = self.engines.get(self.sticky.get(run_id, ""))
+        if sticky is not None and sticky.available(now):
+            return sticky
+        ready = [e for e in self.engines.values() if e.available(now)]
+        return max(ready, key=lambda e: (e.rank, -len(e.inflight) / e.limit), default=None)
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def complete(self, run_id: str, input_ids: list[int], params: dict[str, Any]) -> Completion:
+        """Generate for one call, through any number of drains and engine failures."""
+        deadline = time.monotonic() + self.timeout_s
+        started = time.time()
+        output: list[int] = []
+        logprobs: list[float] = []
+        rerouted, cached, moved_kv = False, None, None
+        budget = int(params.get("max_new_tokens", 128))
+        while True:
+            slot = await self.acquire(run_id, deadline)
+            flight = _Flight(f"{run_id}-{next(self._ids)}-{uuid.uuid4().hex[:6]}")
+            slot.inflight[flight.rid] = flight
+            try:
+                if moved_kv is not None:
+                    await self._import_kv(slot, *moved_kv)
+                    moved_kv = None
+                left = dict(params, max_new_tokens=budget - len(output))
+                res = await slot.client.generate(input_ids + output, left, rid=flight.rid)
+            except (aiohttp.ClientError, EngineError, TimeoutError):
+                slot.down_until = time.monotonic() + self.retry_down_s  # try the others first
+                output, logprobs, rerouted = [], [], True
+                if time.monotonic() >= deadline:
+                    raise NoEngine(f"engine {slot.url} failed and no other served in time") from None
+                continue
+            finally:
+                slot.inflight.pop(flight.rid, None)
+                await self._notify()
+            meta = res["meta_info"]
+            cached = meta.get("cached_tokens", 0) if cached is None else cached
+            if flight.drained is None or meta["finish_reason"].get("type") != "abort":
+                output += res["output_ids"]
+                logprobs += [lp for lp, _, _ in meta["output_token_logprobs"]]
+                return Completion(
+                    output,
+                    logprobs,
+                    meta["finish_reason"],
+                    slot.url,
+                    str(meta.get("weight_version")),
+                    cached,
+                    rerouted,
+                    started,
+                    time.time(),
+                )
+            rerouted = True
+            if flight.drained == "continue":
+                output += res["output_ids"]
+                logprobs += [lp for lp, _, _ in meta["output_token_logprobs"]]
+                if flight.kv_handle:
+                    moved_kv = (slot, flight.kv_handle)
+                if len(output) >= budget:
+                    return Completion(
+                        output,
+                        logprobs,
+                        {"type": "length", "length": len(output)},
+                        slot.url,
+                        str(meta.get("weight_version")),
+                        cached,
+                        True,
+                        started,
+                        time.time(),
+                    )
+            else:
+                output, logprobs = [], []
+
+    async def drain(self, url: str, mode: DrainMode = "continue") -> int:
+        """Stop admitting on ``url`` and move its in-flight calls elsewhere; returns how many."""
+        slot = self.engines[url]
+        slot.admitting = False
+        flights = list(slot.inflight.values())
+        for f in flights:
+            f.drained = mode
+            if mode == "continue":
+                try:
+                    f.kv_handle = (await slot.client._post("/export_kv", {"rid": f.rid})).get("handle")
+                except EngineError:
+                    f.kv_handle = None  # the engine cannot export: the destination recomputes
+            await slot.client.abort(f.rid)
+        await self._notify()
+        return len(flights)
+
+    async def undrain(self, url: str) -> None:
+        self.engines[url].admitting = True
+        await self._notify()
+
+    async def _import_kv(self, dest: EngineSlot, source: EngineSlot, handle: str) -> None:
+        try:
+            await dest.client._post("/import_kv", {"source": source.url, "handle": handle})
+        except EngineError:
+            pass  # no prefix moved: the destination recomputes it
+        finally:
+            try:
+                await source.client._post("/release_kv", {"handle": handle})
+            except (EngineError, aiohttp.ClientError):
+                pass

@@ -1,0 +1,280 @@
+"""The proxy's HTTP front: OpenAI-compatible chat completions and a token-level endpoint.
+
+```
+ harness ──POST /v1/chat/completions (Bearer <run key>)──▶ key → (run, role)
+   messages ─▶ RunChats.input_ids (exact ids reused, only new text tokenised)
+            ─▶ Router.complete (sticky / least loaded / drains)  ─▶ engine /generate
+            ─▶ TitoLog.append (group commit: on disk before the reply)
+   ◀── assistant message with tool_calls parsed from the model's <tool_call> blocks
+```
+
+``POST /v1/generate`` is the same for harnesses that work in token ids. Errors are JSON with
+the reason: 400 malformed, 401 unknown key, 413 body over the limit, 503 no engine in time.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from gyre_hpc.models.tokenizer import ChatTokenizer
+from gyre_hpc.proxy.chat import BadChat, RunChats, check_messages, parse_reply
+from gyre_hpc.proxy.keys import KeyRing
+from gyre_hpc.proxy.router import EngineSlot, NoEngine, Router
+from gyre_hpc.proxy.tito_log import TitoLog
+from gyre_hpc.recipe.schema import ProxyConfig
+from gyre_hpc.trajectory.records import CallMeta, TitoRecord
+
+PROXY = web.AppKey("proxy", object)
+OVERHEAD_HEADER = "X-Gyre-Proxy-Ms"
+
+
+class Proxy:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        model_dir: str | Path,
+        engines: list[str],
+        config: ProxyConfig,
+        capacity: int = 8,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.config = config
+        self.tokenizer = ChatTokenizer(model_dir)
+        self.model_name = Path(model_dir).name
+        self.keys = KeyRing.for_run_dir(self.run_dir)
+        self.tito = TitoLog(self.run_dir / "tito.bin")
+        limit = config.admission_limit or capacity
+        self.router = Router(
+            [EngineSlot(url, limit, rank=i) for i, url in enumerate(engines)],
+            timeout_s=config.request_timeout_s,
+        )
+        self.runs: dict[str, RunChats] = {}
+        self._calls: dict[str, int] = {}
+        self.eos = {self.tokenizer.token_id("<|im_end|>"), self.tokenizer.token_id("<|endoftext|>")}
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_mb << 20, middlewares=[_errors])
+        app[PROXY] = self
+        app.router.add_post("/v1/chat/completions", chat_completions)
+        app.router.add_post("/v1/generate", generate_tokens)
+        app.router.add_get("/v1/models", models)
+        app.router.add_get("/health", health)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _cleanup(self, app: web.Application) -> None:
+        await self.router.close()
+        self.tito.close()
+
+    def authorize(self, request: web.Request) -> tuple[str, str]:
+        auth = request.headers.get("Authorization", "")
+        key = auth[7:] if auth.startswith("Bearer ") else ""
+        who = self.keys.verify(key) if key else None
+        if who is None:
+            raise web.HTTPUnauthorized(
+                text=_error(
+                    "missing or unknown API key; mint one with "
+                    "`gyre-hpc proxy key RUN_DIR --run ID --role ROLE`",
+                    401,
+                ),
+                content_type="application/json",
+            )
+        return who
+
+    def chats(self, run_id: str) -> RunChats:
+        if run_id not in self.runs:
+            self.runs[run_id] = RunChats(self.tokenizer, self.tito.tree(run_id))
+        return self.runs[run_id]
+
+    def next_call_id(self, run_id: str) -> str:
+        self._calls[run_id] = self._calls.get(run_id, 0) + 1
+        return f"call_{self._calls[run_id]}"
+
+    async def call(
+        self, run_id: str, role: str, call_id: str, input_ids: list[int], params: dict[str, Any]
+    ) -> tuple[TitoRecord, int, int, float]:
+        """Serve one model call and make it durable: (record, index, cached tokens, seconds in engines)."""
+        started = time.perf_counter()
+        done = await self.router.complete(run_id, input_ids, params)
+        engine_s = time.perf_counter() - started
+        version = done.weight_version
+        meta = CallMeta(
+            policy_version=int(version) if version.isdigit() else 0,
+            engine=done.engine,
+            t_start=done.t_start,
+            t_end=done.t_end,
+            rerouted=done.rerouted,
+            aborted=(done.finish_reason or {}).get("type") == "abort",
+            finish_reason=(done.finish_reason or {}).get("type", ""),
+        )
+        record = TitoRecord(run_id, call_id, role, input_ids, done.output_ids, done.logprobs, meta)
+        index = await self.tito.append(record)
+        return record, index, done.cached_tokens, engine_s
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except BadChat as err:
+        return web.Response(text=_error(str(err), 400), status=400, content_type="application/json")
+    except NoEngine as err:
+        return web.Response(text=_error(str(err), 503), status=503, content_type="application/json")
+
+
+def _error(message: str, code: int) -> str:
+    return json.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error" if code < 500 else "server_error",
+                "code": code,
+            }
+        }
+    )
+
+
+async def _json(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except json.JSONDecodeError as err:
+        raise BadChat(f"request body is not JSON: {err}") from None
+    if not isinstance(body, dict):
+        raise BadChat("request body must be a JSON object")
+    return body
+
+
+def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("sampling_seed", "seed")):
+        if body.get(theirs) is not None:
+            params[ours] = body[theirs]
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    if max_tokens is not None:
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise BadChat(f"max_tokens = {max_tokens!r} must be a positive integer")
+        params["max_new_tokens"] = max_tokens
+    if body.get("stop") is not None:
+        params["stop"] = [body["stop"]] if isinstance(body["stop"], str) else body["stop"]
+    if body.get("n", 1) != 1:
+        raise BadChat("n must be 1 (one execution, one trajectory)")
+    return params
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    entered = time.perf_counter()
+    proxy: Proxy = request.app[PROXY]  # type: ignore[assignment]
+    run_id, role = proxy.authorize(request)
+    body = await _json(request)
+    messages = check_messages(body.get("messages"))
+    tools = body.get("tools") or None
+    if tools is not None and not isinstance(tools, list):
+        raise BadChat("tools must be a list")
+    params = _sampling(body)
+    chats = proxy.chats(run_id)
+    input_ids = chats.input_ids(messages, tools)
+    call_id = proxy.next_call_id(run_id)
+    record, index, cached, engine_s = await proxy.call(run_id, role, call_id, input_ids, params)
+    output = record.output_ids.tolist()
+    content, tool_calls = parse_reply(proxy.tokenizer.decode(output), f"{call_id}")
+    closed = bool(output) and output[-1] in proxy.eos
+    reply: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        reply["tool_calls"] = tool_calls
+    chats.record(messages, tools, index, reply, closed)
+    finish = "tool_calls" if tool_calls else ("length" if record.meta.finish_reason == "length" else "stop")
+    message = {**reply, "content": content or (None if tool_calls else "")}
+    usage = {
+        "prompt_tokens": len(input_ids),
+        "completion_tokens": len(output),
+        "total_tokens": len(input_ids) + len(output),
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+    cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+    # The proxy's own time for this call (everything but waiting for engines), for dashboards and benches.
+    headers = {OVERHEAD_HEADER: f"{(time.perf_counter() - entered - engine_s) * 1000:.3f}"}
+    if not body.get("stream"):
+        return web.json_response(
+            {
+                "id": cid,
+                "object": "chat.completion",
+                "created": created,
+                "model": proxy.model_name,
+                "usage": usage,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+            },
+            headers=headers,
+        )
+    return await _stream(request, cid, created, proxy.model_name, message, finish, usage)
+
+
+async def _stream(
+    request: web.Request,
+    cid: str,
+    created: int,
+    model: str,
+    message: dict[str, Any],
+    finish: str,
+    usage: dict[str, Any],
+) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+
+    async def chunk(delta: dict[str, Any], reason: str | None = None, **extra: Any) -> None:
+        data = {
+            "id": cid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": reason}],
+            **extra,
+        }
+        await resp.write(f"data: {json.dumps(data)}\n\n".encode())
+
+    await chunk({"role": "assistant", "content": ""})
+    if message.get("content"):
+        await chunk({"content": message["content"]})
+    for i, tc in enumerate(message.get("tool_calls") or []):
+        await chunk({"tool_calls": [{"index": i, **tc}]})
+    await chunk({}, finish, usage=usage)
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+async def generate_tokens(request: web.Request) -> web.Response:
+    proxy: Proxy = request.app[PROXY]  # type: ignore[assignment]
+    run_id, role = proxy.authorize(request)
+    body = await _json(request)
+    ids = body.get("input_ids")
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+        raise BadChat("input_ids must be a non-empty list of token ids")
+    params = body.get("sampling_params") or {}
+    if not isinstance(params, dict):
+        raise BadChat("sampling_params must be an object")
+    call_id = proxy.next_call_id(run_id)
+    record, index, cached, _ = await proxy.call(run_id, role, call_id, ids, params)
+    return web.json_response(
+        {
+            "call_id": call_id,
+            "output_ids": record.output_ids.tolist(),
+            "output_logprobs": record.output_logprobs.tolist(),
+            "finish_reason": record.meta.finish_reason,
+            "cached_tokens": cached,
+            "weight_version": record.meta.policy_version,
+        }
+    )
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(text="")
+
+
+async def models(request: web.Request) -> web.Response:
+    proxy: Proxy = request.app[PROXY]  # type: ignore[assignment]
+    return web.json_response({"object": "list", "data": [{"id": proxy.model_name, "object": "model"}]})

@@ -1,0 +1,76 @@
+"""The TITO log writer: every model call, delta-encoded per run, appended with group commit.
+
+Each call is encoded against its run's trajectory tree (``trajectory.codec`` frames), queued,
+and written in one ``write`` + ``fsync`` together with every call that arrived while the
+previous write was under way (group commit: no added wait when idle, batches under load). The
+proxy answers the harness only once its call is on disk, so nothing acknowledged is ever lost.
+Opening an existing log rebuilds the runs' trees and cuts off a torn tail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+from gyre_hpc.trajectory.codec import by_run, encode_frame, read_records
+from gyre_hpc.trajectory.records import TitoRecord
+from gyre_hpc.trajectory.tree import TrajectoryTree
+
+
+class TitoLog:
+    def __init__(self, path: str | Path, fsync: bool = True) -> None:
+        self.path = Path(path)
+        self.fsync = fsync
+        self.trees: dict[str, TrajectoryTree] = {}
+        if self.path.exists():
+            read = read_records(self.path)
+            self.trees = {run: TrajectoryTree.from_encoded(recs) for run, recs in by_run(read.records)}
+            if read.torn_bytes:
+                with self.path.open("r+b") as fh:
+                    fh.truncate(self.path.stat().st_size - read.torn_bytes)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._pending: list[tuple[bytes, asyncio.Future[None]]] = []
+        self._flusher: asyncio.Task[None] | None = None
+        self.frames_written = 0
+        self.flushes = 0
+
+    def tree(self, run_id: str) -> TrajectoryTree:
+        if run_id not in self.trees:
+            self.trees[run_id] = TrajectoryTree(run_id)
+        return self.trees[run_id]
+
+    async def append(self, record: TitoRecord) -> int:
+        """Encode and queue ``record``; returns its index in its run once it is on disk."""
+        enc = self.tree(record.run_id).add(record)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending.append((encode_frame(enc), fut))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush())
+        await fut
+        return enc.index
+
+    async def _flush(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending, []
+            try:
+                await asyncio.to_thread(self._write, b"".join(frame for frame, _ in batch))
+            except OSError as err:
+                for _, fut in batch:
+                    fut.set_exception(err)
+                continue
+            self.frames_written += len(batch)
+            self.flushes += 1
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_result(None)
+
+    def _write(self, data: bytes) -> None:
+        os.write(self._fd, data)
+        if self.fsync:
+            os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -1,0 +1,231 @@
+#!/usr/bin/env python3
+"""The proxy's own cost per model call, measured side by side with direct engine calls.
+
+Both sides drive the same engine: a null engine that answers ``/generate`` after a fixed
+delay (standing in for decoding) with a fixed reply, so what differs between the columns is
+the proxy — key check, chat rendering and exact-id reuse, routing, the extra HTTP hop, TITO
+encoding and group commit (write + fsync before the reply). The proxy runs in its own
+process (``gyre-hpc proxy serve``), as in production. ``R`` concurrent runs each make ``T``
+calls of a growing multi-turn chat, with a think time between calls (the harness running
+tools). Reported per call: client-side latency percentiles, direct vs through the proxy, and
+the proxy's own time as it reports it (``X-Gyre-Proxy-Ms``: everything but waiting for the
+engine).
+
+    python tools/bench_proxy.py [--runs 64 256] [--turns 8] [--engine-ms 20] [--think-ms 200]
+
+Goal (issue 4): proxy overhead p99 ≤ 2 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+from rich.console import Console
+from rich.table import Table
+
+from gyre_hpc.models.tiny import init_tiny
+from gyre_hpc.models.tokenizer import ChatTokenizer
+from gyre_hpc.proxy.keys import KeyRing
+
+REPLY = "I will run the tests now.<|im_end|>"
+
+
+def null_engine(reply_ids: list[int], delay_s: float) -> web.Application:
+    async def generate(request: web.Request) -> web.Response:
+        body = await request.json()
+        await asyncio.sleep(delay_s)
+        return web.json_response(
+            {
+                "text": "",
+                "output_ids": reply_ids,
+                "meta_info": {
+                    "id": body.get("rid"),
+                    "prompt_tokens": len(body["input_ids"]),
+                    "completion_tokens": len(reply_ids),
+                    "cached_tokens": 0,
+                    "finish_reason": {"type": "stop", "matched": reply_ids[-1]},
+                    "weight_version": "0",
+                    "output_token_logprobs": [[-0.5, t, None] for t in reply_ids],
+                },
+            }
+        )
+
+    async def info(request: web.Request) -> web.Response:
+        return web.json_response({"tokenizer_path": request.app["model"]})
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/get_model_info", info)
+    return app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def drive(runs: int, turns: int, think_s: float, call) -> list[float]:  # noqa: ANN001
+    latencies: list[float] = []
+    rng = random.Random(0)
+
+    async def one_run(r: int) -> None:
+        await asyncio.sleep(rng.random() * think_s)  # runs do not start in lock step
+        messages = [
+            {"role": "system", "content": "You are an agent."},
+            {"role": "user", "content": f"task {r}"},
+        ]
+        for t in range(turns):
+            t0 = time.perf_counter()
+            reply = await call(r, messages)
+            latencies.append((time.perf_counter() - t0) * 1000)
+            messages = messages + [reply, {"role": "user", "content": f"tool output {t} " * 8}]
+            await asyncio.sleep(think_s * (0.5 + rng.random()))
+
+    await asyncio.gather(*(one_run(r) for r in range(runs)))
+    return latencies
+
+
+async def bench(args: argparse.Namespace, model: Path, run_dir: Path) -> list[tuple]:
+    tok = ChatTokenizer(model)
+    app = null_engine(tok.encode(REPLY), args.engine_ms / 1000)
+    app["model"] = str(model)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    engine_port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", engine_port).start()
+    engine_url = f"http://127.0.0.1:{engine_port}"
+    proxy_port = free_port()
+    proxy = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gyre_hpc",
+            "proxy",
+            "serve",
+            "--engine",
+            engine_url,
+            "--run-dir",
+            str(run_dir),
+            "--model",
+            str(model),
+            "--port",
+            str(proxy_port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    proxy_url = f"http://127.0.0.1:{proxy_port}"
+    keys = KeyRing.for_run_dir(run_dir)
+    rows = []
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            for _ in range(300):
+                try:
+                    async with session.get(proxy_url + "/health"):
+                        break
+                except aiohttp.ClientError:
+                    await asyncio.sleep(0.1)
+            overheads: list[float] = []
+
+            async def direct(r: int, messages: list[dict]) -> dict:
+                ids = tok.encode(tok.render(messages))  # what a harness without the proxy would do
+                async with session.post(
+                    engine_url + "/generate",
+                    json={
+                        "input_ids": ids,
+                        "sampling_params": {"max_new_tokens": 16},
+                        "return_logprob": True,
+                    },
+                ) as resp:
+                    await resp.json()
+                return {"role": "assistant", "content": "I will run the tests now."}
+
+            async def via_proxy(r: int, messages: list[dict]) -> dict:
+                headers = {"Authorization": f"Bearer {keys.mint(f'{label}-{r}', 'main')}"}
+                async with session.post(
+                    proxy_url + "/v1/chat/completions",
+                    headers=headers,
+                    json={"messages": messages, "max_tokens": 16},
+                ) as resp:
+                    body = await resp.json()
+                    overheads.append(float(resp.headers["X-Gyre-Proxy-Ms"]))
+                return body["choices"][0]["message"]
+
+            label = "warm"
+            await drive(8, 2, 0.01, via_proxy)
+            for runs in args.runs:
+                label, overheads = f"r{runs}", []
+                d = await drive(runs, args.turns, args.think_ms / 1000, direct)
+                p = await drive(runs, args.turns, args.think_ms / 1000, via_proxy)
+                rows.append(
+                    (
+                        runs,
+                        len(p),
+                        pct(d, 0.5),
+                        pct(p, 0.5),
+                        pct(d, 0.99),
+                        pct(p, 0.99),
+                        pct(p, 0.99) - pct(d, 0.99),
+                        pct(overheads, 0.5),
+                        pct(overheads, 0.99),
+                    )
+                )
+    finally:
+        proxy.terminate()
+        proxy.wait(10)
+        await runner.cleanup()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--engine-ms", type=float, default=20.0)
+    ap.add_argument("--think-ms", type=float, default=200.0)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = init_tiny(Path(tmp) / "tiny")
+        run_dir = Path(tmp) / "run"
+        run_dir.mkdir()
+        rows = asyncio.run(bench(args, model, run_dir))
+    table = Table(
+        title=f"per-call latency (ms): null engine {args.engine_ms:g} ms, think {args.think_ms:g} ms, "
+        f"{os.cpu_count()} cores shared by load, proxy and engine"
+    )
+    for col in (
+        "runs",
+        "calls",
+        "direct p50",
+        "proxy p50",
+        "direct p99",
+        "proxy p99",
+        "Δ p99",
+        "proxy's own p50",
+        "proxy's own p99",
+    ):
+        table.add_column(col, justify="right")
+    for row in rows:
+        table.add_row(str(row[0]), str(row[1]), *(f"{v:.2f}" for v in row[2:]))
+    Console(width=130).print(table)
+
+
+if __name__ == "__main__":
+    main()

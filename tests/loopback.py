@@ -37,6 +37,7 @@ class Stack:
         self.engine_kw = engine_kw
 
     async def __aenter__(self) -> Stack:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.engines: list[Engine] = []
         self.runners: list[web.AppRunner] = []
         self.urls: list[str] = []

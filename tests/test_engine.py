@@ -248,3 +248,22 @@ def test_readme_commands_init_tiny_serve_and_curl(tmp_path: Path) -> None:
     finally:
         server.terminate()
         server.wait(10)
+
+
+def test_sequences_of_different_lengths_decode_together(tiny: Path) -> None:
+    """Capacities differ with prompt and budget: the batch must pad, not crash."""
+
+    async def go() -> list[dict]:
+        async with Served(tiny) as client:
+            return await asyncio.gather(
+                *(
+                    client.generate(
+                        list(range(1, 2 + 37 * i)),
+                        {"max_new_tokens": 300 if i % 2 else 5, "ignore_eos": True},
+                    )
+                    for i in range(6)
+                )
+            )
+
+    outs = run(go())
+    assert [o["meta_info"]["completion_tokens"] for o in outs] == [5, 300, 5, 300, 5, 300]

@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 
 from gyre_hpc import __version__
+from gyre_hpc.cli import eval as eval_cli
 from gyre_hpc.cli import model, proxy, recipe, run, slurm, status, traj
 from gyre_hpc.errors import GyreError
 
@@ -28,6 +29,7 @@ app.command()(run.run)
 app.command()(slurm.submit)
 app.command()(status.status)
 app.command()(slurm.cancel)
+app.command(name="eval")(eval_cli.evaluate)
 app.add_typer(recipe.app, name="recipe")
 app.add_typer(traj.app, name="traj")
 app.add_typer(model.model_app, name="model")

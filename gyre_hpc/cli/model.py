@@ -17,6 +17,9 @@ engine_app = typer.Typer(help="Run an inference engine.", no_args_is_help=True)
 def init_tiny(
     model_dir: Annotated[Path, typer.Argument(help="Directory to write the model to.", show_default=False)],
     seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
+    warmstart: Annotated[
+        str | None, typer.Option(help="Warm-start on a suite's demonstrations (smoke).")
+    ] = None,
 ) -> None:
     """Write a tiny Qwen3-architecture model (random weights, local tokenizer, chat template).
 
@@ -25,8 +28,11 @@ def init_tiny(
     Example: `gyre-hpc model init-tiny models/tiny --seed 0`
     """
     from gyre_hpc.models.tiny import init_tiny as build
+    from gyre_hpc.models.warmstart import warmstart as warm
 
-    path = build(model_dir, seed)
+    if warmstart is not None and warmstart != "smoke":
+        raise GyreError(f"--warmstart {warmstart!r}: only the smoke suite has demonstrations (valid: smoke)")
+    path = warm(model_dir, warmstart, seed=seed) if warmstart else build(model_dir, seed)
     typer.echo(f"wrote {path} ({sum(f.stat().st_size for f in path.iterdir()) / 1e6:.1f} MB)")
 
 

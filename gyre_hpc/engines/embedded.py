@@ -22,6 +22,7 @@ strings. It knows nothing about chats, runs or roles.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 import uuid
@@ -38,6 +39,8 @@ from gyre_hpc.engines import kv_transfer
 from gyre_hpc.engines.sampling import BadRequest, SamplingParams, sample
 from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 from gyre_hpc.models.tokenizer import ChatTokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -262,7 +265,15 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stop:
-            if not self.step():
+            try:
+                busy = self.step()
+            except Exception as err:  # a bug must not strand every waiting request
+                log.exception("engine step failed")
+                with self.lock:
+                    for s in self.running + self.waiting:
+                        self._finish(s, {"type": "abort", "message": f"engine error: {err}"})
+                busy = False
+            if not busy:
                 self._wake.wait(0.05)
                 self._wake.clear()
 
@@ -312,6 +323,8 @@ class Engine:
         lengths = [s.length for s in batch]
         longest = max(lengths)
         b = len(batch)
+        for s in batch:
+            self._reserve(s, longest + 1)
         past = []
         for layer in range(c.num_hidden_layers):
             k = torch.stack([s.keys[layer, :, :longest] for s in batch])  # right-padded
@@ -329,13 +342,21 @@ class Engine:
             self._append_kv(seq, kv, i)
             self._emit(seq, logits[i, -1])
 
+    def _reserve(self, seq: Sequence, positions: int) -> None:
+        """Room for ``positions`` keys/values (doubling), zero beyond what the sequence holds."""
+        assert seq.keys is not None and seq.values is not None
+        cap = seq.keys.shape[2]
+        if positions > cap:
+            grow = max(cap, positions - cap)
+            seq.keys = torch.cat([seq.keys, torch.zeros_like(seq.keys[:, :, :1]).expand(-1, -1, grow, -1)], 2)
+            seq.values = torch.cat(
+                [seq.values, torch.zeros_like(seq.values[:, :, :1]).expand(-1, -1, grow, -1)], 2
+            )
+
     def _append_kv(self, seq: Sequence, kv: list[tuple[torch.Tensor, torch.Tensor]], row: int) -> None:
         assert seq.keys is not None and seq.values is not None
         t = kv[0][0].shape[2]
-        if seq.length + t > seq.keys.shape[2]:
-            grow = max(seq.keys.shape[2], t)
-            seq.keys = torch.cat([seq.keys, torch.zeros_like(seq.keys[:, :, :grow])], 2)
-            seq.values = torch.cat([seq.values, torch.zeros_like(seq.values[:, :, :grow])], 2)
+        self._reserve(seq, seq.length + t)
         for layer, (k, v) in enumerate(kv):
             seq.keys[layer, :, seq.length : seq.length + t] = k[row]
             seq.values[layer, :, seq.length : seq.length + t] = v[row]

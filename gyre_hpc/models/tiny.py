@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from gyre_hpc.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from gyre_hpc.tasks.suites import WORDS
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -63,7 +64,8 @@ def train_tokenizer() -> Tokenizer:
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    corpus = _CORPUS * 8 + [TEMPLATE]
+    # The smoke suite's words become single tokens: copying one token is what the tiny model can learn.
+    corpus = _CORPUS * 8 + [TEMPLATE] + [" ".join(WORDS), " ".join(f'"{w}"' for w in WORDS)] * 64
     tok.train_from_iterator(corpus, trainer=trainer)
     return tok
 

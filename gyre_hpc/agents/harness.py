@@ -1,0 +1,203 @@
+"""The built-in harness: one execution of a task, as a multi-turn tool-calling loop.
+
+```
+ main: [system, spec] ─▶ model ─▶ tool calls ─▶ results ─▶ model ─▶ … ─▶ finish
+          │                         └─ delegate(task) ─▶ sub-agent: [system, task] ─▶ … ─▶ sub-agent-summary
+          └─ context past the limit ─▶ main-summary ─▶ history := [system, spec, summary]
+```
+
+It talks to the model only through an OpenAI-compatible endpoint (the proxy), with one API
+key per run and role (``main``, ``main-summary``, ``sub-agent``, ``sub-agent-summary``), exactly as a
+black-box harness would. Malformed model output becomes a tool error or a nudge, never a crash;
+the execution's wall-clock limit turns it into ``timed_out``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import openai
+
+from gyre_hpc.agents.sandbox import ToolError, Workspace
+from gyre_hpc.agents.tools import MAIN_TOOLS, SPECS, SUB_AGENT_TOOLS, execute, parse_call
+from gyre_hpc.recipe.schema import AgentConfig
+from gyre_hpc.tasks.task import Task
+
+MAIN_SYSTEM = "You are a software agent working in a workspace. Use the tools; call finish when done."
+SUB_SYSTEM = "You are a sub-agent. Do the sub-task with the tools, then call finish with a short summary."
+SUMMARIZE = "Summarize the progress so far: what exists, what works, what is left. Be brief."
+NUDGE = "Reply with a tool call. Call finish when the task is done."
+
+
+@dataclass
+class Execution:
+    run_id: str
+    task_id: str
+    workspace: Path
+    status: str = "running"  # finished | timed_out | crashed
+    calls: int = 0
+    calls_by_role: dict[str, int] = field(default_factory=dict)
+    tokens: int = 0
+    """Context processed: input + output tokens summed over every model call."""
+    compactions: int = 0
+    sub_agents: int = 0
+    tool_errors: int = 0
+    summary: str = ""
+    error: str = ""
+    seconds: float = 0.0
+
+
+class _OutOfCalls(Exception):
+    pass
+
+
+class Harness:
+    def __init__(
+        self,
+        base_url: str,
+        key_for: Callable[[str, str], str],
+        config: AgentConfig,
+        sampling: dict[str, Any] | None = None,
+        model: str = "policy",
+        seed: int | None = None,
+    ) -> None:
+        self.base_url, self.key_for, self.config = base_url, key_for, config
+        self.sampling = sampling or {}
+        self.model = model
+        self.seed = seed  # with a seed, every call samples reproducibly (seeded by run and call number)
+
+    async def run(self, task: Task, workspace: Path, run_id: str) -> Execution:
+        ex = Execution(run_id, task.id, workspace)
+        clients = {
+            role: openai.AsyncOpenAI(
+                base_url=self.base_url,
+                api_key=self.key_for(run_id, role),
+                max_retries=0,
+                timeout=self.config.timeout_s,
+            )
+            for role in ("main", "main-summary", "sub-agent", "sub-agent-summary")
+        }
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(
+                self._main(task, Workspace(workspace), ex, clients),
+                timeout=task.timeout_s or self.config.timeout_s,
+            )
+        except TimeoutError:
+            ex.status = "timed_out"
+        except _OutOfCalls:
+            ex.status = "finished"
+            ex.summary = ex.summary or "stopped: model-call budget spent"
+        except (openai.APIError, OSError) as err:
+            ex.status, ex.error = "crashed", f"{type(err).__name__}: {err}"
+        finally:
+            ex.seconds = time.monotonic() - started
+            for c in clients.values():
+                await c.close()
+        return ex
+
+    async def _chat(
+        self, clients: dict, role: str, messages: list[dict], ex: Execution, tools: list[str] | None
+    ) -> Any:
+        if ex.calls >= self.config.max_calls:
+            raise _OutOfCalls
+        kwargs: dict[str, Any] = {"model": self.model, "messages": messages, **self.sampling}
+        if self.seed is not None:
+            kwargs["seed"] = zlib.crc32(f"{self.seed}:{ex.run_id}:{ex.calls}".encode()) & 0x7FFFFFFF
+        if tools:
+            kwargs["tools"] = [SPECS[t] for t in tools]
+        resp = await clients[role].chat.completions.create(**kwargs)
+        ex.calls += 1
+        ex.calls_by_role[role] = ex.calls_by_role.get(role, 0) + 1
+        if resp.usage:
+            ex.tokens += resp.usage.prompt_tokens + resp.usage.completion_tokens
+        return resp
+
+    async def _main(self, task: Task, ws: Workspace, ex: Execution, clients: dict) -> None:
+        messages = [{"role": "system", "content": MAIN_SYSTEM}, {"role": "user", "content": task.spec}]
+        while True:
+            resp = await self._chat(clients, "main", messages, ex, MAIN_TOOLS)
+            done = await self._act(resp, messages, ws, ex, task, clients, MAIN_TOOLS)
+            if done is not None:
+                ex.status, ex.summary = "finished", done
+                return
+            if (
+                resp.usage
+                and resp.usage.prompt_tokens + resp.usage.completion_tokens > self.config.context_limit_tokens
+            ):
+                summary = await self._summarize(clients, "main-summary", messages, ex, MAIN_TOOLS)
+                ex.compactions += 1
+                messages = [
+                    messages[0],
+                    messages[1],
+                    {"role": "user", "content": f"Progress so far:\n{summary}"},
+                ]
+
+    async def _act(
+        self,
+        resp: Any,
+        messages: list[dict],
+        ws: Workspace,
+        ex: Execution,
+        task: Task,
+        clients: dict,
+        allowed: list[str],
+    ) -> str | None:
+        """Append the reply and its tool results; the finish summary when the agent finished."""
+        msg = resp.choices[0].message
+        entry: dict[str, Any] = {"role": "assistant", "content": msg.content or ""}
+        if msg.tool_calls:
+            entry["tool_calls"] = [
+                {
+                    "id": tc.id,
+                    "type": "function",
+                    "function": {"name": tc.function.name, "arguments": tc.function.arguments},
+                }
+                for tc in msg.tool_calls
+            ]
+        messages.append(entry)
+        if not msg.tool_calls:
+            messages.append({"role": "user", "content": NUDGE})
+            return None
+        finished = None
+        for tc in msg.tool_calls:
+            try:
+                call = parse_call(tc.function.name, tc.function.arguments, allowed)
+                if call.name == "finish":
+                    finished = call.args.get("summary", "")
+                    result = "ok"
+                elif call.name == "delegate":
+                    result = await self._delegate(call.args["task"], ws, ex, task, clients)
+                else:
+                    result = await asyncio.to_thread(
+                        execute, call, ws, self.config.command_timeout_s, task.test_command
+                    )
+            except ToolError as err:
+                ex.tool_errors += 1
+                result = f"error: {err}"
+            messages.append({"role": "tool", "tool_call_id": tc.id, "content": result})
+        return finished
+
+    async def _delegate(self, subtask: str, ws: Workspace, ex: Execution, task: Task, clients: dict) -> str:
+        if ex.sub_agents >= self.config.max_subagents:
+            raise ToolError(f"no sub-agents left (at most {self.config.max_subagents} per execution)")
+        ex.sub_agents += 1
+        messages = [{"role": "system", "content": SUB_SYSTEM}, {"role": "user", "content": subtask}]
+        for _ in range(max(1, self.config.max_calls // 8)):
+            resp = await self._chat(clients, "sub-agent", messages, ex, SUB_AGENT_TOOLS)
+            if await self._act(resp, messages, ws, ex, task, clients, SUB_AGENT_TOOLS) is not None:
+                break
+        return await self._summarize(clients, "sub-agent-summary", messages, ex, SUB_AGENT_TOOLS)
+
+    async def _summarize(
+        self, clients: dict, role: str, messages: list[dict], ex: Execution, tools: list[str]
+    ) -> str:
+        # The same tools as the context's calls: the summary shares their prefix (and token ids).
+        resp = await self._chat(clients, role, messages + [{"role": "user", "content": SUMMARIZE}], ex, tools)
+        return resp.choices[0].message.content or "(no summary)"

@@ -1,0 +1,102 @@
+"""An execution's workspace: file access confined to it, shell commands with limits.
+
+File tools resolve every path inside the workspace (symlinks included) and refuse anything
+that leaves it. Shell commands run with the workspace as working and home directory, a
+scrubbed environment, CPU/memory/file-size limits, in their own process group, and are
+killed with the whole group at their timeout. A shell is not a security boundary: run
+untrusted agents in a container or on dedicated nodes.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ToolError(Exception):
+    """A tool call that cannot be carried out; its message goes back to the model."""
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    exit_code: int
+    output: str
+    timed_out: bool
+
+
+class Workspace:
+    def __init__(self, root: Path, max_read_bytes: int = 64_000, max_output_bytes: int = 16_000) -> None:
+        self.root = root.resolve()
+        self.max_read = max_read_bytes
+        self.max_output = max_output_bytes
+
+    def path(self, rel: str) -> Path:
+        if not isinstance(rel, str) or not rel:
+            raise ToolError("path must be a non-empty string")
+        p = (self.root / rel).resolve()
+        if not p.is_relative_to(self.root):
+            raise ToolError(f"{rel!r} is outside the workspace")
+        return p
+
+    def read(self, rel: str) -> str:
+        p = self.path(rel)
+        if not p.is_file():
+            raise ToolError(f"{rel} is not a file")
+        data = p.read_bytes()[: self.max_read]
+        return data.decode(errors="replace")
+
+    def write(self, rel: str, content: str) -> str:
+        p = self.path(rel)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(content)
+        return f"wrote {len(content.encode())} bytes to {rel}"
+
+    def listing(self, rel: str = ".") -> str:
+        p = self.path(rel)
+        if not p.is_dir():
+            raise ToolError(f"{rel} is not a directory")
+        entries = sorted(
+            str(q.relative_to(self.root)) + ("/" if q.is_dir() else "")
+            for q in p.rglob("*")
+            if ".git" not in q.parts and "__pycache__" not in q.parts
+        )
+        return "\n".join(entries[:500]) or "(empty)"
+
+    def run(self, command: str, timeout_s: float, memory_bytes: int = 2 << 30) -> CommandResult:
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": str(self.root),
+            "LANG": "C.UTF-8",
+            "TMPDIR": str(self.root),
+            "PYTHONDONTWRITEBYTECODE": "1",
+        }
+
+        def limits() -> None:
+            cpu = int(timeout_s) + 1
+            resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+            resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+            resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 20, 64 << 20))
+
+        proc = subprocess.Popen(
+            ["bash", "-c", command],
+            cwd=self.root,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=limits,
+        )
+        try:
+            out, _ = proc.communicate(timeout=timeout_s)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the command and everything it started
+            out, _ = proc.communicate()
+            timed_out = True
+        text = out[: self.max_output].decode(errors="replace")
+        return CommandResult(-9 if timed_out else proc.returncode, text, timed_out)

@@ -1,0 +1,130 @@
+"""``gyre-hpc eval RECIPE``: run a task suite against the recipe's model through the proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from gyre_hpc.agents.dispatch import Dispatcher, Outcome
+from gyre_hpc.agents.harness import Harness
+from gyre_hpc.cli.recipe import RecipeArg, SetOption, load
+from gyre_hpc.models.registry import resolve_model
+from gyre_hpc.observability.events import EventLog
+from gyre_hpc.proxy.local import LocalServing
+from gyre_hpc.recipe.schema import Recipe
+from gyre_hpc.rundir import RunDir
+from gyre_hpc.scoring import ScoringRunner, load_scorer
+from gyre_hpc.tasks.suites import load_suite
+from gyre_hpc.tasks.task import Task
+
+
+def evaluate(
+    recipe: RecipeArg,
+    set_: SetOption = None,
+    suite: Annotated[str | None, typer.Option(help="Suite name or JSONL; default: tasks.suite.")] = None,
+    n: Annotated[int | None, typer.Option(help="Tasks to run; default: tasks.eval_n.")] = None,
+    split: Annotated[str, typer.Option(help="train or heldout tasks of a built-in suite.")] = "heldout",
+) -> None:
+    """Evaluate the recipe's model on a suite: pass rate, partial scores, calls and tokens.
+
+    Engines and the proxy run on this machine; every execution goes through the proxy like a
+    black-box harness would, and its TITO log, scores and trees land in a run directory.
+
+    Example: `gyre-hpc eval recipes/smoke.toml --set run.model=tiny-warm --n 32`
+    """
+    r = load(recipe, set_)
+    tasks = load_suite(suite or r.tasks.suite, n or r.tasks.eval_n, seed=r.run.seed, split=split)
+    run_dir = RunDir.create(r.run.runs_dir, f"{r.run.name}-eval")
+    run_dir.write_recipe(r)
+    console = Console(stderr=True, soft_wrap=True)
+    console.print(
+        f"[bold]gyre-hpc eval[/] {len(tasks)} tasks of {suite or r.tasks.suite} ({split}) "
+        f"with {r.run.model} → [cyan]{run_dir.path}[/]"
+    )
+    model = resolve_model(r.run.model)
+    outcomes = asyncio.run(_run(r, model, tasks, run_dir, console))
+    summary = summarize(outcomes)
+    (run_dir.path / "executions.jsonl").write_text("".join(json.dumps(o.to_json()) + "\n" for o in outcomes))
+    (run_dir.path / "eval.json").write_text(json.dumps(summary, indent=1) + "\n")
+    table = Table(title=f"{summary['tasks']} tasks, {r.run.model}")
+    for key, value in summary.items():
+        table.add_row(key.replace("_", " "), f"{value:.3f}" if isinstance(value, float) else str(value))
+    Console().print(table)
+    console.print(f"run directory: {run_dir.path}  (trees: gyre-hpc traj show {run_dir.path})")
+
+
+async def _run(r: Recipe, model: Path, tasks: list[Task], run_dir: RunDir, console: Console) -> list[Outcome]:
+    sampling = {
+        "temperature": r.engine.temperature,
+        "top_p": r.engine.top_p,
+        "max_tokens": r.engine.max_new_tokens,
+    }
+    runners: dict[str, ScoringRunner] = {}
+
+    def scoring(task: Task) -> ScoringRunner:
+        name = task.scorer or r.scoring.scorer
+        if name not in runners:
+            config = type(r.scoring)(
+                scorer=name, max_retries=r.scoring.max_retries, timeout_s=r.scoring.timeout_s
+            )
+            runners[name] = ScoringRunner(load_scorer(config), r.scoring.max_retries)
+        return runners[name]
+
+    events = EventLog(run_dir.events)
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
+        bar = progress.add_task("executions", total=len(tasks))
+
+        def on_event(kind: str, run_id: str) -> None:
+            events.emit(kind, run=run_id)
+            if kind == "finished":
+                progress.advance(bar)
+
+        async with LocalServing(model, run_dir.path, r.cells.count, r.proxy, r.cells.capacity) as serving:
+            harness = Harness(serving.url, serving.key, r.agent, sampling, model=model.name, seed=r.run.seed)
+            dispatcher = Dispatcher(
+                harness,
+                scoring,
+                run_dir.path / "workspaces",
+                run_dir.path / "tasks",
+                r.cells.count * r.cells.capacity,
+                on_event,
+            )
+            jobs = [(f"{t.id}-g{g}", t) for t in tasks for g in range(1)]
+            outcomes = await dispatcher.run_all(jobs)
+    events.close()
+    return outcomes
+
+
+def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
+    counted = [o for o in outcomes if o.score.counts_in_group]
+    rewards = [o.score.reward or 0.0 for o in counted]
+    kinds: dict[str, int] = {}
+    for o in outcomes:
+        kinds[o.score.kind] = kinds.get(o.score.kind, 0) + 1
+    n = max(len(outcomes), 1)
+    return {
+        "tasks": len(outcomes),
+        "pass_rate": sum(1 for x in rewards if x >= 1.0) / max(len(rewards), 1),
+        "mean_score": sum(rewards) / max(len(rewards), 1),
+        "scoring": ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())),
+        "statuses": ", ".join(
+            f"{s} {sum(1 for o in outcomes if o.execution.status == s)}"
+            for s in sorted({o.execution.status for o in outcomes})
+        ),
+        "calls_per_execution": sum(o.execution.calls for o in outcomes) / n,
+        "tokens_per_execution": sum(o.execution.tokens for o in outcomes) / n,
+        "seconds_per_execution": sum(o.execution.seconds for o in outcomes) / n,
+    }

@@ -1,0 +1,259 @@
+"""Built-in task suites, generated deterministically from a seed; and the suite registry.
+
+- ``repo-mini``: build a small multi-file Python package from a spec; hidden tests; partial
+  score = fraction passing. ``repo-mini-long`` asks for dozens of functions.
+- ``terminal-mini``: multi-step shell / configuration tasks checked on the end state, with
+  milestones for partial credit.
+- ``smoke``: one-file tasks sized so the tiny CPU model can learn them.
+
+``split="heldout"`` draws from a separate random stream, so evaluation tasks are not the
+training tasks.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+from gyre_hpc.errors import GyreError
+from gyre_hpc.tasks.task import Task, load_jsonl
+
+# name, parameters, what it does, hidden assertions (the first one is also a visible test)
+FUNCTIONS: list[tuple[str, str, str, list[str]]] = [
+    ("add", "a, b", "returns a + b", ["add(2, 3) == 5", "add(-1, 1) == 0", "add(0, 0) == 0"]),
+    ("sub", "a, b", "returns a - b", ["sub(5, 3) == 2", "sub(0, 4) == -4"]),
+    ("mul", "a, b", "returns a * b", ["mul(2, 3) == 6", "mul(-2, 4) == -8"]),
+    (
+        "clamp",
+        "x, lo, hi",
+        "returns x limited to the range [lo, hi]",
+        ["clamp(5, 0, 3) == 3", "clamp(-1, 0, 3) == 0", "clamp(2, 0, 3) == 2"],
+    ),
+    (
+        "is_prime",
+        "n",
+        "returns True when n is a prime number",
+        ["is_prime(7)", "not is_prime(8)", "not is_prime(1)", "is_prime(2)"],
+    ),
+    (
+        "fib",
+        "n",
+        "returns the n-th Fibonacci number, fib(0) == 0 and fib(1) == 1",
+        ["fib(0) == 0", "fib(1) == 1", "fib(10) == 55"],
+    ),
+    ("factorial", "n", "returns n!", ["factorial(0) == 1", "factorial(5) == 120"]),
+    ("gcd", "a, b", "returns the greatest common divisor", ["gcd(12, 18) == 6", "gcd(7, 5) == 1"]),
+    (
+        "reverse_words",
+        "s",
+        "returns the words of s in reverse order joined by single spaces",
+        ["reverse_words('a b c') == 'c b a'", "reverse_words('hi') == 'hi'"],
+    ),
+    (
+        "count_vowels",
+        "s",
+        "returns how many of the letters of s are vowels (aeiou, any case)",
+        ["count_vowels('hello') == 2", "count_vowels('AEIOU') == 5", "count_vowels('xyz') == 0"],
+    ),
+    (
+        "is_palindrome",
+        "s",
+        "returns True when s reads the same backwards, ignoring case",
+        ["is_palindrome('Level')", "not is_palindrome('abc')"],
+    ),
+    (
+        "flatten",
+        "xs",
+        "flattens one level of nesting of a list of lists",
+        ["flatten([[1, 2], [3]]) == [1, 2, 3]", "flatten([]) == []"],
+    ),
+    (
+        "chunk",
+        "xs, n",
+        "splits the list xs into consecutive lists of length n (the last may be shorter)",
+        ["chunk([1, 2, 3], 2) == [[1, 2], [3]]", "chunk([], 3) == []"],
+    ),
+    (
+        "dedupe",
+        "xs",
+        "removes repeated items, keeping the first of each",
+        ["dedupe([1, 2, 1, 3, 2]) == [1, 2, 3]", "dedupe([]) == []"],
+    ),
+    (
+        "mean",
+        "xs",
+        "returns the arithmetic mean of a non-empty list",
+        ["mean([1, 2, 3]) == 2", "mean([4]) == 4"],
+    ),
+    (
+        "word_count",
+        "s",
+        "returns a dict mapping each word of s to how often it occurs",
+        ["word_count('a b a') == {'a': 2, 'b': 1}", "word_count('') == {}"],
+    ),
+    (
+        "caesar",
+        "s, k",
+        "shifts every lower-case letter of s by k places in the alphabet, wrapping around",
+        ["caesar('abc', 1) == 'bcd'", "caesar('xyz', 3) == 'abc'"],
+    ),
+    (
+        "to_snake",
+        "s",
+        "converts CamelCase to snake_case",
+        ["to_snake('HelloWorld') == 'hello_world'", "to_snake('A') == 'a'"],
+    ),
+    (
+        "running_sum",
+        "xs",
+        "returns the list of prefix sums of xs",
+        ["running_sum([1, 2, 3]) == [1, 3, 6]", "running_sum([]) == []"],
+    ),
+    (
+        "maximum",
+        "xs",
+        "returns the largest item of a non-empty list without using max()",
+        ["maximum([3, 9, 2]) == 9", "maximum([-5]) == -5"],
+    ),
+]
+
+
+def repo_mini(n: int, seed: int, size: tuple[int, int] = (2, 6)) -> list[Task]:
+    rng = random.Random(seed)
+    tasks = []
+    for i in range(n):
+        chosen = rng.sample(FUNCTIONS, min(rng.randint(*size), len(FUNCTIONS)))
+        modules: dict[str, list] = {}
+        for j, fn in enumerate(chosen):
+            modules.setdefault(f"part{j // 4}", []).append(fn)
+        lines = [
+            f"Create a Python package `pkg{i}` (a directory pkg{i}/ with __init__.py) with these modules:"
+        ]
+        hidden, visible, count = {}, {}, 0
+        for mod, fns in modules.items():
+            lines.append(
+                f"- pkg{i}/{mod}.py: "
+                + "; ".join(f"{name}({params}) {what}" for name, params, what, _ in fns)
+            )
+            # Imports inside each test: a missing function fails its tests only (partial credit).
+            tests = [
+                f"def test_{name}_{t}():\n    from pkg{i}.{mod} import {name}\n    assert {a}\n"
+                for name, _, _, asserts in fns
+                for t, a in enumerate(asserts)
+            ]
+            count += len(tests)
+            hidden[f"test_{mod}.py"] = "\n\n".join(tests)
+            visible[f"test_{mod}.py"] = "\n\n".join(
+                f"def test_{name}():\n    from pkg{i}.{mod} import {name}\n    assert {asserts[0]}\n"
+                for name, _, _, asserts in fns
+            )
+        lines.append("Run the visible tests with run_tests, then call finish.")
+        tasks.append(
+            Task(
+                id=f"repo-mini-{seed}-{i}",
+                spec="\n".join(lines),
+                scorer="hidden-tests",
+                hidden_tests=hidden,
+                hidden_test_count=count,
+                visible_tests=visible,
+            )
+        )
+    return tasks
+
+
+def terminal_mini(n: int, seed: int) -> list[Task]:
+    rng = random.Random(seed)
+    tasks = []
+    for i in range(n):
+        d, port, word = f"srv{rng.randint(1, 99)}", rng.choice([8080, 8443, 9000, 5432]), rng.choice(WORDS)
+        spec = (
+            f"Set up a service directory: create {d}/config/app.ini containing the line `port = {port}`, "
+            f"create {d}/run.sh that prints `{word}` and make it executable, create {d}/logs/ "
+            f"and write the number of files in {d}/config into {d}/logs/count.txt. Then call finish."
+        )
+        milestones = [
+            {"weight": 1, "file_exists": f"{d}/config/app.ini"},
+            {"weight": 2, "file_contains": [f"{d}/config/app.ini", f"port = {port}"]},
+            {"weight": 1, "command": f"test -x {d}/run.sh"},
+            {"weight": 2, "command": f"bash {d}/run.sh | grep -qx {word}"},
+            {"weight": 2, "file_contains": [f"{d}/logs/count.txt", "1"]},
+        ]
+        tasks.append(
+            Task(id=f"terminal-mini-{seed}-{i}", spec=spec, scorer="milestones", milestones=milestones)
+        )
+    return tasks
+
+
+WORDS = [
+    "apple",
+    "river",
+    "stone",
+    "cloud",
+    "tiger",
+    "maple",
+    "ocean",
+    "piano",
+    "lemon",
+    "robot",
+    "candle",
+    "forest",
+    "silver",
+    "planet",
+    "garden",
+    "window",
+    "rocket",
+    "bridge",
+    "castle",
+    "pepper",
+]
+
+
+SMOKE_PHRASINGS = [
+    "Write the word done to answer.txt, then call finish.",
+    "Put the word done into the file answer.txt and call finish.",
+    "Create answer.txt containing the word done, then call finish.",
+    "The file answer.txt must contain the word done. Call finish afterwards.",
+]
+
+
+def smoke(n: int, seed: int) -> list[Task]:
+    """Write ``done`` to answer.txt, phrased four ways: what a ~1M-parameter model can learn on a CPU.
+
+    (Copying a word chosen by the prompt into the tool call proved too hard for the tiny model
+    in minutes of training; choosing the right file is what RL improves here.)
+    """
+    rng = random.Random(seed)
+    return [
+        Task(
+            id=f"smoke-{seed}-{i}",
+            spec=rng.choice(SMOKE_PHRASINGS),
+            scorer="milestones",
+            milestones=[
+                {"weight": 1, "file_exists": "answer.txt"},
+                {"weight": 3, "command": "grep -qx done answer.txt"},
+            ],
+        )
+        for i in range(n)
+    ]
+
+
+SUITES: dict[str, Callable[[int, int], list[Task]]] = {
+    "smoke": smoke,
+    "repo-mini": repo_mini,
+    "repo-mini-long": lambda n, seed: repo_mini(n, seed, size=(16, 20)),
+    "terminal-mini": terminal_mini,
+}
+HELDOUT_OFFSET = 1_000_003
+
+
+def load_suite(name: str, n: int, seed: int = 0, split: str = "train") -> list[Task]:
+    """``n`` tasks of a built-in suite (train or held-out split), or of a JSONL file (all if n ≤ 0)."""
+    if name in SUITES:
+        return SUITES[name](n, seed + (HELDOUT_OFFSET if split == "heldout" else 0))
+    if name.endswith(".jsonl") or Path(name).exists():
+        tasks = load_jsonl(name)
+        return tasks if n <= 0 else tasks[:n]
+    raise GyreError(
+        f"tasks.suite = {name!r} is neither a built-in suite ({', '.join(SUITES)}) nor a JSONL file"
+    )

@@ -1,0 +1,137 @@
+"""A task, and the external suite format (JSONL) users bring their own tasks in.
+
+One task per line::
+
+    {"id": "calc-1",
+     "spec": "Create a package `calc` with add(a, b) ...",            # natural language
+     "seed": {"files": {"README.md": "..."}} | {"dir": "seeds/calc"}, # workspace seed (optional)
+     "scorer": "hidden-tests" | "milestones" | "package.module:Class",
+     "hidden_tests": {"files": {"test_calc.py": "..."}} | {"dir": "hidden/calc"},
+     "hidden_test_count": 12,                                          # optional
+     "visible_tests": {"files": {...}} | {"dir": ...},                 # copied into tests_visible/
+     "milestones": [{"weight": 1, "file_exists": "out.txt"}, ...],    # for the milestones scorer
+     "timeout_s": 1800}
+
+``dir`` paths are relative to the JSONL file. Unknown keys are refused with the list of valid
+ones, so a misspelt key never silently drops a verifier.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from gyre_hpc.errors import GyreError
+
+VISIBLE_DIR = "tests_visible"
+
+
+@dataclass(frozen=True)
+class Task:
+    id: str
+    spec: str
+    scorer: str = ""
+    """Scorer name or module:Class; empty: the recipe's ``scoring.scorer``."""
+    seed: dict[str, str] = field(default_factory=dict)
+    hidden_tests: dict[str, str] = field(default_factory=dict)
+    hidden_test_count: int = 0
+    visible_tests: dict[str, str] = field(default_factory=dict)
+    milestones: list[dict[str, Any]] = field(default_factory=list)
+    timeout_s: float | None = None
+
+    @property
+    def test_command(self) -> str | None:
+        return f"python -m pytest -q {VISIBLE_DIR}" if self.visible_tests else None
+
+    def materialize(self, workspace: Path) -> None:
+        """Lay out the workspace seed (and visible tests) for one execution."""
+        workspace.mkdir(parents=True, exist_ok=True)
+        for rel, content in self.seed.items():
+            _write(workspace / rel, content)
+        for rel, content in self.visible_tests.items():
+            _write(workspace / VISIBLE_DIR / rel, content)
+
+    def verifier(self, task_dir: Path) -> dict[str, Any]:
+        """What the scorer needs, with hidden tests written where the agent cannot see them."""
+        out: dict[str, Any] = {
+            "id": self.id,
+            "milestones": self.milestones,
+            "hidden_test_count": self.hidden_test_count,
+        }
+        if self.hidden_tests:
+            hidden = task_dir / self.id / "hidden"
+            if not hidden.exists():
+                for rel, content in self.hidden_tests.items():
+                    _write(hidden / rel, content)
+            out["hidden_tests"] = str(hidden)
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"id": self.id, "spec": self.spec, "scorer": self.scorer}
+        for key in ("seed", "hidden_tests", "visible_tests"):
+            if getattr(self, key):
+                d[key] = {"files": getattr(self, key)}
+        for key in ("hidden_test_count", "milestones", "timeout_s"):
+            if getattr(self, key):
+                d[key] = getattr(self, key)
+        return d
+
+
+def _write(path: Path, content: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(content)
+
+
+_VALID = [f.name for f in fields(Task)]
+
+
+def task_from_json(d: Mapping[str, Any], base: Path, where: str) -> Task:
+    unknown = set(d) - set(_VALID)
+    if unknown:
+        raise GyreError(
+            f"{where}: unknown key(s) {', '.join(sorted(unknown))}; valid keys: {', '.join(_VALID)}"
+        )
+    for key in ("id", "spec"):
+        if not isinstance(d.get(key), str) or not d[key]:
+            raise GyreError(f"{where}: {key} must be a non-empty string")
+    values = dict(d)
+    for key in ("seed", "hidden_tests", "visible_tests"):
+        if key in values:
+            values[key] = _files(values[key], base, f"{where}: {key}")
+    return Task(**values)
+
+
+def _files(spec: Any, base: Path, where: str) -> dict[str, str]:
+    if isinstance(spec, dict) and isinstance(spec.get("files"), dict):
+        return {str(k): str(v) for k, v in spec["files"].items()}
+    if isinstance(spec, dict) and isinstance(spec.get("dir"), str):
+        root = (base / spec["dir"]).resolve()
+        if not root.is_dir():
+            raise GyreError(f"{where}: directory {root} does not exist")
+        return {str(p.relative_to(root)): p.read_text() for p in sorted(root.rglob("*")) if p.is_file()}
+    raise GyreError(f'{where}: expected {{"files": {{path: content}}}} or {{"dir": "relative/path"}}')
+
+
+def load_jsonl(path: str | Path) -> list[Task]:
+    path = Path(path)
+    tasks = []
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise GyreError(f"{path}: no such task suite") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise GyreError(f"{path}:{n}: not JSON ({err.msg})") from None
+        tasks.append(task_from_json(d, path.parent, f"{path}:{n}"))
+    return tasks
+
+
+def write_jsonl(path: str | Path, tasks: list[Task]) -> None:
+    Path(path).write_text("".join(json.dumps(t.to_json()) + "\n" for t in tasks))

@@ -1,0 +1,238 @@
+"""The harness and its tools: limits, confinement, malformed calls, timeouts, placeholders."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+from loopback import Stack
+
+from gyre_hpc.agents.dispatch import Dispatcher, artifacts
+from gyre_hpc.agents.harness import Harness
+from gyre_hpc.agents.sandbox import ToolError, Workspace
+from gyre_hpc.agents.tools import MAIN_TOOLS, execute, parse_call
+from gyre_hpc.errors import GyreError
+from gyre_hpc.models.tiny import init_tiny
+from gyre_hpc.recipe.schema import AgentConfig, ScoringConfig
+from gyre_hpc.scoring import ScoringRunner, load_scorer
+from gyre_hpc.tasks.suites import load_suite, repo_mini
+from gyre_hpc.tasks.task import Task, load_jsonl, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_tiny(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+def test_a_runaway_command_is_killed_at_its_timeout(tmp_path: Path) -> None:
+    ws = Workspace(tmp_path)
+    started = time.monotonic()
+    result = ws.run("sleep 30 & sleep 30; echo never", timeout_s=1)
+    assert result.timed_out and time.monotonic() - started < 5
+    assert "never" not in result.output
+    out = execute(parse_call("run_shell", json.dumps({"command": "sleep 30"}), MAIN_TOOLS), ws, 1, None)
+    assert out.startswith("timed out after 1 s (killed)")
+
+
+def test_writing_outside_the_workspace_is_refused(tmp_path: Path) -> None:
+    ws_dir = tmp_path / "ws"
+    ws_dir.mkdir()
+    (ws_dir / "escape").symlink_to(tmp_path)
+    ws = Workspace(ws_dir)
+    for path in ("../x.txt", "/etc/gyre-x", "escape/x.txt", "a/../../x.txt"):
+        with pytest.raises(ToolError, match="outside the workspace"):
+            execute(
+                parse_call("write_file", json.dumps({"path": path, "content": "x"}), MAIN_TOOLS), ws, 5, None
+            )
+    assert not (tmp_path / "x.txt").exists()
+    assert (
+        execute(
+            parse_call("write_file", json.dumps({"path": "a/b.txt", "content": "hi"}), MAIN_TOOLS),
+            ws,
+            5,
+            None,
+        )
+        == "wrote 2 bytes to a/b.txt"
+    )
+    assert ws.read("a/b.txt") == "hi"
+
+
+@pytest.mark.parametrize(
+    ("name", "arguments", "message"),
+    [
+        ("rm_rf", "{}", "unknown tool 'rm_rf'; valid tools: read_file, write_file"),
+        ("write_file", '{"path": "a.txt", "content": ', "arguments of write_file are not valid JSON"),
+        ("write_file", '["a.txt"]', "arguments of write_file must be a JSON object"),
+        ("write_file", '{"path": "a.txt"}', "write_file takes {path: string, content: string}"),
+        ("read_file", '{"path": 3}', "read_file takes {path: string}"),
+        ("delegate", '{"task": "x"}', "unknown tool 'delegate'"),  # a sub-agent cannot delegate
+    ],
+)
+def test_malformed_tool_calls_become_tool_errors(name: str, arguments: str, message: str) -> None:
+    allowed = [t for t in MAIN_TOOLS if t != "delegate"] if name == "delegate" else MAIN_TOOLS
+    with pytest.raises(ToolError, match=message.replace("{", r"\{").replace("(", r"\(")):
+        parse_call(name, arguments, allowed)
+
+
+def test_the_harness_survives_a_random_policy(tiny: Path, tmp_path: Path) -> None:
+    """An untrained model emits anything: every call becomes a nudge or a tool error, never a crash."""
+
+    async def go():  # noqa: ANN202
+        async with Stack(tiny, tmp_path / "run") as stack:
+            harness = Harness(
+                stack.url + "/v1",
+                lambda run, role: stack.key(run, role),
+                AgentConfig(max_calls=4, timeout_s=60),
+                {"max_tokens": 24},
+            )
+            task = repo_mini(1, seed=0)[0]
+            task.materialize(tmp_path / "ws")
+            return await harness.run(task, tmp_path / "ws", "random-1")
+
+    ex = asyncio.run(go())
+    assert ex.status == "finished" and ex.calls == 4 and ex.summary == "stopped: model-call budget spent"
+    assert ex.tokens > 4 * 500  # the system prompt with tools alone is ~1000 tokens per call
+
+
+def test_a_timed_out_execution_gets_partial_credit(tiny: Path, tmp_path: Path) -> None:
+    task = Task(
+        id="calc",
+        spec="Implement add and sub in calc.py.",
+        scorer="hidden-tests",
+        seed={"calc.py": "def add(a, b):\n    return a + b\n"},  # half done when time runs out
+        hidden_tests={
+            "test_calc.py": "def test_add():\n    from calc import add\n    assert add(1, 2) == 3\n\n"
+            "def test_sub():\n    from calc import sub\n    assert sub(3, 1) == 2\n"
+        },
+        hidden_test_count=2,
+    )
+
+    async def go():  # noqa: ANN202
+        async with Stack(tiny, tmp_path / "run") as stack:
+            harness = Harness(
+                stack.url + "/v1",
+                lambda run, role: stack.key(run, role),
+                AgentConfig(max_calls=1000, timeout_s=1.5),
+                {"max_tokens": 16},
+            )
+            scoring = ScoringRunner(load_scorer(ScoringConfig(scorer="hidden-tests")), max_retries=1)
+            dispatcher = Dispatcher(harness, lambda t: scoring, tmp_path / "ws", tmp_path / "tasks", 2)
+            return await dispatcher.run_all([("slow-1", task)])
+
+    (outcome,) = asyncio.run(go())
+    assert outcome.execution.status == "timed_out"
+    assert (outcome.score.kind, outcome.score.reward) == ("partial", 0.5)
+
+
+def test_an_infrastructure_failure_yields_a_placeholder(tmp_path: Path) -> None:
+    harness = Harness("http://127.0.0.1:9/v1", lambda run, role: "gy-x.y", AgentConfig(timeout_s=10))
+    task = load_suite("smoke", 1)[0]
+    task.materialize(tmp_path / "ws")
+    ex = asyncio.run(harness.run(task, tmp_path / "ws", "down-1"))
+    assert ex.status == "crashed" and ex.calls == 0 and "Connection" in ex.error
+    runner = ScoringRunner(load_scorer(ScoringConfig(scorer="milestones")), max_retries=1)
+    score = runner.score(artifacts(ex, task, tmp_path / "tasks"))
+    assert (score.kind, score.reward, score.counts_in_group) == ("placeholder", 0.0, True)
+
+
+def test_external_jsonl_round_trips_with_an_example(tmp_path: Path) -> None:
+    (tmp_path / "seeds" / "calc").mkdir(parents=True)
+    (tmp_path / "seeds" / "calc" / "README.md").write_text("# calc\n")
+    (tmp_path / "suite.jsonl").write_text(
+        json.dumps(
+            {
+                "id": "calc-1",
+                "spec": "Write calc.add.",
+                "scorer": "hidden-tests",
+                "seed": {"dir": "seeds/calc"},
+                "hidden_tests": {
+                    "files": {
+                        "test_calc.py": "from calc import add\n\ndef test_add():\n    assert add(1, 1) == 2\n"
+                    }
+                },
+                "hidden_test_count": 1,
+                "timeout_s": 600,
+            }
+        )
+        + "\n"
+    )
+    (task,) = load_jsonl(tmp_path / "suite.jsonl")
+    assert task.seed == {"README.md": "# calc\n"} and task.timeout_s == 600
+    write_jsonl(tmp_path / "again.jsonl", [task])
+    assert load_jsonl(tmp_path / "again.jsonl") == [task]
+    assert load_suite(str(tmp_path / "suite.jsonl"), 0) == [task]
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"id": "x", "spec": "y", "hidden_test": {}}) + "\n")
+    with pytest.raises(GyreError, match="bad.jsonl:1: unknown key\\(s\\) hidden_test; valid keys: id, spec"):
+        load_jsonl(tmp_path / "bad.jsonl")
+
+
+def test_built_in_suites_are_deterministic_and_split() -> None:
+    assert load_suite("repo-mini", 3, seed=1) == load_suite("repo-mini", 3, seed=1)
+    train, held = load_suite("smoke", 50, split="train"), load_suite("smoke", 50, split="heldout")
+    assert {t.id for t in train}.isdisjoint({t.id for t in held})
+    long = load_suite("repo-mini-long", 1)[0]
+    assert long.hidden_test_count >= 30 and "part3.py" in long.spec
+    with pytest.raises(GyreError, match="neither a built-in suite \\(smoke, repo-mini"):
+        load_suite("nl2repo", 1)
+
+
+def test_warm_start_is_deterministic_for_a_seed(tmp_path: Path) -> None:
+    import hashlib
+
+    from gyre_hpc.models.warmstart import warmstart
+
+    digests = [
+        hashlib.sha256(
+            (warmstart(tmp_path / f"w{i}", seed=3, steps=2) / "model.safetensors").read_bytes()
+        ).hexdigest()
+        for i in range(2)
+    ]
+    assert digests[0] == digests[1]
+
+
+def test_eval_cli_runs_a_suite_through_the_proxy(tiny: Path, tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = {**os.environ, "GYRE_CACHE": str(tmp_path / "cache"), "COLUMNS": "200"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gyre_hpc",
+            "eval",
+            "recipes/smoke.toml",
+            "--n",
+            "3",
+            "--set",
+            f"run.model={tiny}",
+            "--set",
+            f"run.runs_dir={tmp_path}",
+            "--set",
+            "agent.max_calls=3",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "pass rate" in proc.stdout and "calls per execution" in proc.stdout
+    (run_dir,) = tmp_path.glob("smoke-eval-*")
+    lines = (run_dir / "executions.jsonl").read_text().splitlines()
+    assert len(lines) == 3 and all(json.loads(line)["score"]["kind"] == "scored" for line in lines)
+    shown = subprocess.run(
+        [sys.executable, "-m", "gyre_hpc", "traj", "show", str(run_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert shown.returncode == 0 and shown.stdout.count(" calls · ") == 3

@@ -267,3 +267,35 @@ def test_sequences_of_different_lengths_decode_together(tiny: Path) -> None:
 
     outs = run(go())
     assert [o["meta_info"]["completion_tokens"] for o in outs] == [5, 300, 5, 300, 5, 300]
+
+
+@pytest.mark.gpu
+def test_real_sglang_server_answers_like_the_embedded_engine(tiny: Path, tmp_path: Path) -> None:
+    """Opt-in: where SGLang and a GPU exist, the same client drives the real server."""
+    pytest.importorskip("sglang")
+    from gyre_hpc.engines.sglang import SGLangServer
+
+    server = SGLangServer(
+        EngineConfig(mem_fraction_static=0.3, enable_memory_saver=True),
+        str(tiny),
+        30791,
+        tmp_path / "sglang.log",
+    )
+    client = server.start(timeout_s=900)
+
+    async def go() -> tuple[dict, dict]:
+        async with client:
+            out = await client.generate([1, 2, 3], {"max_new_tokens": 8, "temperature": 0})
+            await client.pause("abort")
+            await client.continue_()
+            await client.begin_weight_update()
+            await client.end_weight_update()
+            reply = await client.update_weights_from_disk(str(tiny), "1")
+            return out, reply
+
+    try:
+        out, reply = run(go())
+    finally:
+        server.stop()
+    assert len(out["output_ids"]) == len(out["meta_info"]["output_token_logprobs"]) <= 8
+    assert reply["success"]

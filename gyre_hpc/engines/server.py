@@ -58,7 +58,8 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return web.json_response({"error": {"message": str(err), "code": 400}}, status=400)
 
 
-async def _body(request: web.Request) -> dict[str, Any]:
+async def read_json_object(request: web.Request) -> dict[str, Any]:
+    """The request body as a JSON object (empty when there is none), else ``BadRequest``."""
     if not request.can_read_body:
         return {}
     try:
@@ -71,7 +72,7 @@ async def _body(request: web.Request) -> dict[str, Any]:
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    engine, body = request.app[ENGINE], await _body(request)
+    engine, body = request.app[ENGINE], await read_json_object(request)
     if request.app[STATE]["released"]:
         return web.json_response(
             {"error": {"message": "memory released; resume first", "code": 503}}, status=503
@@ -172,13 +173,13 @@ async def _stream(
 
 
 async def abort_request(request: web.Request) -> web.Response:
-    body = await _body(request)
+    body = await read_json_object(request)
     n = request.app[ENGINE].abort(body.get("rid"), bool(body.get("abort_all", False)))
     return web.json_response({"success": True, "aborted": n})
 
 
 async def pause_generation(request: web.Request) -> web.Response:
-    body = await _body(request)
+    body = await read_json_object(request)
     request.app[ENGINE].pause(body.get("mode", "abort"))
     return web.json_response({"success": True})
 
@@ -220,7 +221,7 @@ async def model_info(request: web.Request) -> web.Response:
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
-    engine, body = request.app[ENGINE], await _body(request)
+    engine, body = request.app[ENGINE], await read_json_object(request)
     if "model_path" not in body:
         raise BadRequest("model_path is required")
     if body.get("abort_all_requests"):
@@ -241,7 +242,7 @@ async def resume_memory(request: web.Request) -> web.Response:
 
 
 async def export_kv(request: web.Request) -> web.Response:
-    body = await _body(request)
+    body = await read_json_object(request)
     got = request.app[ENGINE].export_kv(str(body.get("rid")))
     if got is None:
         raise BadRequest(f"no running request {body.get('rid')!r}")
@@ -258,7 +259,7 @@ async def kv_bytes(request: web.Request) -> web.Response:
 
 
 async def import_kv(request: web.Request) -> web.Response:
-    body = await _body(request)
+    body = await read_json_object(request)
     if not body.get("source") or not body.get("handle"):
         raise BadRequest("import_kv needs source and handle")
     data = await request.app[TRANSFER].fetch(body["source"], body["handle"])  # type: ignore[attr-defined]
@@ -267,7 +268,7 @@ async def import_kv(request: web.Request) -> web.Response:
 
 
 async def release_kv(request: web.Request) -> web.Response:
-    body = await _body(request)
+    body = await read_json_object(request)
     request.app[ENGINE].release_kv(str(body.get("handle")))
     return web.json_response({"success": True})
 

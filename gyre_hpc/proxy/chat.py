@@ -22,13 +22,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gyre_hpc.engines.sampling import BadRequest
 from gyre_hpc.models.tokenizer import ChatTokenizer
 from gyre_hpc.trajectory.tree import TrajectoryTree
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
-class BadChat(ValueError):
+class BadChat(BadRequest):
     """A chat request that does not fit the API (HTTP 400)."""
 
 

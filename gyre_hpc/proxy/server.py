@@ -22,6 +22,8 @@ from typing import Any
 
 from aiohttp import web
 
+from gyre_hpc.engines.sampling import BadRequest
+from gyre_hpc.engines.server import read_json_object
 from gyre_hpc.models.tokenizer import ChatTokenizer
 from gyre_hpc.proxy.chat import BadChat, RunChats, check_messages, parse_reply
 from gyre_hpc.proxy.keys import KeyRing
@@ -122,7 +124,7 @@ class Proxy:
 async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         return await handler(request)
-    except BadChat as err:
+    except BadRequest as err:  # malformed JSON, or a chat that does not fit the API
         return web.Response(text=_error(str(err), 400), status=400, content_type="application/json")
     except NoEngine as err:
         return web.Response(text=_error(str(err), 503), status=503, content_type="application/json")
@@ -138,16 +140,6 @@ def _error(message: str, code: int) -> str:
             }
         }
     )
-
-
-async def _json(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except json.JSONDecodeError as err:
-        raise BadChat(f"request body is not JSON: {err}") from None
-    if not isinstance(body, dict):
-        raise BadChat("request body must be a JSON object")
-    return body
 
 
 def _sampling(body: dict[str, Any]) -> dict[str, Any]:
@@ -171,7 +163,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     entered = time.perf_counter()
     proxy: Proxy = request.app[PROXY]  # type: ignore[assignment]
     run_id, role = proxy.authorize(request)
-    body = await _json(request)
+    body = await read_json_object(request)
     messages = check_messages(body.get("messages"))
     tools = body.get("tools") or None
     if tools is not None and not isinstance(tools, list):
@@ -250,7 +242,7 @@ async def _stream(
 async def generate_tokens(request: web.Request) -> web.Response:
     proxy: Proxy = request.app[PROXY]  # type: ignore[assignment]
     run_id, role = proxy.authorize(request)
-    body = await _json(request)
+    body = await read_json_object(request)
     ids = body.get("input_ids")
     if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
         raise BadChat("input_ids must be a non-empty list of token ids")

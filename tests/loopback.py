@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +117,3 @@ def tool_calling_model(path: Path, seed: int = 0, steps: int = 200, turns: int =
     save_weights(model.eval(), path / "model.safetensors")
     return path
 
-
-def dump(obj: Any) -> str:
-    return json.dumps(obj)

@@ -40,5 +40,12 @@ while kill -0 "$srun_pid" 2>/dev/null; do
   fi
 done
 [ -n "$rc" ] || { wait "$srun_pid"; rc=$?; }
+# The same plugin can also crash srun itself at teardown ("double free", SIGABRT) after every rank
+# ended: when each rank left its code, those codes are the truth.
+if [ -z "$interrupted" ] && [ "$(find "$RUN_DIR/ranks" -name '*.exit' | wc -l)" -ge @{world_size} ]; then
+  ranks_rc=$(cat "$RUN_DIR"/ranks/*.exit | sort -n | tail -n 1)
+  [ "$ranks_rc" = "$rc" ] || echo "gyre-hpc: srun exited $rc after every rank had ended ($ranks_rc)" >&2
+  rc=$ranks_rc
+fi
 "$PYTHON" -m gyre_hpc.launch.outcome "$RUN_DIR" "$rc" "${interrupted:-ended}" "$RUN_DIR/logs/slurm.out"
 exit "$rc"

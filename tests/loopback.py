@@ -116,4 +116,3 @@ def tool_calling_model(path: Path, seed: int = 0, steps: int = 200, turns: int =
         opt.step()
     save_weights(model.eval(), path / "model.safetensors")
     return path
-

@@ -50,28 +50,26 @@ def test_dry_run_submits_nothing(tmp_path: Path) -> None:
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.slow
-def test_script_stops_an_srun_that_outlives_every_rank(tmp_path: Path) -> None:
-    """Slurm 22.05 + pmix sometimes leaves srun hanging after all tasks exited: the script must not."""
-    from gyre_hpc.observability.events import read_events
+def run_script_with_fake_srun(
+    tmp_path: Path, srun_body: str
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """Run the rendered script with ``srun`` replaced at the subprocess boundary."""
     from gyre_hpc.rundir import RunDir
 
-    run = RunDir.create(tmp_path, "hang")
+    run = RunDir.create(tmp_path, "fake")
     r = load_recipe(REPO / "recipes" / "smoke.toml")
     script = tmp_path / "job.sh"
     script.write_text(
         render_sbatch(
-            r.slurm, Layout.from_config(r.cells), job_name="hang", run_dir=run.path, python=sys.executable
+            r.slurm, Layout.from_config(r.cells), job_name="fake", run_dir=run.path, python=sys.executable
         )
     )
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    fake_srun = bin_dir / "srun"  # the subprocess boundary: every rank ends, srun never returns
-    fake_srun.write_text(
-        f"#!/bin/bash\nfor r in 0 1 2; do echo 0 > {run.ranks}/rank-$r.exit; done\nexec sleep 600\n"
+    (bin_dir / "srun").write_text(
+        f"#!/bin/bash\nfor r in 0 1 2; do echo 0 > {run.ranks}/rank-$r.exit; done\n{srun_body}\n"
     )
-    fake_srun.chmod(0o755)
-    started = time.monotonic()
+    (bin_dir / "srun").chmod(0o755)
     proc = subprocess.run(
         ["bash", str(script)],
         capture_output=True,
@@ -79,7 +77,27 @@ def test_script_stops_an_srun_that_outlives_every_rank(tmp_path: Path) -> None:
         timeout=60,
         env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"},
     )
+    return proc, run.events
+
+
+@pytest.mark.slow
+def test_script_stops_an_srun_that_outlives_every_rank(tmp_path: Path) -> None:
+    """Slurm 22.05 + pmix sometimes leaves srun hanging after all tasks exited: the script must not."""
+    from gyre_hpc.observability.events import read_events
+
+    started = time.monotonic()
+    proc, events = run_script_with_fake_srun(tmp_path, "exec sleep 600")
     assert proc.returncode == 0, proc.stderr
     assert time.monotonic() - started < 30
     assert "srun outlived every rank" in proc.stderr
-    assert read_events(run.events)[-1]["status"] == "completed"
+    assert read_events(events)[-1]["status"] == "completed"
+
+
+def test_srun_crashing_after_every_rank_ended_does_not_fail_the_run(tmp_path: Path) -> None:
+    """Seen here too: srun aborts ('double free', exit 134) at teardown of a finished het step."""
+    from gyre_hpc.observability.events import read_events
+
+    proc, events = run_script_with_fake_srun(tmp_path, "kill -ABRT $$")
+    assert proc.returncode == 0, proc.stderr
+    assert "srun exited 134 after every rank had ended (0)" in proc.stderr
+    assert read_events(events)[-1]["status"] == "completed"

@@ -6,59 +6,30 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from aiohttp import web
 
-from gyre_hpc.engines.embedded import Engine
-from gyre_hpc.engines.server import make_app
 from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 from gyre_hpc.models.tiny import init_tiny, save_weights
 from gyre_hpc.models.tokenizer import ChatTokenizer
-from gyre_hpc.proxy.server import Proxy
+from gyre_hpc.proxy.local import LocalServing
 from gyre_hpc.recipe.schema import ProxyConfig
 
 
-async def start(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
-
-
-class Stack:
-    """``n`` embedded engines and a proxy in front of them."""
+class Stack(LocalServing):
+    """``n`` embedded engines and a proxy in front of them, as ``eval`` runs them."""
 
     def __init__(
         self, model: Path, run_dir: Path, n: int = 1, config: ProxyConfig | None = None, **engine_kw: Any
     ) -> None:
-        self.model, self.run_dir, self.n = model, run_dir, n
-        self.config = config or ProxyConfig()
-        self.engine_kw = engine_kw
+        super().__init__(model, run_dir, n, config or ProxyConfig(), capacity=8, **engine_kw)
 
     async def __aenter__(self) -> Stack:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.engines: list[Engine] = []
-        self.runners: list[web.AppRunner] = []
-        self.urls: list[str] = []
-        for _ in range(self.n):
-            engine = Engine(self.model, **self.engine_kw).start()
-            runner, url = await start(make_app(engine))
-            self.engines.append(engine)
-            self.runners.append(runner)
-            self.urls.append(url)
-        self.proxy = Proxy(self.run_dir, self.model, self.urls, self.config)
-        runner, self.url = await start(self.proxy.app())
-        self.runners.append(runner)
+        await super().__aenter__()
+        self.urls = self.engine_urls
+        self.url = self.proxy_url
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        for runner in reversed(self.runners):
-            await runner.cleanup()
-        for engine in self.engines:
-            engine.stop()
-
     def key(self, run: str, role: str = "main") -> str:
-        return self.proxy.keys.mint(run, role)
+        return super().key(run, role)
 
 
 TOOLS = [

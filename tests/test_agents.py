@@ -84,7 +84,7 @@ def test_the_harness_survives_a_random_policy(tiny: Path, tmp_path: Path) -> Non
         async with Stack(tiny, tmp_path / "run") as stack:
             harness = Harness(
                 stack.url + "/v1",
-                lambda run, role: stack.key(run, role),
+                stack.key,
                 AgentConfig(max_calls=4, timeout_s=60),
                 {"max_tokens": 24},
             )
@@ -114,7 +114,7 @@ def test_a_timed_out_execution_gets_partial_credit(tiny: Path, tmp_path: Path) -
         async with Stack(tiny, tmp_path / "run") as stack:
             harness = Harness(
                 stack.url + "/v1",
-                lambda run, role: stack.key(run, role),
+                stack.key,
                 AgentConfig(max_calls=1000, timeout_s=1.5),
                 {"max_tokens": 16},
             )

@@ -21,7 +21,6 @@ strings. It knows nothing about chats, runs or roles.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -141,7 +140,6 @@ class Engine:
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "decode_steps": 0}
 
     # ---- requests ---------------------------------------------------------------------------

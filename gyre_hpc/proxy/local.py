@@ -25,6 +25,7 @@ class LocalServing:
         self.proxy_config, self.capacity, self.engine_kw = proxy, capacity, engine_kw
 
     async def __aenter__(self) -> LocalServing:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.engines: list[Engine] = []
         self.runners: list[web.AppRunner] = []
         self.engine_urls: list[str] = []
@@ -33,7 +34,8 @@ class LocalServing:
             self.engines.append(engine)
             self.engine_urls.append(await self._serve(make_app(engine)))
         self.proxy = Proxy(self.run_dir, self.model, self.engine_urls, self.proxy_config, self.capacity)
-        self.url = await self._serve(self.proxy.app()) + "/v1"
+        self.proxy_url = await self._serve(self.proxy.app())
+        self.url = self.proxy_url + "/v1"
         return self
 
     async def _serve(self, app: web.Application) -> str:

@@ -77,6 +77,33 @@ def test_concurrent_requests_decode_together(tiny: Path) -> None:
     assert stats["decode_steps"] < 3 * 24  # 8 sequences shared the decode steps
 
 
+def test_batched_log_probs_hold_when_sequences_finish_at_different_steps(tiny: Path) -> None:
+    """A sequence leaving the batch mid-step must not shift its neighbours' keys/values."""
+    from gyre_hpc.loss.policy import token_logprobs
+    from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
+
+    prompts = [prompt(tiny, "word " * (3 + 5 * i)) for i in range(6)]
+
+    async def go() -> list[dict]:
+        async with Served(tiny) as client:
+            return await asyncio.gather(
+                *(
+                    client.generate(p, {"max_new_tokens": 4 + 3 * i, "ignore_eos": True, "sampling_seed": i})
+                    for i, p in enumerate(prompts)
+                )
+            )
+
+    outs = run(go())
+    model = Qwen3ForCausalLM.from_pretrained(tiny)
+    for i, (p, out) in enumerate(zip(prompts, outs, strict=True)):
+        assert len(out["output_ids"]) == 4 + 3 * i
+        ids = torch.tensor([p + out["output_ids"]])
+        with torch.no_grad():
+            expected = token_logprobs(model(ids)[0][0], ids[0])[len(p) :]
+        got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+        assert torch.allclose(got, expected, atol=1e-4), (i, (got - expected).abs().max())
+
+
 def test_prefix_cache_reuses_earlier_turns(tiny: Path) -> None:
     async def go() -> list[tuple[int, int]]:
         async with Served(tiny) as client:

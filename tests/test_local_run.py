@@ -18,6 +18,8 @@ from gyre_hpc.rundir import RunDir
 
 pytestmark = pytest.mark.mpi
 SMOKE = str(REPO / "recipes" / "smoke.toml")
+# The world, not learning, is under test here: the untrained tiny model is built in seconds.
+FAST = ["run.model=tiny", "agent.max_calls=2"]
 ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
@@ -51,7 +53,8 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 
 
 def test_smoke_run_brings_up_the_world_and_exits_0(tmp_path: Path) -> None:
-    proc = gyre("run", SMOKE, "--set", f"run.runs_dir={tmp_path}")
+    sets = [f"run.runs_dir={tmp_path}", *FAST, "run.steps=3"]
+    proc = gyre("run", SMOKE, *(a for s in sets for a in ("--set", s)))
     assert proc.returncode == 0, proc.stderr
     assert "run completed" in proc.stderr
     run = only_run(tmp_path)
@@ -59,12 +62,12 @@ def test_smoke_run_brings_up_the_world_and_exits_0(tmp_path: Path) -> None:
     world = next(e for e in events if e["event"] == "world_up")
     assert (world["size"], world["launcher"]) == (3, "mpirun")
     assert sorted(e["cell"] for e in events if e["event"] == "hello") == [0, 1]
-    switched = {e["cell"]: e["role"] for e in events if e["event"] == "role_switched"}
-    assert switched == {0: "sampling", 1: "sampling"}  # colocate starts with every cell sampling
+    first_roles = [(e["cell"], e["role"]) for e in events if e["event"] == "role_switched"][:2]
+    assert sorted(first_roles) == [(0, "sampling"), (1, "sampling")]  # colocate starts sampling
     assert [e["step"] for e in events if e["event"] == "step"] == [1, 2, 3]
     assert kinds(run)[-2:] == ["shutdown", "run_end"] and events[-1]["status"] == "completed"
     assert [r["rank"] for r in run.read_ranks()] == [0, 1, 2]
-    assert load_recipe(run.recipe_path) == load_recipe(SMOKE, [f"run.runs_dir={tmp_path}"])
+    assert load_recipe(run.recipe_path) == load_recipe(SMOKE, sets)
     assert processes_of(run) == []
 
 
@@ -82,6 +85,8 @@ def test_multi_rank_cells_pool_and_async_roles(tmp_path: Path) -> None:
         "scheduler.mode=async",
         "--set",
         "run.steps=1",
+        "--set",
+        FAST[0],
     )
     assert proc.returncode == 0, proc.stderr
     run = only_run(tmp_path)
@@ -113,6 +118,8 @@ def start_long_run(tmp_path: Path) -> tuple[subprocess.Popen[str], RunDir]:
             f"run.runs_dir={tmp_path}",
             "--set",
             "run.steps=100000",
+            "--set",
+            FAST[0],
         ],
         cwd=REPO,
         stdout=subprocess.PIPE,

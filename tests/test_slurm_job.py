@@ -18,7 +18,8 @@ SMOKE = str(REPO / "recipes" / "smoke.toml")
 
 
 def submit(tmp_path: Path, *sets: str) -> tuple[str, RunDir]:
-    args = ["submit", SMOKE, "--set", f"run.runs_dir={tmp_path}"]
+    args = ["submit", SMOKE, "--set", f"run.runs_dir={tmp_path}", "--set", "run.model=tiny"]
+    args += ["--set", "agent.max_calls=2", "--set", "run.steps=3"]
     for s in sets:
         args += ["--set", s]
     proc = gyre(*args)
@@ -61,10 +62,8 @@ def test_submit_runs_one_het_world_to_completed(tmp_path: Path) -> None:
     hello_hosts = {e["cell"]: e["host"] for e in events if e["event"] == "hello"}
     # One MPI_COMM_WORLD spans the components: the controller and each cell on its own emulated node.
     assert len({ranks[0]["host"], *hello_hosts.values()}) == 3
-    assert {e["cell"]: e["role"] for e in events if e["event"] == "role_switched"} == {
-        0: "sampling",
-        1: "sampling",
-    }
+    first_roles = [(e["cell"], e["role"]) for e in events if e["event"] == "role_switched"][:2]
+    assert sorted(first_roles) == [(0, "sampling"), (1, "sampling")]
     state = wait_for_state(job_id, "COMPLETED")
     assert state.components == {f"{job_id}+0": "COMPLETED", f"{job_id}+1": "COMPLETED"}
     for target in (str(run.path), job_id):

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -15,29 +16,53 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from gyre_hpc.cli.recipe import RecipeArg, SetOption, load
+from gyre_hpc.cli.recipe import SetOption, load
+from gyre_hpc.errors import GyreError
 from gyre_hpc.launch.local import LocalRun
+from gyre_hpc.models.registry import resolve_model
+from gyre_hpc.recipe import load_recipe
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.runtime.world import Layout
 
 EXIT = {"completed": 0, "failed": 1, "interrupted": 130}
 
 
-def run(recipe: RecipeArg, set_: SetOption = None) -> None:
+def run(
+    recipe: Annotated[Path | None, typer.Argument(help="Recipe TOML file.", show_default=False)] = None,
+    set_: SetOption = None,
+    resume: Annotated[
+        Path | None,
+        typer.Option(help="Continue this run directory from its newest checkpoint (same data order)."),
+    ] = None,
+) -> None:
     """Run a recipe locally: 1 controller + the recipe's cells as MPI ranks on this machine.
 
-    Writes `runs/<name>-<time>/` (resolved recipe, events.jsonl, logs) and shows progress.
+    Trains the recipe's model online: executions through the proxy, scoring, trajectory
+    selection, data-parallel steps on the cells. Writes `runs/<name>-<time>/` (recipe,
+    events.jsonl, tito.bin, checkpoints/, metrics.png, logs) and shows progress.
     Exit code 0 when the run completes, 1 when a rank fails (its message is printed),
     130 when interrupted (Ctrl-C or SIGTERM stop every rank within seconds).
 
-    Example: `gyre-hpc run recipes/smoke.toml --set cells.count=3 --set scheduler.mode=async`
+    Example: `gyre-hpc run recipes/smoke.toml --set scheduler.mode=async`;
+    `gyre-hpc run --resume runs/smoke-20261130-101500 --set run.steps=30`
     """
-    r = load(recipe, set_)
-    layout = Layout.from_config(r.cells)
-    run_dir = RunDir.create(r.run.runs_dir, r.run.name)
+    if (recipe is None) == (resume is None):
+        raise GyreError("give a RECIPE, or --resume RUN_DIR (not both)")
+    if resume is not None:
+        run_dir = RunDir(resume.resolve())
+        if not run_dir.recipe_path.exists():
+            raise GyreError(f"--resume {resume}: not a run directory (no recipe.toml)")
+        r = load_recipe(run_dir.recipe_path, set_ or [])
+    else:
+        r = load(recipe, set_)  # type: ignore[arg-type]
+        run_dir = RunDir.create(r.run.runs_dir, r.run.name)
     run_dir.write_recipe(r)
+    layout = Layout.from_config(r.cells)
     console = Console(stderr=True, soft_wrap=True)
-    console.print(f"[bold]gyre-hpc run[/] {layout.describe()} → [cyan]{run_dir.path}[/]")
+    with console.status(f"model {r.run.model} …"):
+        resolve_model(r.run.model)  # built once here, not by every rank at once
+    verb = "resuming" if resume is not None else "gyre-hpc run"
+    console.print(f"[bold]{verb}[/] {layout.describe()} → [cyan]{run_dir.path}[/]")
     with Progress(
         SpinnerColumn(),
         TextColumn("{task.description}"),
@@ -49,13 +74,21 @@ def run(recipe: RecipeArg, set_: SetOption = None) -> None:
     ) as progress:
         cells = progress.add_task("cells up", total=layout.units)
         steps = progress.add_task("steps", total=r.run.steps)
+        executions = progress.add_task("executions (all steps)", total=None)
 
         def show(events: list[dict[str, Any]]) -> None:
             for e in events:
                 if e["event"] == "hello":
                     progress.advance(cells)
+                elif e["event"] == "finished":
+                    progress.update(executions, completed=e.get("f", 0))
                 elif e["event"] == "step":
                     progress.update(steps, completed=e["step"])
+                    if "reward_mean" in e:
+                        progress.console.print(
+                            f"step {e['step']:>3}  reward {e['reward_mean']:.3f}  pass {e['pass_rate']:.3f}"
+                            f"  v{e['version']}  {e['seconds']:.1f} s"
+                        )
 
         end = LocalRun(run_dir, layout).launch(show)
     style = {"completed": "green", "failed": "bold red"}.get(end["status"], "yellow")

@@ -14,6 +14,7 @@ from gyre_hpc.cli.status import TargetArg, resolve
 from gyre_hpc.errors import LaunchError
 from gyre_hpc.launch import slurm
 from gyre_hpc.launch.sbatch import render_sbatch
+from gyre_hpc.models.registry import resolve_model
 from gyre_hpc.observability.events import EventLog
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.runtime.world import Layout
@@ -43,6 +44,7 @@ def submit(
             render_sbatch(r.slurm, layout, job_name=r.run.name, run_dir=where, python=python), nl=False
         )
         return
+    resolve_model(r.run.model)  # a built-in model is built here once, not by every rank
     run_dir = RunDir.create(r.run.runs_dir, r.run.name)
     run_dir.write_recipe(r)
     script = run_dir.path / "job.sbatch"

@@ -288,7 +288,8 @@ class Engine:
                     self.running.append(seq)
             if not self.running:
                 return False
-            self._decode(self.running)
+            # A copy: a sequence that finishes during the step leaves ``self.running`` at once.
+            self._decode(list(self.running))
             self.running = [s for s in self.running if s.finish_reason is None]
             return True
 

@@ -26,10 +26,16 @@ def builtins() -> dict[str, Callable[[Path], object]]:
     return {"tiny": lambda d: init_tiny(d, 0), "tiny-warm": lambda d: warmstart(d, "smoke", seed=0)}
 
 
+def _cache_name(name: str) -> str:
+    from gyre_hpc.models.warmstart import fingerprint
+
+    return f"{name}-{fingerprint()}" if name == "tiny-warm" else name
+
+
 def resolve_model(name: str) -> Path:
     table = builtins()
     if name in table:
-        target = cache_dir() / "models" / name
+        target = cache_dir() / "models" / _cache_name(name)
         if not (target / "config.json").exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))

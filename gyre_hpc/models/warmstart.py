@@ -2,9 +2,10 @@
 
 RL starts from a pretrained model in real life. Here the tiny model is taught the format of
 the smoke suite — the harness's system prompt and tools, a ``write_file`` tool call, then
-``finish`` — from synthetic demonstrations that are deliberately only partly right: they
-always write the right word, but to the wrong file about half the time, so that the policy's
-pass rate leaves room for RL to improve it.
+``finish``; some episodes delegate the write to a sub-agent (which hands back a summary), some
+end with a summary call — from synthetic demonstrations that are deliberately only partly
+right: they always write the right word, but often to the wrong file, so that the policy's
+pass rate leaves room for RL to improve it (held-out: 17 % measured for seed 0).
 Deterministic for a seed; a few CPU minutes at most.
 """
 
@@ -23,10 +24,16 @@ from gyre_hpc.models.tiny import init_tiny, save_weights
 from gyre_hpc.models.tokenizer import ChatTokenizer
 from gyre_hpc.tasks.suites import smoke
 
-RIGHT_FILE = 0.7  # share of demonstrations that write to answer.txt
+RIGHT_FILE = 0.4  # share of demonstrations that write to answer.txt
 WRONG_FILES = ["answer.md", "answers.txt", "out.txt"]
-DELEGATE = 0.0  # share of episodes handed to a sub-agent (0.1 measured: pass rate 22 % → 6 %)
-SUMMARY = 0.0  # share of episodes that also demonstrate a summary call (same trade-off)
+DELEGATE = 0.15  # share of episodes handed to a sub-agent: all four roles appear in rollouts
+SUMMARY = 0.1  # share of episodes that also demonstrate a summary call
+STEPS = 600  # 300 with delegation in the mix left the format too weak (6–14 % pass rate)
+
+
+def fingerprint() -> str:
+    """Names a built warm-start: a cache built with other settings is not reused."""
+    return f"r{RIGHT_FILE}-d{DELEGATE}-s{SUMMARY}-n{STEPS}"
 
 
 def _call(name: str, **args: str) -> str:
@@ -119,7 +126,7 @@ def warmstart(
     model_dir: str | Path,
     suite: str = "smoke",
     seed: int = 0,
-    steps: int = 300,
+    steps: int = STEPS,
     batch: int = 4,
     lr: float = 2e-3,
 ) -> Path:

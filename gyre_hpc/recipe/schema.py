@@ -77,6 +77,9 @@ class EngineConfig:
     enable_memory_saver: bool = knob(True, "Release and resume GPU memory on role switches.")
     max_total_tokens: int = knob(0, "KV cache size in tokens; 0 lets the engine decide.", min=0)
     max_new_tokens: int = knob(1024, "Tokens one model call may generate.", min=1)
+    prefix_cache: bool = knob(
+        True, "Reuse the KV of earlier turns; off with cells.capacity = 1, every call is bit-reproducible."
+    )
     temperature: float = knob(1.0, "Sampling temperature.", min=0.0)
     top_p: float = knob(1.0, "Nucleus sampling mass.", min=0.0, max=1.0)
 

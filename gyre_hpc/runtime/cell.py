@@ -1,59 +1,166 @@
 """A cell: a fixed group of ranks holding one model replica; its leader talks to the controller.
 
 ```
-   IDLE ──SwitchRole──▶ SAMPLING ◀──SwitchRole──▶ TRAINING      (DRAINING between the two
-     │                      │                         │           once engines and trainers
-     └──────── Shutdown ────┴──────── Shutdown ───────┘           exist)
+   IDLE ──SwitchRole──▶ SAMPLING ◀──SwitchRole──▶ TRAINING
+     │                   │ engine serves            │ engine paused; TrainStep → claim
+     │                   │ LoadWeights → pull v     │ micro-steps; core: ApplyStep → v+1
+     └──────── Shutdown ─┴──────── Shutdown ────────┘
 ```
 
-The leader forwards every command to the members over the cell's own communicator and
-acknowledges to the controller once the whole cell has switched. Standalone rollout engines are
-one-rank cells that are only ever told to sample. A cell knows nothing about the schedule.
+The leader hosts the engine (an HTTP server the proxy calls) and the trainer; members follow
+role switches (the torch backend computes on the leader; a megatron cell spreads TP/PP over
+its members). Cell 0 — the core — owns the optimizer, publishes every version through the
+transport and writes checkpoints. A cell knows nothing about the schedule.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
-from gyre_hpc.recipe.schema import CellsConfig, EngineConfig
+import numpy as np
+import torch
+from aiohttp import web
+
+from gyre_hpc.engines.embedded import Engine
+from gyre_hpc.engines.server import make_app
+from gyre_hpc.recipe.schema import CellsConfig, EngineConfig, TrainerConfig
 from gyre_hpc.runtime.protocol import (
     POLL_INTERVAL_S,
+    ApplyStep,
     Channel,
     Heartbeat,
     Hello,
+    LoadWeights,
     ProtocolError,
     Role,
     RoleSwitched,
     Shutdown,
+    StepApplied,
     SwitchRole,
+    TrainDone,
+    TrainStep,
+    WeightsLoaded,
     wait_barrier,
 )
 from gyre_hpc.runtime.world import CONTROLLER, World
+from gyre_hpc.trainer import checkpoint
+from gyre_hpc.trainer.base import ApplyStats
+from gyre_hpc.trainer.data_parallel import apply_on_core, pull_snapshot, train_claimed
+from gyre_hpc.trainer.torch_backend import TorchTrainer
+from gyre_hpc.transport.base import Transport
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class CellSetup:
+    """What a cell needs besides its own config sections."""
+
+    model_dir: Path
+    checkpoints: Path
+    transport: Transport
+    satellites: list[int]
+    """Leader ranks of the other cells (their gradients are what the core pulls)."""
+
+
+class EngineServer:
+    """The cell's engine behind the SGLang-native HTTP API, on its own loop thread."""
+
+    def __init__(self, engine: Engine, host: str) -> None:
+        self.engine, self.host = engine, host
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="engine-http", daemon=True)
+
+    def start(self) -> int:
+        self.thread.start()
+        return asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(60)
+
+    async def _start(self) -> int:
+        self.runner = web.AppRunner(make_app(self.engine))
+        await self.runner.setup()
+        await web.TCPSite(self.runner, self.host, 0).start()
+        return self.runner.addresses[0][1]
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.engine.stop()
+
+
 class Cell:
-    def __init__(self, world: World, cells: CellsConfig, engine: EngineConfig) -> None:
+    def __init__(
+        self,
+        world: World,
+        cells: CellsConfig,
+        engine: EngineConfig,
+        trainer: TrainerConfig,
+        setup: CellSetup | None,
+    ) -> None:
         assert world.unit is not None
-        self.world, self.cells, self.engine = world, cells, engine
+        self.world, self.cells, self.engine_cfg, self.trainer_cfg = world, cells, engine, trainer
+        self.setup = setup
         self.unit: int = world.unit
         self.role = Role.IDLE
         self.to_controller = Channel(world.comm)
         self.in_cell = Channel(world.cell_comm)
 
     @property
-    def address(self) -> str:
-        return f"http://{self.world.env.hostname}:{self.engine.base_port + self.unit}"
+    def is_core(self) -> bool:
+        return self.unit == 0
 
     def run(self) -> None:
         if self.world.is_leader:
-            self.lead()
+            self.start_replica()
+            try:
+                self.lead()
+            finally:
+                self.server.stop()
         else:
             self.follow()
         wait_barrier(self.world.comm, self.cells.heartbeat_timeout_s)
+
+    def start_replica(self) -> None:
+        assert self.setup is not None
+        s = self.setup
+        self.engine = Engine(s.model_dir, max_running=self.cells.capacity, cache_tokens=self._cache_tokens())
+        self.engine.weight_version = "0"
+        self.engine.start()
+        self.server = EngineServer(
+            self.engine, "0.0.0.0" if self.world.env.launcher == "slurm" else "127.0.0.1"
+        )
+        self.port = self.server.start()
+        self.scratch = np.empty(s.transport.plan.params, dtype=np.float32)  # pulled snapshots land here
+        if self.world.layout.is_standalone(self.unit):
+            self.trainer = None
+            return
+        self.trainer = TorchTrainer(
+            s.model_dir,
+            self.trainer_cfg,
+            core=self.is_core,
+            grad_buffer=None if self.is_core else s.transport.gradient_buffer(),
+        )
+        if self.is_core:
+            last = checkpoint.latest(s.checkpoints)
+            if last is not None:
+                info = checkpoint.restore(last, self.trainer)
+                log.info("core: resumed from %s (step %s, version %s)", last, info["step"], info["version"])
+            s.transport.publish(self.trainer.weights(), self.trainer.version)
+
+    def _cache_tokens(self) -> int:
+        if not self.engine_cfg.prefix_cache:
+            return 0
+        return self.engine_cfg.max_total_tokens or (1 << 20)
+
+    @property
+    def address(self) -> str:
+        host = self.world.env.hostname if self.world.env.launcher == "slurm" else "127.0.0.1"
+        return f"http://{host}:{self.port}"
 
     def lead(self) -> None:
         layout = self.world.layout
@@ -84,14 +191,75 @@ class Cell:
                 self._forward(msg)
                 log.info("cell %d: shutdown (%s)", self.unit, msg.reason)
                 return
+            started = time.monotonic()
             if isinstance(msg, SwitchRole):
-                started = time.monotonic()
                 self._forward(msg)
-                self.role = msg.role
+                self.switch(msg.role)
                 self._await_members(msg.seq)
                 seconds = time.monotonic() - started
                 self.to_controller.send(RoleSwitched(self.unit, msg.role, msg.seq, seconds), CONTROLLER)
                 log.info("cell %d: role %s (%.3f s)", self.unit, msg.role, seconds)
+            elif isinstance(msg, LoadWeights):
+                self.load_weights(msg.version)
+                self.to_controller.send(
+                    WeightsLoaded(self.unit, msg.version, time.monotonic() - started), CONTROLLER
+                )
+            elif isinstance(msg, TrainStep):
+                self.to_controller.send(self.train(msg, started), CONTROLLER)
+            elif isinstance(msg, ApplyStep):
+                self.to_controller.send(self.apply(msg, started), CONTROLLER)
+            else:
+                raise ProtocolError(f"cell {self.unit}: unexpected {msg!r}")
+
+    def switch(self, role: Role) -> None:
+        if role == Role.SAMPLING:
+            self.engine.resume()
+        elif role == Role.TRAINING:
+            self.engine.pause("abort")  # the proxy drained it first: nothing is left in flight
+        self.role = role
+
+    def load_weights(self, version: int) -> None:
+        if self.trainer is not None and self.is_core:
+            flat = self.trainer.weights()
+        else:
+            got = self.setup.transport.pull_snapshot(self.scratch)
+            if got != version:
+                raise ProtocolError(f"cell {self.unit}: snapshot holds version {got}, expected {version}")
+            flat = self.scratch
+        self.engine.load_flat(torch.from_numpy(flat), str(version))
+
+    def train(self, msg: TrainStep, started: float) -> TrainDone:
+        assert self.trainer is not None, "a standalone engine never trains"
+        if self.trainer.version != msg.version:
+            if self.is_core:
+                raise ProtocolError(
+                    f"core holds version {self.trainer.version}, asked to train {msg.version}"
+                )
+            pull_snapshot(self.trainer, self.setup.transport, msg.version, self.scratch)
+        self.trainer.zero_grad()
+        report = train_claimed(self.trainer, self.setup.transport, msg.queue)
+        clipped = sum(s.clipped for s in report.stats)
+        seconds = time.monotonic() - started
+        return TrainDone(
+            self.unit, msg.step, report.claimed, report.loss_sum, report.tokens, clipped, seconds
+        )
+
+    def apply(self, msg: ApplyStep, started: float) -> StepApplied:
+        assert self.is_core and self.trainer is not None
+        if msg.num_runs == 0:  # nothing to learn from this step: same version, still checkpointed
+            stats = ApplyStats(self.trainer.version, 0.0)
+        else:
+            stats = apply_on_core(
+                self.trainer, self.setup.transport, msg.contributors, msg.num_runs, self.scratch
+            )
+        saved = ""
+        if msg.checkpoint:
+            saved = str(
+                checkpoint.save(
+                    self.setup.checkpoints, msg.step, self.trainer, self.setup.model_dir, **msg.state
+                )
+            )
+        return StepApplied(msg.step, stats.version, stats.grad_norm, time.monotonic() - started, saved)
 
     def follow(self) -> None:
         while True:

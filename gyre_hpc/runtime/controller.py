@@ -1,41 +1,72 @@
-"""The controller (rank 0): brings the cells up and drives their roles.
+"""The controller (rank 0): brings the cells up and runs the RL step loop.
 
 ```
-  start ─▶ Hello from every cell leader and rollout engine   (events: world_up, hello)
-        ─▶ initial roles from the scheduler policy            (switch_role ▶ … ◀ role_switched)
-        ─▶ ┌─ step k = 1 … run.steps ───────────────────────┐
-           │  one heartbeat round from every cell            │ (events: step)
-           └─────────────────────────────────────────────────┘
-        ─▶ Shutdown to all ─▶ barrier                         (events: shutdown)
+ start ─▶ Hello from every cell ─▶ proxy + harness up (serving thread) ─▶ initial roles
+       ─▶ LoadWeights(v) everywhere (v = 0, or the resumed checkpoint's version)
+       ─▶ ┌─ step k ─────────────────────────────────────────────────────────────────────┐
+          │ prompts(k) × group ─▶ dispatch ─▶ harness ⇄ proxy ⇄ engines   (d / p / f)    │
+          │ all finished ─▶ scores + TITO trees ─▶ select, weigh, pack micro-steps       │
+          │ TrainStep to training cells ─▶ claim … ─▶ TrainDone ─▶ ApplyStep to the core │
+          │ ─▶ StepApplied(v+1, checkpoint) ─▶ LoadWeights(v+1) on sampling engines      │
+          └──────────────────────────────────────────────────────────────────────────────┘
+       ─▶ Shutdown ─▶ barrier
 ```
 
-Until the RL loop lands, a step is one heartbeat round: the world stays up, cells report their
-role, and a silent cell stops the run. The controller talks to cells only through ``Channel``
-and records what happens only through the event log.
+colocate: every cell samples until the step's last execution ends, then every cell trains.
+async: a fixed split — the first ``async_train_cells`` cells (core first) only train, the
+others only sample; step k+1 is dispatched as soon as step k's executions end, so sampling
+never waits for training and the data is at most one version stale (recorded per call).
+
+The controller talks to cells only through ``Channel``, to the harness and proxy only through
+``Serving``, and records what happens only through the event log.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import threading
 import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
 
+from gyre_hpc.agents.dispatch import Outcome
 from gyre_hpc.observability.events import EventLog
-from gyre_hpc.recipe.schema import CellsConfig, RunConfig, SchedulerConfig
+from gyre_hpc.observability.plot import plot_run
+from gyre_hpc.recipe.schema import (
+    CellsConfig,
+    RunConfig,
+    SchedulerConfig,
+    TasksConfig,
+    TrainerConfig,
+    TrajectoryConfig,
+)
 from gyre_hpc.runtime.protocol import (
     POLL_INTERVAL_S,
+    ApplyStep,
     Channel,
     Heartbeat,
     Hello,
+    LoadWeights,
     Message,
     ProtocolError,
     Role,
     RoleSwitched,
     Shutdown,
+    StepApplied,
     SwitchRole,
+    TrainDone,
+    TrainStep,
+    WeightsLoaded,
     wait_barrier,
 )
+from gyre_hpc.runtime.serving import Serving
+from gyre_hpc.runtime.step_data import step_batch, step_jobs, step_tasks
 from gyre_hpc.runtime.world import World
 from gyre_hpc.scheduler.policy import initial_roles
+from gyre_hpc.tasks.suites import load_suite
+from gyre_hpc.transport.base import Transport
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +77,35 @@ class CellLost(RuntimeError):
 
 class Controller:
     def __init__(
-        self, world: World, run: RunConfig, cells: CellsConfig, scheduler: SchedulerConfig, events: EventLog
+        self,
+        world: World,
+        run: RunConfig,
+        cells: CellsConfig,
+        scheduler: SchedulerConfig,
+        tasks: TasksConfig,
+        trajectory: TrajectoryConfig,
+        trainer: TrainerConfig,
+        events: EventLog,
+        run_dir: Path,
+        transport: Transport,
+        make_serving: Any,
+        resume: dict[str, Any] | None = None,
     ) -> None:
         self.world, self.run_cfg, self.cells, self.scheduler = world, run, cells, scheduler
-        self.events = events
+        self.tasks, self.trajectory, self.trainer_cfg = tasks, trajectory, trainer
+        self.events, self.run_dir, self.transport = events, run_dir, transport
+        self.make_serving = make_serving
+        self.resume = resume or {}
         self.channel = Channel(world.comm)
         self.hellos: dict[int, Hello] = {}
         self.roles: dict[int, Role] = {}
         self.last_seen: dict[int, float] = {}
         self._seq = 0
+        self._lock = threading.Lock()
+        self.counters = Counter[str]()
+        self.version = int(self.resume.get("version", 0))
+
+    # ---- the run ----------------------------------------------------------------------------
 
     def run(self) -> None:
         layout = self.world.layout
@@ -64,21 +115,175 @@ class Controller:
             layout=layout.describe(),
             launcher=self.world.env.launcher,
             job_id=self.world.env.job_id,
+            transport=self.transport.name,
         )
         self.gather_hellos()
-        roles = initial_roles(self.scheduler.mode, layout.cells, self.scheduler.async_train_cells)
-        roles += [Role.SAMPLING] * layout.pool  # standalone engines only ever sample
-        self.switch(dict(enumerate(roles)))
-        for step in range(1, self.run_cfg.steps + 1):
-            started = time.monotonic()
-            self.heartbeat_round()
-            self.events.emit(
-                "step",
-                step=step,
-                seconds=round(time.monotonic() - started, 4),
-                roles={c: str(r) for c, r in self.roles.items()},
-            )
+        self.serving: Serving = self.make_serving(
+            [self.hellos[u].address for u in range(layout.units)], self.on_run_event
+        )
+        self.events.emit("proxy_up", url=self.serving.start())
+        try:
+            roles = initial_roles(self.scheduler.mode, layout.cells, self.scheduler.async_train_cells)
+            roles += [Role.SAMPLING] * layout.pool  # standalone engines only ever sample
+            self.switch(dict(enumerate(roles)))
+            self.load_weights(self.version, list(range(layout.units)))
+            first = int(self.resume.get("step", 0)) + 1
+            if first > 1:
+                self.events.emit("resumed", step=first, version=self.version)
+            if self.scheduler.mode == "colocate":
+                self.run_colocate(first)
+            elif self.scheduler.mode == "async":
+                self.run_async(first)
+            else:
+                raise ProtocolError(
+                    f"scheduler.mode = {self.scheduler.mode!r} is not implemented yet; valid: colocate, async"
+                )
+        finally:
+            self.serving.stop()
         self.shutdown("completed")
+
+    def run_colocate(self, first: int) -> None:
+        units = list(range(self.world.layout.units))
+        urls = {h.address for h in self.hellos.values()}
+        for step in range(first, self.run_cfg.steps + 1):
+            started = time.monotonic()
+            self.switch(dict.fromkeys(units, Role.SAMPLING))
+            self.serving.set_sampling(urls)
+            outcomes = self.wait(self.dispatch(step))
+            tito_bytes = self.serving.tito_bytes()
+            sampled = time.monotonic()
+            self.serving.set_sampling(set())
+            self.switch(dict.fromkeys(range(self.world.layout.cells), Role.TRAINING))
+            train = self.train_step(step, outcomes, list(range(self.world.layout.cells)), tito_bytes)
+            self.load_weights(self.version, units)
+            self.finish_step(step, started, sampled, train)
+
+    def run_async(self, first: int) -> None:
+        layout = self.world.layout
+        trainers = [c for c in range(layout.cells) if self.roles[c] == Role.TRAINING]
+        samplers = [u for u in range(layout.units) if u not in trainers]
+        self.serving.set_sampling({self.hellos[u].address for u in samplers})
+        pending = self.dispatch(first)
+        for step in range(first, self.run_cfg.steps + 1):
+            started = time.monotonic()
+            outcomes = self.wait(pending)
+            tito_bytes = self.serving.tito_bytes()
+            sampled = time.monotonic()
+            if step < self.run_cfg.steps:
+                pending = self.dispatch(step + 1)  # sampling never waits for training
+            train = self.train_step(step, outcomes, trainers, tito_bytes)
+            self.load_weights(self.version, samplers)
+            self.finish_step(step, started, sampled, train)
+
+    # ---- sampling ---------------------------------------------------------------------------
+
+    def dispatch(self, step: int, heldout: bool = False) -> concurrent.futures.Future[list[Outcome]]:
+        if heldout:
+            tasks = load_suite(self.tasks.suite, self.tasks.eval_n, seed=self.run_cfg.seed, split="heldout")
+            jobs = [(f"eval{step:04d}-{t.id}", t) for t in tasks]
+        else:
+            jobs = step_jobs(step_tasks(self.tasks, self.run_cfg.seed, step), self.tasks.group_size, step)
+        return self.serving.dispatch(jobs, self.run_dir / "workspaces" / f"step-{step:04d}")
+
+    def on_run_event(self, kind: str, run_id: str) -> None:
+        """d / p / f from the serving thread: the scheduler's counters."""
+        with self._lock:
+            self.counters[kind] += 1
+            d, p, f = (self.counters[k] for k in ("dispatched", "started", "finished"))
+        if kind != "started":
+            self.events.emit(kind, run=run_id, d=d, p=p, f=f)
+
+    def wait(self, future: concurrent.futures.Future[Any]) -> Any:
+        """The future's result, booking heartbeats (and catching a silent cell) meanwhile."""
+        while not future.done():
+            self._check_alive(time.monotonic())
+            got = self.channel.poll()
+            if got is None:
+                time.sleep(0.01)
+            elif not isinstance(got[1], Heartbeat):
+                raise ProtocolError(f"controller: unexpected {got[1]!r} while sampling")
+            else:
+                self.last_seen[got[1].cell] = time.monotonic()
+        return future.result()
+
+    # ---- training ---------------------------------------------------------------------------
+
+    def train_step(
+        self, step: int, outcomes: list[Outcome], cells: list[int], tito_bytes: int
+    ) -> dict[str, Any]:
+        runs = [o.execution.run_id for o in outcomes]
+        trees = self.serving.trees(runs)
+        batch = step_batch(
+            outcomes, trees, self.trajectory, self.trainer_cfg.micro_step_tokens, self.run_cfg.seed, step
+        )
+        stale = Counter(
+            self.version - r.policy_version for run in runs if run in trees for r in trees[run].records()
+        )
+        info: dict[str, Any] = {**batch.stats, "staleness": {str(k): v for k, v in sorted(stale.items())}}
+        every = self.trainer_cfg.checkpoint_every
+        save = bool(every) and (step % every == 0 or step == self.run_cfg.steps)
+        done: dict[int, TrainDone] = {}
+        deadline = time.monotonic() + self.cells.heartbeat_timeout_s * max(len(batch.queue), 1)
+        if batch.queue:
+            self.transport.reset_counter()
+            for c in cells:
+                self.channel.send(TrainStep(step, self.version, batch.queue), self.world.layout.leader(c))
+            while len(done) < len(cells):
+                _, msg = self._receive(deadline, "TrainDone")
+                if isinstance(msg, TrainDone) and msg.step == step:
+                    done[msg.cell] = msg
+        else:  # every group had equal rewards: no gradient, no new version (still a checkpoint)
+            info["skipped"] = True
+        contributors = [self.world.layout.leader(c) for c, d in done.items() if c != 0 and d.claimed]
+        num_runs = batch.num_runs if batch.queue else 0
+        self.channel.send(
+            ApplyStep(step, contributors, num_runs, save, {"tito_bytes": tito_bytes}),
+            self.world.layout.leader(0),
+        )
+        while True:
+            _, msg = self._receive(deadline, "StepApplied")
+            if isinstance(msg, StepApplied) and msg.step == step:
+                break
+        self.version = msg.version
+        info.update(
+            loss=sum(d.loss_sum for d in done.values()) / max(batch.num_runs, 1),
+            grad_norm=round(msg.grad_norm, 6),
+            clipped_tokens=sum(d.clipped for d in done.values()),
+            claims={str(c): len(d.claimed) for c, d in sorted(done.items())},
+            train_seconds=round(max((d.seconds for d in done.values()), default=0.0), 3),
+            apply_seconds=round(msg.seconds, 3),
+            checkpoint=msg.checkpoint,
+        )
+        return info
+
+    def finish_step(self, step: int, started: float, sampled: float, info: dict[str, Any]) -> None:
+        now = time.monotonic()
+        self.events.emit(
+            "step",
+            step=step,
+            version=self.version,
+            seconds=round(now - started, 3),
+            sample_seconds=round(sampled - started, 3),
+            roles={c: str(r) for c, r in self.roles.items()},
+            **info,
+        )
+        if self.tasks.eval_every and step % self.tasks.eval_every == 0:
+            outcomes = self.wait(self.dispatch(step, heldout=True))
+            rewards = [o.score.reward or 0.0 for o in outcomes if o.score.counts_in_group]
+            self.events.emit(
+                "eval",
+                step=step,
+                version=self.version,
+                n=len(outcomes),
+                pass_rate=sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
+                mean_score=sum(rewards) / max(len(rewards), 1),
+            )
+        try:
+            plot_run(self.run_dir)
+        except Exception as err:  # a plot must never stop training
+            log.warning("plot failed: %s", err)
+
+    # ---- cells ------------------------------------------------------------------------------
 
     def gather_hellos(self) -> None:
         deadline = time.monotonic() + self.cells.hello_timeout_s
@@ -101,9 +306,11 @@ class Controller:
                 )
 
     def switch(self, roles: dict[int, Role]) -> None:
-        """Send every SwitchRole, then wait for all acknowledgements."""
+        """Send every SwitchRole that changes something, then wait for all acknowledgements."""
         pending: dict[int, int] = {}
         for cell, role in roles.items():
+            if self.roles.get(cell) == role:
+                continue
             self._seq += 1
             pending[cell] = self._seq
             self.channel.send(SwitchRole(cell, role, self._seq), self.world.layout.leader(cell))
@@ -122,12 +329,19 @@ class Controller:
                     seconds=round(msg.seconds, 6),
                 )
 
-    def heartbeat_round(self) -> None:
-        """Wait until every cell has reported once since now."""
-        since = time.monotonic()
-        deadline = since + self.cells.heartbeat_timeout_s
-        while min(self.last_seen.values()) < since:
-            self._receive(deadline, "heartbeats")
+    def load_weights(self, version: int, units: list[int]) -> None:
+        """Every listed engine pulls snapshot ``version``; returns once all have it."""
+        for unit in units:
+            self.channel.send(LoadWeights(unit, version), self.world.layout.leader(unit))
+        pending = set(units)
+        deadline = time.monotonic() + self.cells.heartbeat_timeout_s
+        seconds = []
+        while pending:
+            _, msg = self._receive(deadline, f"WeightsLoaded from {sorted(pending)}")
+            if isinstance(msg, WeightsLoaded) and msg.version == version:
+                pending.discard(msg.cell)
+                seconds.append(msg.seconds)
+        self.events.emit("weights_loaded", version=version, units=units, seconds=round(max(seconds), 4))
 
     def shutdown(self, reason: str) -> None:
         for unit in range(self.world.layout.units):
@@ -136,7 +350,7 @@ class Controller:
         wait_barrier(self.world.comm, self.cells.heartbeat_timeout_s)
 
     def _receive(self, deadline: float, what: str) -> tuple[int, Message]:
-        """The next message; heartbeats are booked here, and a silent cell raises CellLost."""
+        """The next non-heartbeat message; heartbeats are booked, a silent cell raises CellLost."""
         while True:
             now = time.monotonic()
             self._check_alive(now)
@@ -144,6 +358,7 @@ class Controller:
             if got is not None:
                 if isinstance(got[1], Heartbeat):
                     self.last_seen[got[1].cell] = now
+                    continue
                 return got
             if now > deadline:
                 raise ProtocolError(f"controller: no {what} in time")

@@ -15,11 +15,16 @@ from pathlib import Path
 from types import FrameType
 
 from gyre_hpc.launch.env import JobEnvironment
+from gyre_hpc.models.registry import resolve_model
 from gyre_hpc.observability.events import EventLog
+from gyre_hpc.recipe.schema import Recipe
 from gyre_hpc.rundir import RunDir
-from gyre_hpc.runtime.cell import Cell
+from gyre_hpc.runtime.cell import Cell, CellSetup
 from gyre_hpc.runtime.controller import Controller
-from gyre_hpc.runtime.world import Layout, World
+from gyre_hpc.runtime.serving import Serving
+from gyre_hpc.runtime.world import CONTROLLER, Layout, World
+from gyre_hpc.trainer import checkpoint
+from gyre_hpc.transport import TransportPlan, make_transport
 
 log = logging.getLogger("gyre_hpc.runtime")
 
@@ -65,10 +70,18 @@ def main(argv: list[str] | None = None) -> int:
         world = World(comm, Layout.from_config(recipe.cells), env)
         kind = "controller" if world.is_controller else "cell"
         run_dir.write_rank(rank, pid=os.getpid(), host=env.node_name, kind=kind, cell=world.unit)
-        if world.is_controller:
-            Controller(world, recipe.run, recipe.cells, recipe.scheduler, events).run()
-        else:
-            Cell(world, recipe.cells, recipe.engine).run()
+        transport = None
+        try:
+            model_dir = resolve_model(recipe.run.model)  # built by the launcher: a cache hit here
+            transport = make_transport(comm, transport_plan(world.layout, model_dir), recipe.transport)
+            if world.is_controller:
+                controller(world, recipe, run_dir, events, model_dir, transport).run()
+            else:
+                setup = CellSetup(model_dir, run_dir.path / "checkpoints", transport, [])
+                Cell(world, recipe.cells, recipe.engine, recipe.trainer, setup).run()
+        finally:
+            if transport is not None:
+                transport.close()
     except Interrupted as sig:
         log.warning("rank %d interrupted by %s", rank, sig)
         if world is not None and world.is_controller:
@@ -85,3 +98,57 @@ def main(argv: list[str] | None = None) -> int:
         comm.Abort(1)
     run_dir.write_exit(rank, 0)
     return 0
+
+
+def transport_plan(layout: Layout, model_dir: Path) -> TransportPlan:
+    """Same on every rank: sizes come from the model's config, without building the model."""
+    import torch
+
+    from gyre_hpc.engines.embedded import unique_parameters
+    from gyre_hpc.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in unique_parameters(Qwen3ForCausalLM(Qwen3Config.load(model_dir))))
+    satellites = tuple(layout.leader(c) for c in range(1, layout.cells))
+    return TransportPlan(params, core=layout.leader(0), counter=CONTROLLER, grad_ranks=satellites)
+
+
+def controller(
+    world: World, recipe: Recipe, run_dir: RunDir, events: EventLog, model_dir: Path, transport: object
+) -> Controller:
+    """Rank 0: resumes from the newest checkpoint if the run directory has one."""
+    last = checkpoint.latest(run_dir.path / "checkpoints")
+    resume = checkpoint.read_state(last) if last is not None else None
+    if resume is not None and run_dir.tito_log.exists():
+        # Calls after the checkpointed step's data belong to steps that will be sampled again.
+        with run_dir.tito_log.open("r+b") as fh:
+            fh.truncate(int(resume.get("tito_bytes", fh.seek(0, 2))))
+
+    def make_serving(engines: list[str], on_event) -> Serving:  # type: ignore[no-untyped-def]
+        return Serving(
+            run_dir.path,
+            model_dir,
+            engines,
+            proxy=recipe.proxy,
+            agent=recipe.agent,
+            engine=recipe.engine,
+            scoring=recipe.scoring,
+            capacity=recipe.proxy.admission_limit or recipe.cells.capacity,
+            seed=recipe.run.seed,
+            on_event=on_event,
+        )
+
+    return Controller(
+        world,
+        recipe.run,
+        recipe.cells,
+        recipe.scheduler,
+        recipe.tasks,
+        recipe.trajectory,
+        recipe.trainer,
+        events,
+        run_dir.path,
+        transport,  # type: ignore[arg-type]
+        make_serving,
+        resume,
+    )

@@ -6,11 +6,18 @@
    ├──────────────── SwitchRole ─────────────▶├── SwitchRole ─────────▶│
    │◀─────────────── RoleSwitched ────────────┤◀── RoleSwitched ───────┤
    │◀─────────────── Heartbeat (every heartbeat_s) ─┤                   │
+   ├──────────────── LoadWeights(v) ─────────▶│  engine pulls snapshot v from the core
+   │◀─────────────── WeightsLoaded ───────────┤
+   ├──────────────── TrainStep(v, queue) ────▶│  claim micro-steps until the queue is empty
+   │◀─────────────── TrainDone(claimed) ──────┤
+   ├──────────────── ApplyStep ──────────────▶│  core only: pull, sum, step, publish v+1
+   │◀─────────────── StepApplied(v+1) ────────┤
    ├──────────────── Shutdown ───────────────▶├── Shutdown ───────────▶│
 ```
 
-Messages are frozen dataclasses sent with mpi4py's pickled ``send`` on one tag. The protocol
-knows nothing about engines or training: it carries only who is where and in which role.
+Messages are frozen dataclasses sent with mpi4py's pickled ``send`` on one tag. Bulk data —
+weights and gradients — never travels here: it moves one-sided through ``transport``; only a
+step's micro-step queue (token ids, masks, log-probs) rides in ``TrainStep``.
 """
 
 from __future__ import annotations
@@ -71,8 +78,87 @@ class Shutdown:
     reason: str
 
 
-Message = Hello | SwitchRole | RoleSwitched | Heartbeat | Shutdown
-MESSAGE_TYPES = (Hello, SwitchRole, RoleSwitched, Heartbeat, Shutdown)
+@dataclass(frozen=True, slots=True)
+class LoadWeights:
+    """Load snapshot ``version`` into the cell's engine (pulled from the core)."""
+
+    cell: int
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsLoaded:
+    cell: int
+    version: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class TrainStep:
+    """Train on the step's micro-steps, claimed from the shared counter, from snapshot ``version``."""
+
+    step: int
+    version: int
+    queue: list  # list[list[TrainSequence]]: micro-steps
+
+
+@dataclass(frozen=True, slots=True)
+class TrainDone:
+    cell: int
+    step: int
+    claimed: list[int]
+    loss_sum: float
+    tokens: int
+    clipped: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyStep:
+    """Core only: sum the gradients of ``contributors`` (ranks) into its own, step, publish."""
+
+    step: int
+    contributors: list[int]
+    num_runs: int
+    checkpoint: bool
+    state: dict  # extra resume state stored with the checkpoint
+
+
+@dataclass(frozen=True, slots=True)
+class StepApplied:
+    step: int
+    version: int
+    grad_norm: float
+    seconds: float
+    checkpoint: str
+
+
+Message = (
+    Hello
+    | SwitchRole
+    | RoleSwitched
+    | Heartbeat
+    | Shutdown
+    | LoadWeights
+    | WeightsLoaded
+    | TrainStep
+    | TrainDone
+    | ApplyStep
+    | StepApplied
+)
+MESSAGE_TYPES = (
+    Hello,
+    SwitchRole,
+    RoleSwitched,
+    Heartbeat,
+    Shutdown,
+    LoadWeights,
+    WeightsLoaded,
+    TrainStep,
+    TrainDone,
+    ApplyStep,
+    StepApplied,
+)
 
 
 class ProtocolError(RuntimeError):

@@ -1,0 +1,133 @@
+"""The controller's HTTP side: proxy, harness and dispatcher on one asyncio loop in a thread.
+
+```
+ controller main thread (MPI, schedule)          serving thread (asyncio)
+   dispatch(jobs) ──run_coroutine_threadsafe──▶  Dispatcher ─▶ Harness ─▶ Proxy ─▶ engines (cells)
+   future.done()? ◀─────────────────────────────  outcomes (scored)
+   trees(runs), set_sampling(urls) ──────────▶   TITO trees, router admits / drains
+```
+
+MPI stays on the main thread; everything HTTP stays on the loop. The counters d/p/f are
+reported through ``on_event`` from the loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from gyre_hpc.agents.dispatch import Dispatcher, Outcome
+from gyre_hpc.agents.harness import Harness
+from gyre_hpc.proxy.server import Proxy
+from gyre_hpc.recipe.schema import AgentConfig, EngineConfig, ProxyConfig, ScoringConfig
+from gyre_hpc.scoring import ScoringRunner, load_scorer
+from gyre_hpc.tasks.task import Task
+from gyre_hpc.trajectory.tree import TrajectoryTree
+
+T = TypeVar("T")
+
+
+class Serving:
+    def __init__(
+        self,
+        run_dir: Path,
+        model_dir: Path,
+        engines: list[str],
+        *,
+        proxy: ProxyConfig,
+        agent: AgentConfig,
+        engine: EngineConfig,
+        scoring: ScoringConfig,
+        capacity: int,
+        seed: int,
+        on_event: Callable[[str, str], None],
+    ) -> None:
+        self.run_dir, self.model_dir, self.engine_urls = run_dir, model_dir, engines
+        self.proxy_cfg, self.agent_cfg, self.engine_cfg, self.scoring_cfg = proxy, agent, engine, scoring
+        self.capacity, self.seed, self.on_event = capacity, seed, on_event
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="serving", daemon=True)
+        self._runners: dict[str, ScoringRunner] = {}
+
+    def start(self) -> str:
+        """Start the loop and the proxy; returns the proxy's base URL."""
+        self._thread.start()
+        return self.call(self._start())
+
+    async def _start(self) -> str:
+        self.proxy = Proxy(self.run_dir, self.model_dir, self.engine_urls, self.proxy_cfg, self.capacity)
+        self._runner = web.AppRunner(self.proxy.app())
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.proxy_cfg.host, self.proxy_cfg.port)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://{self.proxy_cfg.host}:{port}"
+        e = self.engine_cfg
+        sampling = {"temperature": e.temperature, "top_p": e.top_p, "max_tokens": e.max_new_tokens}
+        self.harness = Harness(
+            self.url + "/v1", self.proxy.keys.mint, self.agent_cfg, sampling, self.model_dir.name, self.seed
+        )
+        return self.url
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = 60) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def dispatch(
+        self, jobs: list[tuple[str, Task]], workspaces: Path
+    ) -> concurrent.futures.Future[list[Outcome]]:
+        dispatcher = Dispatcher(
+            self.harness,
+            self._scoring,
+            workspaces,
+            self.run_dir / "tasks",
+            max(len(jobs), 1),  # the proxy's admission limits pace the engines
+            self.on_event,
+        )
+        return asyncio.run_coroutine_threadsafe(dispatcher.run_all(jobs), self.loop)
+
+    def _scoring(self, task: Task) -> ScoringRunner:
+        name = task.scorer or self.scoring_cfg.scorer
+        if name not in self._runners:
+            cfg = type(self.scoring_cfg)(
+                scorer=name, max_retries=self.scoring_cfg.max_retries, timeout_s=self.scoring_cfg.timeout_s
+            )
+            self._runners[name] = ScoringRunner(load_scorer(cfg), cfg.max_retries)
+        return self._runners[name]
+
+    def trees(self, run_ids: list[str]) -> dict[str, TrajectoryTree]:
+        async def get() -> dict[str, TrajectoryTree]:
+            return {r: self.proxy.tito.trees[r] for r in run_ids if r in self.proxy.tito.trees}
+
+        return self.call(get())
+
+    def set_sampling(self, urls: set[str]) -> None:
+        """Admit new calls only on ``urls``; the other engines are drained (their calls move)."""
+
+        async def apply() -> None:
+            for url in self.engine_urls:
+                if url in urls:
+                    await self.proxy.router.undrain(url)
+                elif self.proxy.router.engines[url].admitting:
+                    await self.proxy.router.drain(url, self.proxy_cfg.drain_mode)
+
+        self.call(apply())
+
+    def tito_bytes(self) -> int:
+        return self.call(self._tito_bytes())
+
+    async def _tito_bytes(self) -> int:
+        return (self.run_dir / "tito.bin").stat().st_size if (self.run_dir / "tito.bin").exists() else 0
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            try:
+                self.call(self._runner.cleanup(), timeout=30)
+            finally:
+                self.loop.call_soon_threadsafe(self.loop.stop)
+                self._thread.join(timeout=10)

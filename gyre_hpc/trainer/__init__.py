@@ -1,0 +1,1 @@
+"""Training replicas: load a snapshot, train micro-steps, hand gradients to the core."""

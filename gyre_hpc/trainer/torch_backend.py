@@ -1,0 +1,113 @@
+"""The ``torch`` trainer: plain PyTorch, CPU or one GPU, AdamW on the core.
+
+Parameters and gradients are views into two flat buffers; the gradient buffer may be memory the
+transport exposes (pass ``grad_buffer``), so a finished cell's gradient is readable by the core
+without a copy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gyre_hpc.engines.embedded import unique_parameters
+from gyre_hpc.loss.policy import token_logprobs, weighted_policy_loss
+from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
+from gyre_hpc.recipe.schema import TrainerConfig
+from gyre_hpc.trainer.base import ApplyStats, MicroStats
+from gyre_hpc.trajectory.batch import TrainSequence
+
+
+class TorchTrainer:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: TrainerConfig,
+        *,
+        core: bool,
+        grad_buffer: np.ndarray | None = None,
+    ) -> None:
+        self.config = config
+        self.model = Qwen3ForCausalLM.from_pretrained(model_dir).train()
+        params = unique_parameters(self.model)
+        self.numel = sum(p.numel() for p in params)
+        self.flat = torch.empty(self.numel, dtype=torch.float32)
+        if grad_buffer is None:
+            grad_buffer = np.zeros(self.numel, dtype=np.float32)
+        if grad_buffer.shape != (self.numel,) or grad_buffer.dtype != np.float32:
+            raise ValueError(f"gradient buffer must be float32[{self.numel}]")
+        self.grad = torch.from_numpy(grad_buffer)
+        at = 0
+        for p in params:
+            n = p.numel()
+            self.flat[at : at + n].copy_(p.detach().reshape(-1))
+            p.data = self.flat[at : at + n].view_as(p)
+            p.grad = self.grad[at : at + n].view_as(p)
+            at += n
+        self.grad.zero_()
+        self.params = params
+        self.version = 0
+        self.optimizer = (
+            torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, foreach=False)
+            if core
+            else None
+        )
+
+    def weights(self) -> np.ndarray:
+        return self.flat.numpy()
+
+    def gradient(self) -> np.ndarray:
+        return self.grad.numpy()
+
+    def load_snapshot(self, flat: np.ndarray, version: int) -> None:
+        self.flat.copy_(torch.from_numpy(flat))
+        self.version = version
+
+    def zero_grad(self) -> None:
+        self.grad.zero_()  # in place: the parameters' .grad are views of it
+
+    def micro_step(self, sequences: list[TrainSequence]) -> MicroStats:
+        c = self.config
+        loss_sum, tokens, loss_tokens, clipped = 0.0, 0, 0, 0
+        for s in sequences:
+            ids = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))[None]
+            mask = torch.from_numpy(np.asarray(s.loss_mask, dtype=np.float32))
+            behaviour = torch.from_numpy(np.asarray(s.behaviour_logprobs, dtype=np.float32))
+            logits, _ = self.model(ids)
+            logp = token_logprobs(logits[0], ids[0])
+            adv = torch.full_like(logp, s.advantage)
+            weights = torch.full_like(logp, s.token_weight)
+            loss = weighted_policy_loss(logp, behaviour, adv, weights, mask, c.clip_low, c.clip_high)
+            loss.backward()
+            with torch.no_grad():
+                ratio = torch.exp(logp - behaviour)
+                out = (ratio < 1 - c.clip_low) | (ratio > 1 + c.clip_high)
+                clipped += int((out & (mask > 0)).sum())
+            loss_sum += float(loss)
+            tokens += len(s)
+            loss_tokens += int(mask.sum())
+        return MicroStats(len(sequences), tokens, loss_tokens, loss_sum, clipped)
+
+    def apply(self, num_runs: int) -> ApplyStats:
+        if self.optimizer is None:
+            raise RuntimeError("only the core owns an optimizer")
+        with torch.no_grad():
+            self.grad.div_(max(num_runs, 1))
+            norm = float(torch.linalg.vector_norm(self.grad))
+            if self.config.grad_clip and norm > self.config.grad_clip:
+                self.grad.mul_(self.config.grad_clip / (norm + 1e-6))
+        self.optimizer.step()
+        self.version += 1
+        return ApplyStats(self.version, norm)
+
+    # ---- checkpoint state ---------------------------------------------------------------------
+
+    def optimizer_state(self) -> dict:
+        assert self.optimizer is not None
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state(self, state: dict) -> None:
+        assert self.optimizer is not None
+        self.optimizer.load_state_dict(state)

@@ -1,0 +1,111 @@
+"""The transport interface: one-sided snapshot pulls, gradient pulls and a shared claim counter.
+
+```
+  core (cell 0)                satellite / sampling cell            controller (rank 0)
+  ┌───────────────────┐  pull  ┌──────────────────────┐  claim    ┌──────────────────┐
+  │ snapshot  [v | w] │◀───────┤ pull_snapshot(v)     │──────────▶│ counter (int64)  │
+  │ gradient  [g0]    │        │ gradient  [g_c]      │ fetch&add └──────────────────┘
+  └─────────┬─────────┘        └──────────▲───────────┘
+            └──────── pull_gradient(c) ───┘   (the core sums; no remote accumulate)
+```
+
+Every operation is one-sided: the rank that owns the memory takes no part, so a cell busy in
+a forward pass still serves a pull. Memory is registered once, at start, collectively on every
+rank of the world (ranks without a buffer register an empty one). Who may write when is the
+runtime's protocol: the core publishes a version only while no pull of the previous one is in
+flight, and a gradient is read only after its owner reported the step done.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from gyre_hpc.recipe.schema import TransportConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TransportPlan:
+    """Which rank holds what: the same on every rank."""
+
+    params: int
+    """Values in the flat weight buffer (float32)."""
+    core: int
+    """Rank of the core's leader: owns the snapshot."""
+    counter: int
+    """Rank that owns the micro-step counter (the controller)."""
+    grad_ranks: tuple[int, ...]
+    """Ranks exposing a gradient buffer (every cell leader)."""
+
+
+class Transport(Protocol):
+    name: str
+
+    def publish(self, weights: np.ndarray, version: int) -> None:
+        """Core only: make ``weights`` the snapshot of ``version`` (a local copy, under a lock)."""
+
+    def pull_snapshot(self, into: np.ndarray) -> int:
+        """Read the current snapshot into ``into``; returns its version."""
+
+    def gradient_buffer(self) -> np.ndarray:
+        """This rank's exposed gradient buffer (write the local gradient here)."""
+
+    def pull_gradient(self, rank: int, into: np.ndarray) -> None:
+        """Read rank's exposed gradient into ``into``."""
+
+    def claim(self) -> int:
+        """Atomically take the next micro-step index (0, 1, 2, …)."""
+
+    def reset_counter(self) -> None:
+        """Counter owner only: start a new queue at 0 (while nobody claims)."""
+
+    def close(self) -> None: ...
+
+
+def rdma_devices() -> list[str]:
+    """RDMA device names; [] when pyverbs is missing or the kernel has no RDMA subsystem."""
+    try:
+        from pyverbs.device import get_device_list
+    except ImportError:
+        return []
+    try:
+        devices = get_device_list()
+    except Exception:  # raises instead of returning [] when there is no RDMA subsystem at all
+        return []
+    return [d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in devices]
+
+
+def choose_backend(config: TransportConfig) -> tuple[str, str]:
+    """(backend, why): ``auto`` takes verbs only where an RDMA device exists."""
+    if config.backend == "mpi":
+        return "mpi", "transport.backend = mpi"
+    devices = rdma_devices()
+    if config.backend == "verbs":
+        if not devices:
+            raise RuntimeError("transport.backend = verbs but no RDMA device exists on this node")
+        return "verbs", f"transport.backend = verbs ({', '.join(devices)})"
+    if devices:
+        return "verbs", f"auto: RDMA devices {', '.join(devices)}"
+    return "mpi", "auto: no RDMA device (pyverbs missing or no RDMA subsystem): MPI one-sided"
+
+
+def make_transport(comm: Any, plan: TransportPlan, config: TransportConfig) -> Transport:
+    """Collective over ``comm``: every rank calls it, with the same plan."""
+    name, why = choose_backend(config)
+    # Every rank must take the same backend: one without a device would otherwise wait forever.
+    names = comm.allgather(name)
+    if len(set(names)) > 1:
+        name, why = "mpi", f"not every rank has an RDMA device ({names.count('verbs')}/{len(names)}): MPI"
+    log.info("transport: %s (%s)", name, why)
+    if name == "verbs":
+        from gyre_hpc.transport.verbs import VerbsTransport
+
+        return VerbsTransport(comm, plan, config)
+    from gyre_hpc.transport.mpi import MpiTransport
+
+    return MpiTransport(comm, plan)

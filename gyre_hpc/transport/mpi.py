@@ -1,0 +1,89 @@
+"""The ``mpi`` backend: MPI one-sided windows with passive-target locks.
+
+On InfiniBand clusters Open MPI's one-sided layer is RDMA underneath; on one host it is shared
+memory (single copy). Windows are created once (``Win.Create`` over our own buffers: measured
+here ~2.5× faster to ``Get`` from than ``Win.Allocate``) and freed at close.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from gyre_hpc.transport.base import TransportPlan
+
+HEADER = 8  # int64 version before the snapshot's float32 values
+CHUNK = 1 << 30  # bytes per Get: MPI counts are 32-bit ints
+
+
+class MpiTransport:
+    name = "mpi"
+
+    def __init__(self, comm: Any, plan: TransportPlan) -> None:
+        from mpi4py import MPI
+
+        self.MPI, self.comm, self.plan = MPI, comm, plan
+        rank = comm.Get_rank()
+        n = plan.params
+        self._snap = np.zeros(HEADER + 4 * n if rank == plan.core else 0, dtype=np.uint8)
+        if rank == plan.core:
+            self._snap[:HEADER].view(np.int64)[0] = -1  # nothing published yet
+        self._grad = np.zeros(n if rank in plan.grad_ranks else 0, dtype=np.float32)
+        self._counter = np.zeros(1 if rank == plan.counter else 0, dtype=np.int64)
+        self._snap_win = MPI.Win.Create(self._snap, 1, comm=comm)
+        self._grad_win = MPI.Win.Create(self._grad, 4, comm=comm)
+        self._counter_win = MPI.Win.Create(self._counter, 8, comm=comm)
+        self.rank = rank
+
+    def publish(self, weights: np.ndarray, version: int) -> None:
+        assert self.rank == self.plan.core, "only the core publishes"
+        win = self._snap_win
+        win.Lock(self.rank, self.MPI.LOCK_EXCLUSIVE)  # no reader sees half a version
+        self._snap[HEADER:].view(np.float32)[:] = weights.reshape(-1)
+        self._snap[:HEADER].view(np.int64)[0] = version
+        win.Unlock(self.rank)
+
+    def pull_snapshot(self, into: np.ndarray) -> int:
+        version = np.zeros(1, dtype=np.int64)
+        win, core = self._snap_win, self.plan.core
+        win.Lock(core, self.MPI.LOCK_SHARED)
+        win.Get(version.view(np.uint8), core, (0, HEADER, self.MPI.BYTE))
+        self._get(win, core, into, HEADER)
+        win.Unlock(core)
+        return int(version[0])
+
+    def gradient_buffer(self) -> np.ndarray:
+        return self._grad
+
+    def pull_gradient(self, rank: int, into: np.ndarray) -> None:
+        self._grad_win.Lock(rank, self.MPI.LOCK_SHARED)
+        self._get(self._grad_win, rank, into, 0, disp_unit=4)
+        self._grad_win.Unlock(rank)
+
+    def claim(self) -> int:
+        one, got = np.ones(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+        win, owner = self._counter_win, self.plan.counter
+        win.Lock(owner, self.MPI.LOCK_SHARED)
+        win.Fetch_and_op(one, got, owner, 0, self.MPI.SUM)
+        win.Unlock(owner)
+        return int(got[0])
+
+    def reset_counter(self) -> None:
+        assert self.rank == self.plan.counter
+        self._counter_win.Lock(self.rank, self.MPI.LOCK_EXCLUSIVE)
+        self._counter[0] = 0
+        self._counter_win.Unlock(self.rank)
+
+    def _get(self, win: Any, target: int, into: np.ndarray, offset: int, disp_unit: int = 1) -> None:
+        """Get ``into.nbytes`` from ``target`` at byte ``offset``, in chunks MPI can count."""
+        dest = into.reshape(-1).view(np.uint8)
+        if dest.size != 4 * self.plan.params:
+            raise ValueError(f"buffer of {dest.size} bytes, the snapshot has {4 * self.plan.params}")
+        for at in range(0, dest.size, CHUNK):
+            part = dest[at : at + CHUNK]
+            win.Get(part, target, ((offset + at) // disp_unit, part.size, self.MPI.BYTE))
+
+    def close(self) -> None:
+        for win in (self._snap_win, self._grad_win, self._counter_win):
+            win.Free()

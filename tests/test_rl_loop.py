@@ -1,0 +1,94 @@
+"""The RL loop end to end under mpirun: colocate and async steps, checkpoints, resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import gyre
+from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
+from gyre_hpc.models.warmstart import warmstart
+from gyre_hpc.observability.events import read_events
+from gyre_hpc.rundir import RunDir
+
+pytestmark = pytest.mark.mpi
+SMOKE = "recipes/smoke.toml"
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A briefly warm-started tiny model: its smoke rollouts differ in reward, so steps learn."""
+    return warmstart(tmp_path_factory.mktemp("model") / "warm", seed=0, steps=150)
+
+
+def run(tmp_path: Path, policy: Path, *sets: str, resume: Path | None = None) -> RunDir:
+    args = ["run", "--resume", str(resume)] if resume else ["run", SMOKE]
+    base = [f"run.runs_dir={tmp_path}", f"run.model={policy}", "tasks.prompts_per_step=2"]
+    for s in ([] if resume else base) + list(sets):
+        args += ["--set", s]
+    proc = gyre(*args, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return resume and RunDir(resume) or RunDir(next(p for p in tmp_path.iterdir() if p.is_dir()))
+
+
+def steps(run_dir: RunDir) -> list[dict]:
+    return [e for e in read_events(run_dir.events) if e["event"] == "step"]
+
+
+def test_colocate_steps_train_on_every_cell_and_checkpoint(tmp_path: Path, policy: Path) -> None:
+    rd = run(tmp_path, policy, "run.steps=2")
+    done = steps(rd)
+    assert [e["step"] for e in done] == [1, 2]
+    trained = [e for e in done if not e.get("skipped")]
+    assert trained, "no step had a reward spread to learn from"
+    assert [e["version"] for e in done] == sorted(e["version"] for e in done) and done[-1]["version"] >= 1
+    for e in trained:
+        assert set(e["claims"]) == {"0", "1"} and sum(e["claims"].values()) == e["micro_steps"]
+        assert e["roles"] == {"0": "training", "1": "training"} and e["staleness"] == {"0": e["calls"]}
+    events = read_events(rd.events)
+    loaded = [e["version"] for e in events if e["event"] == "weights_loaded"]
+    assert loaded == [0, *(e["version"] for e in done)]  # every engine serves the newest version
+    # A checkpoint is a plain model directory the engines load, holding the trained weights.
+    ck = rd.path / "checkpoints" / "step-000002"
+    trained_model = Qwen3ForCausalLM.from_pretrained(ck)
+    before = Qwen3ForCausalLM.from_pretrained(policy)
+    delta = max((a - b).abs().max().item() for a, b in zip(trained_model.parameters(), before.parameters()))
+    assert delta > 0
+    assert (rd.path / "metrics.png").stat().st_size > 10_000
+
+
+def test_async_keeps_its_split_and_records_staleness(tmp_path: Path, policy: Path) -> None:
+    rd = run(tmp_path, policy, "run.steps=3", "scheduler.mode=async")
+    events = read_events(rd.events)
+    switched = [(e["cell"], e["role"]) for e in events if e["event"] == "role_switched"]
+    assert switched == [(0, "training"), (1, "sampling")]  # set once, never changed
+    done = steps(rd)
+    assert [e["step"] for e in done] == [1, 2, 3]
+    stale = {k for e in done for k, n in e["staleness"].items() if n}
+    assert stale <= {"0", "1"}, "staleness is bounded by one version"
+    assert "1" in stale, "later steps train on calls served one version behind"
+    assert all(e.get("skipped") or e["claims"] == {"0": e["micro_steps"]} for e in done)
+
+
+def test_resume_continues_with_the_same_next_step(tmp_path: Path, policy: Path) -> None:
+    # One cell serving one call at a time without a prefix cache: every call is bit-reproducible.
+    exact = [
+        "cells.count=1",
+        "cells.capacity=1",
+        "engine.prefix_cache=false",
+        "tasks.group_size=3",
+        "agent.max_calls=3",
+    ]
+    straight = run(tmp_path / "a", policy, "run.steps=2", *exact)
+    first = run(tmp_path / "b", policy, "run.steps=1", *exact)
+    resumed = run(tmp_path / "b", policy, "run.steps=2", resume=first.path)
+    assert [e["step"] for e in steps(resumed)] == [1, 2]
+    assert any(e["event"] == "resumed" and e["step"] == 2 for e in read_events(resumed.events))
+    a = load_file(straight.path / "checkpoints" / "step-000002" / "model.safetensors")
+    b = load_file(resumed.path / "checkpoints" / "step-000002" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert steps(straight)[-1]["version"] == steps(resumed)[-1]["version"]
+    assert steps(straight)[-1].get("reward_mean") == steps(resumed)[-1].get("reward_mean")

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import gyre
 from safetensors.torch import load_file
 
-from conftest import gyre
 from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 from gyre_hpc.models.warmstart import warmstart
 from gyre_hpc.observability.events import read_events
@@ -55,7 +55,10 @@ def test_colocate_steps_train_on_every_cell_and_checkpoint(tmp_path: Path, polic
     ck = rd.path / "checkpoints" / "step-000002"
     trained_model = Qwen3ForCausalLM.from_pretrained(ck)
     before = Qwen3ForCausalLM.from_pretrained(policy)
-    delta = max((a - b).abs().max().item() for a, b in zip(trained_model.parameters(), before.parameters()))
+    delta = max(
+        (a - b).abs().max().item()
+        for a, b in zip(trained_model.parameters(), before.parameters(), strict=True)
+    )
     assert delta > 0
     assert (rd.path / "metrics.png").stat().st_size > 10_000
 

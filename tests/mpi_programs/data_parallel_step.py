@@ -30,7 +30,7 @@ def batch(seed: int, vocab: int) -> list[list[TrainSequence]]:
     queue = []
     for m in range(12):
         seqs = []
-        for s in range(int(rng.integers(1, 4))):
+        for _ in range(int(rng.integers(1, 4))):
             n = int(rng.integers(20, 70))
             mask = rng.random(n) < 0.5
             mask[0] = False

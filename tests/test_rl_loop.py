@@ -10,18 +10,19 @@ from conftest import gyre
 from safetensors.torch import load_file
 
 from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
-from gyre_hpc.models.warmstart import warmstart
+from gyre_hpc.models.registry import resolve_model
 from gyre_hpc.observability.events import read_events
 from gyre_hpc.rundir import RunDir
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(900)]
 SMOKE = "recipes/smoke.toml"
 
 
 @pytest.fixture(scope="module")
-def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A briefly warm-started tiny model: its smoke rollouts differ in reward, so steps learn."""
-    return warmstart(tmp_path_factory.mktemp("model") / "warm", seed=0, steps=150)
+def policy() -> Path:
+    """The warm-started tiny model (built once into the cache): its smoke rollouts differ in
+    reward, so steps have something to learn."""
+    return resolve_model("tiny-warm")
 
 
 def run(tmp_path: Path, policy: Path, *sets: str, resume: Path | None = None) -> RunDir:
@@ -39,7 +40,7 @@ def steps(run_dir: RunDir) -> list[dict]:
 
 
 def test_colocate_steps_train_on_every_cell_and_checkpoint(tmp_path: Path, policy: Path) -> None:
-    rd = run(tmp_path, policy, "run.steps=2")
+    rd = run(tmp_path, policy, "run.steps=2", "tasks.eval_every=1", "tasks.eval_n=3")
     done = steps(rd)
     assert [e["step"] for e in done] == [1, 2]
     trained = [e for e in done if not e.get("skipped")]
@@ -49,6 +50,8 @@ def test_colocate_steps_train_on_every_cell_and_checkpoint(tmp_path: Path, polic
         assert set(e["claims"]) == {"0", "1"} and sum(e["claims"].values()) == e["micro_steps"]
         assert e["roles"] == {"0": "training", "1": "training"} and e["staleness"] == {"0": e["calls"]}
     events = read_events(rd.events)
+    evals = [e for e in events if e["event"] == "eval"]
+    assert [e["step"] for e in evals] == [1, 2] and all(e["statuses"] == {"finished": 3} for e in evals)
     loaded = [e["version"] for e in events if e["event"] == "weights_loaded"]
     assert loaded == [0, *(e["version"] for e in done)]  # every engine serves the newest version
     # A checkpoint is a plain model directory the engines load, holding the trained weights.
@@ -95,3 +98,22 @@ def test_resume_continues_with_the_same_next_step(tmp_path: Path, policy: Path) 
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert steps(straight)[-1]["version"] == steps(resumed)[-1]["version"]
     assert steps(straight)[-1].get("reward_mean") == steps(resumed)[-1].get("reward_mean")
+
+
+def test_elastic_cells_switch_during_the_burst_and_no_execution_fails(tmp_path: Path, policy: Path) -> None:
+    sets = ["run.steps=2", "scheduler.mode=elastic", "cells.count=3", "tasks.prompts_per_step=4"]
+    rd = run(tmp_path, policy, *sets)
+    events = read_events(rd.events)
+    done = steps(rd)
+    assert [e["step"] for e in done] == [1, 2]
+    assert all(e["statuses"] == {"finished": e["executions"]} for e in done), "a switch failed an execution"
+    to_training = [e for e in events if e["event"] == "switch" and e["kind"] == "sampling→training"]
+    assert to_training[0]["cell"] == 0, "the core switches first"
+    assert any(e["w"] > 0 for e in to_training), "a cell switched while executions were running"
+    assert any((e["train_before_burst_end_s"] or 0) > 0 for e in done), (
+        "training began before the burst ended"
+    )
+    back = [e for e in events if e["event"] == "switch" and e["kind"] == "training→sampling"]
+    assert back and all(e["load_s"] >= 0 for e in back)
+    for e in done:
+        assert sum(e["claims"].values()) == e["micro_steps"]  # every micro-step trained exactly once

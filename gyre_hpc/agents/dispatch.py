@@ -46,11 +46,13 @@ class Dispatcher:
         task_dir: Path,
         concurrency: int,
         on_event: Callable[[str, str], None] = lambda kind, run: None,
+        on_outcome: Callable[[Outcome], None] = lambda outcome: None,
     ) -> None:
         self.harness, self.scoring = harness, scoring
         self.workspaces, self.task_dir = workspaces, task_dir
         self.limit = asyncio.Semaphore(concurrency)
         self.on_event = on_event
+        self.on_outcome = on_outcome
 
     async def run_all(self, jobs: list[tuple[str, Task]]) -> list[Outcome]:
         for run_id, _ in jobs:
@@ -64,5 +66,7 @@ class Dispatcher:
             task.materialize(workspace)
             ex = await self.harness.run(task, workspace, run_id)
             score = await asyncio.to_thread(self.scoring(task).score, artifacts(ex, task, self.task_dir))
+            outcome = Outcome(ex, score)
+            self.on_outcome(outcome)  # before "finished": a consumer counting f sees it first
             self.on_event("finished", run_id)
-            return Outcome(ex, score)
+            return outcome

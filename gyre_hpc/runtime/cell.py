@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,9 +34,11 @@ from gyre_hpc.runtime.protocol import (
     POLL_INTERVAL_S,
     ApplyStep,
     Channel,
+    CloseQueue,
     Heartbeat,
     Hello,
     LoadWeights,
+    MicroSteps,
     ProtocolError,
     Role,
     RoleSwitched,
@@ -50,8 +52,8 @@ from gyre_hpc.runtime.protocol import (
 )
 from gyre_hpc.runtime.world import CONTROLLER, World
 from gyre_hpc.trainer import checkpoint
-from gyre_hpc.trainer.base import ApplyStats
-from gyre_hpc.trainer.data_parallel import apply_on_core, pull_snapshot, train_claimed
+from gyre_hpc.trainer.base import ApplyStats, MicroStats
+from gyre_hpc.trainer.data_parallel import apply_on_core, pull_snapshot
 from gyre_hpc.trainer.torch_backend import TorchTrainer
 from gyre_hpc.transport.base import Transport
 
@@ -67,6 +69,20 @@ class CellSetup:
     transport: Transport
     satellites: list[int]
     """Leader ranks of the other cells (their gradients are what the core pulls)."""
+
+
+@dataclass
+class Session:
+    """This cell's part in one step's training: the queue it knows and what it claimed."""
+
+    step: int
+    queue: list
+    closed: bool
+    total: int
+    started: float
+    claim: int | None = None
+    claimed: list[int] = field(default_factory=list)
+    stats: list[MicroStats] = field(default_factory=list)
 
 
 class EngineServer:
@@ -109,6 +125,8 @@ class Cell:
         self.role = Role.IDLE
         self.to_controller = Channel(world.comm)
         self.in_cell = Channel(world.cell_comm)
+        self.session: Session | None = None
+        self.trained_step = -1
 
     @property
     def is_core(self) -> bool:
@@ -184,7 +202,8 @@ class Cell:
                 next_beat = now + self.cells.heartbeat_s
             got = self.to_controller.poll(CONTROLLER)
             if got is None:
-                time.sleep(POLL_INTERVAL_S)
+                if self.session is None or not self.work_once():
+                    time.sleep(POLL_INTERVAL_S)
                 continue
             msg = got[1]
             if isinstance(msg, Shutdown):
@@ -205,13 +224,19 @@ class Cell:
                     WeightsLoaded(self.unit, msg.version, time.monotonic() - started), CONTROLLER
                 )
             elif isinstance(msg, TrainStep):
-                self.to_controller.send(self.train(msg, started), CONTROLLER)
+                self.session = self.open_session(msg)
+            elif isinstance(msg, MicroSteps):
+                self.session.queue += msg.items
+            elif isinstance(msg, CloseQueue):
+                self.session.closed, self.session.total = True, msg.total
             elif isinstance(msg, ApplyStep):
                 self.to_controller.send(self.apply(msg, started), CONTROLLER)
             else:
                 raise ProtocolError(f"cell {self.unit}: unexpected {msg!r}")
 
     def switch(self, role: Role) -> None:
+        if self.session is not None:
+            raise ProtocolError(f"cell {self.unit}: role switch while training step {self.session.step}")
         if role == Role.SAMPLING:
             self.engine.resume()
         elif role == Role.TRAINING:
@@ -228,24 +253,48 @@ class Cell:
             flat = self.scratch
         self.engine.load_flat(torch.from_numpy(flat), str(version))
 
-    def train(self, msg: TrainStep, started: float) -> TrainDone:
+    def open_session(self, msg: TrainStep) -> Session:
+        """Join a step: its snapshot, a zero gradient, then claim micro-steps (``work_once``)."""
         assert self.trainer is not None, "a standalone engine never trains"
         if self.trainer.version != msg.version:
             if self.is_core:
-                raise ProtocolError(
-                    f"core holds version {self.trainer.version}, asked to train {msg.version}"
-                )
+                raise ProtocolError(f"core holds version {self.trainer.version}, asked for {msg.version}")
             pull_snapshot(self.trainer, self.setup.transport, msg.version, self.scratch)
         self.trainer.zero_grad()
-        report = train_claimed(self.trainer, self.setup.transport, msg.queue)
-        clipped = sum(s.clipped for s in report.stats)
-        seconds = time.monotonic() - started
-        return TrainDone(
-            self.unit, msg.step, report.claimed, report.loss_sum, report.tokens, clipped, seconds
-        )
+        self.trained_step = msg.step
+        total = len(msg.queue) if msg.closed else -1
+        return Session(msg.step, list(msg.queue), msg.closed, total, time.monotonic())
+
+    def work_once(self) -> bool:
+        """One claim or one micro-step of the open session; False when waiting for data."""
+        s = self.session
+        assert s is not None and self.trainer is not None
+        if s.claim is None:
+            s.claim = self.setup.transport.claim()
+        if s.claim < len(s.queue):
+            s.stats.append(self.trainer.micro_step(s.queue[s.claim]))
+            s.claimed.append(s.claim)
+            s.claim = None
+            return True
+        if s.closed and s.claim >= s.total:
+            done = TrainDone(
+                self.unit,
+                s.step,
+                s.claimed,
+                sum(x.loss_sum for x in s.stats),
+                sum(x.tokens for x in s.stats),
+                sum(x.clipped for x in s.stats),
+                time.monotonic() - s.started,
+            )
+            self.to_controller.send(done, CONTROLLER)
+            self.session = None
+            return True
+        return False  # claimed a micro-step that is not packed yet: it comes with MicroSteps
 
     def apply(self, msg: ApplyStep, started: float) -> StepApplied:
         assert self.is_core and self.trainer is not None
+        if self.trained_step != msg.step:  # the core took no part in this step: no own gradient
+            self.trainer.zero_grad()
         if msg.num_runs == 0:  # nothing to learn from this step: same version, still checkpointed
             stats = ApplyStats(self.trainer.version, 0.0)
         else:

@@ -13,6 +13,7 @@
 ```
 
 colocate: every cell samples until the step's last execution ends, then every cell trains.
+elastic: cells move to training one by one while the burst still runs (``runtime.elastic``).
 async: a fixed split — the first ``async_train_cells`` cells (core first) only train, the
 others only sample; step k+1 is dispatched as soon as step k's executions end, so sampling
 never waits for training and the data is at most one version stale (recorded per call).
@@ -28,6 +29,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,7 @@ from gyre_hpc.recipe.schema import (
     TrainerConfig,
     TrajectoryConfig,
 )
+from gyre_hpc.runtime.elastic import ElasticStep
 from gyre_hpc.runtime.protocol import (
     POLL_INTERVAL_S,
     ApplyStep,
@@ -135,9 +138,8 @@ class Controller:
             elif self.scheduler.mode == "async":
                 self.run_async(first)
             else:
-                raise ProtocolError(
-                    f"scheduler.mode = {self.scheduler.mode!r} is not implemented yet; valid: colocate, async"
-                )
+                for step in range(first, self.run_cfg.steps + 1):
+                    ElasticStep(self, step).run()
         finally:
             self.serving.stop()
         self.shutdown("completed")
@@ -177,13 +179,18 @@ class Controller:
 
     # ---- sampling ---------------------------------------------------------------------------
 
-    def dispatch(self, step: int, heldout: bool = False) -> concurrent.futures.Future[list[Outcome]]:
+    def dispatch(
+        self,
+        step: int,
+        heldout: bool = False,
+        on_outcome: Callable[[Outcome], None] = lambda outcome: None,
+    ) -> concurrent.futures.Future[list[Outcome]]:
         if heldout:
             tasks = load_suite(self.tasks.suite, self.tasks.eval_n, seed=self.run_cfg.seed, split="heldout")
             jobs = [(f"eval{step:04d}-{t.id}", t) for t in tasks]
         else:
             jobs = step_jobs(step_tasks(self.tasks, self.run_cfg.seed, step), self.tasks.group_size, step)
-        return self.serving.dispatch(jobs, self.run_dir / "workspaces" / f"step-{step:04d}")
+        return self.serving.dispatch(jobs, self.run_dir / "workspaces" / f"step-{step:04d}", on_outcome)
 
     def on_run_event(self, kind: str, run_id: str) -> None:
         """d / p / f from the serving thread: the scheduler's counters."""
@@ -268,6 +275,9 @@ class Controller:
             **info,
         )
         if self.tasks.eval_every and step % self.tasks.eval_every == 0:
+            if self.scheduler.mode == "colocate":  # the cells are training: sample again first
+                self.switch(dict.fromkeys(range(self.world.layout.units), Role.SAMPLING))
+                self.serving.set_sampling({h.address for h in self.hellos.values()})
             outcomes = self.wait(self.dispatch(step, heldout=True))
             rewards = [o.score.reward or 0.0 for o in outcomes if o.score.counts_in_group]
             self.events.emit(
@@ -275,6 +285,7 @@ class Controller:
                 step=step,
                 version=self.version,
                 n=len(outcomes),
+                statuses=dict(Counter(o.execution.status for o in outcomes)),
                 pass_rate=sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
                 mean_score=sum(rewards) / max(len(rewards), 1),
             )
@@ -331,6 +342,8 @@ class Controller:
 
     def load_weights(self, version: int, units: list[int]) -> None:
         """Every listed engine pulls snapshot ``version``; returns once all have it."""
+        if not units:
+            return
         for unit in units:
             self.channel.send(LoadWeights(unit, version), self.world.layout.leader(unit))
         pending = set(units)

@@ -70,18 +70,14 @@ def main(argv: list[str] | None = None) -> int:
         world = World(comm, Layout.from_config(recipe.cells), env)
         kind = "controller" if world.is_controller else "cell"
         run_dir.write_rank(rank, pid=os.getpid(), host=env.node_name, kind=kind, cell=world.unit)
-        transport = None
-        try:
-            model_dir = resolve_model(recipe.run.model)  # built by the launcher: a cache hit here
-            transport = make_transport(comm, transport_plan(world.layout, model_dir), recipe.transport)
-            if world.is_controller:
-                controller(world, recipe, run_dir, events, model_dir, transport).run()
-            else:
-                setup = CellSetup(model_dir, run_dir.path / "checkpoints", transport, [])
-                Cell(world, recipe.cells, recipe.engine, recipe.trainer, setup).run()
-        finally:
-            if transport is not None:
-                transport.close()
+        model_dir = resolve_model(recipe.run.model)  # built by the launcher: a cache hit here
+        transport = make_transport(comm, transport_plan(world.layout, model_dir), recipe.transport)
+        if world.is_controller:
+            controller(world, recipe, run_dir, events, model_dir, transport).run()
+        else:
+            setup = CellSetup(model_dir, run_dir.path / "checkpoints", transport, [])
+            Cell(world, recipe.cells, recipe.engine, recipe.trainer, setup).run()
+        transport.close()  # collective: only on the way out of a run every rank completed
     except Interrupted as sig:
         log.warning("rank %d interrupted by %s", rank, sig)
         if world is not None and world.is_controller:

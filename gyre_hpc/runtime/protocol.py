@@ -95,11 +95,30 @@ class WeightsLoaded:
 
 @dataclass(frozen=True, slots=True)
 class TrainStep:
-    """Train on the step's micro-steps, claimed from the shared counter, from snapshot ``version``."""
+    """Train on the step's micro-steps, claimed from the shared counter, from snapshot ``version``.
+
+    With ``closed`` False more micro-steps follow (``MicroSteps``) until ``CloseQueue``."""
 
     step: int
     version: int
     queue: list  # list[list[TrainSequence]]: micro-steps
+    closed: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class MicroSteps:
+    """More micro-steps of an open step's queue (appended in order)."""
+
+    step: int
+    items: list
+
+
+@dataclass(frozen=True, slots=True)
+class CloseQueue:
+    """The step's queue is complete: ``total`` micro-steps."""
+
+    step: int
+    total: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +161,8 @@ Message = (
     | LoadWeights
     | WeightsLoaded
     | TrainStep
+    | MicroSteps
+    | CloseQueue
     | TrainDone
     | ApplyStep
     | StepApplied
@@ -155,6 +176,8 @@ MESSAGE_TYPES = (
     LoadWeights,
     WeightsLoaded,
     TrainStep,
+    MicroSteps,
+    CloseQueue,
     TrainDone,
     ApplyStep,
     StepApplied,

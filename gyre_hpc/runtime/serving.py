@@ -79,7 +79,10 @@ class Serving:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def dispatch(
-        self, jobs: list[tuple[str, Task]], workspaces: Path
+        self,
+        jobs: list[tuple[str, Task]],
+        workspaces: Path,
+        on_outcome: Callable[[Outcome], None] = lambda outcome: None,
     ) -> concurrent.futures.Future[list[Outcome]]:
         dispatcher = Dispatcher(
             self.harness,
@@ -88,6 +91,7 @@ class Serving:
             self.run_dir / "tasks",
             max(len(jobs), 1),  # the proxy's admission limits pace the engines
             self.on_event,
+            on_outcome,
         )
         return asyncio.run_coroutine_threadsafe(dispatcher.run_all(jobs), self.loop)
 

@@ -5,15 +5,17 @@ same functions serve the runtime and tests.
 
 ```
  step k ─▶ step_tasks: prompts_per_step tasks ─▶ step_jobs: × group_size executions (run ids)
- finished executions + their TITO trees ─▶ step_batch:
-     group advantages per task (dropped runs left out, placeholders count as reward 0)
+ finished executions + their TITO trees ─▶ per prompt group (group_sequences):
+     group advantages (dropped runs left out, placeholders count as reward 0)
      ─▶ Jmax path selection per trainable run ─▶ weighted sequences ─▶ micro-steps
+     all groups at once (step_batch), or each group as it completes (StreamingBatch)
 ```
 """
 
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -52,7 +54,35 @@ class StepBatch:
     queue: list[list[TrainSequence]]
     """Micro-steps, each a list of sequences."""
     num_runs: int
-    stats: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, object] = field(default_factory=dict)
+
+
+def group_sequences(
+    group: Sequence[Outcome],
+    trees: Mapping[str, TrajectoryTree],
+    trajectory: TrajectoryConfig,
+    rng: random.Random,
+) -> tuple[list[TrainSequence], int]:
+    """One prompt's finished runs → weighted sequences, and how many runs contribute tokens.
+
+    Dropped runs are left out of the group, placeholders count with reward 0 but train nothing;
+    a run whose advantage is 0 carries no gradient and is not trained.
+    """
+    counted = [o for o in group if o.score.counts_in_group]
+    adv = group_advantages([o.score.reward or 0.0 for o in counted], trajectory.std_normalize)
+    advantages = {o.execution.run_id: a for o, a in zip(counted, adv, strict=True)}
+    paths = {
+        o.execution.run_id: select_paths(trees[o.execution.run_id], trajectory.jmax, rng, trajectory.priority)
+        for o in group
+        if o.score.trainable and o.execution.run_id in trees and advantages.get(o.execution.run_id)
+    }
+    batch = build_batch(paths, advantages)
+    return batch.sequences, batch.num_runs
+
+
+def pack(sequences: Sequence[TrainSequence], micro_step_tokens: int) -> list[list[TrainSequence]]:
+    bins = pack_micro_steps([len(s) for s in sequences], micro_step_tokens)
+    return [[sequences[i] for i in b] for b in bins]
 
 
 def step_batch(
@@ -63,35 +93,80 @@ def step_batch(
     seed: int,
     step: int,
 ) -> StepBatch:
+    """The whole step at once (colocate, async): groups in order, then one packing."""
+    sequences: list[TrainSequence] = []
+    runs = 0
+    for task_id, group in by_task(outcomes).items():
+        seqs, n = group_sequences(group, trees, trajectory, group_rng(seed, step, task_id))
+        sequences += seqs
+        runs += n
+    queue = pack(sequences, micro_step_tokens)
+    return StepBatch(queue, runs, step_stats(outcomes, queue, runs))
+
+
+class StreamingBatch:
+    """The step built while it samples (elastic): each prompt's group becomes micro-steps as soon
+    as its last run finishes, so training can start before the burst ends."""
+
+    def __init__(
+        self, group_size: int, trajectory: TrajectoryConfig, micro_step_tokens: int, seed: int, step: int
+    ):
+        self.group_size, self.trajectory, self.tokens = group_size, trajectory, micro_step_tokens
+        self.seed, self.step = seed, step
+        self.pending: dict[str, list[Outcome]] = {}
+        self.trees: dict[str, TrajectoryTree] = {}
+        self.outcomes: list[Outcome] = []
+        self.queue: list[list[TrainSequence]] = []
+        self.num_runs = 0
+
+    def add(self, outcome: Outcome, tree: TrajectoryTree | None) -> list[list[TrainSequence]]:
+        """Book one finished run (and its complete tree); returns the micro-steps its group
+        completed (often none)."""
+        self.outcomes.append(outcome)
+        if tree is not None:
+            self.trees[outcome.execution.run_id] = tree
+        group = self.pending.setdefault(outcome.execution.task_id, [])
+        group.append(outcome)
+        if len(group) < self.group_size:
+            return []
+        del self.pending[outcome.execution.task_id]
+        rng = group_rng(self.seed, self.step, outcome.execution.task_id)
+        seqs, n = group_sequences(group, self.trees, self.trajectory, rng)
+        self.num_runs += n
+        new = pack(seqs, self.tokens)
+        self.queue += new
+        return new
+
+    def stats(self) -> dict[str, object]:
+        return step_stats(self.outcomes, self.queue, self.num_runs)
+
+
+def group_rng(seed: int, step: int, task_id: str) -> random.Random:
+    """Selection randomness per group: the same whatever order the groups finish in."""
+    return random.Random(f"{seed}-select-{step}-{task_id}")
+
+
+def by_task(outcomes: Sequence[Outcome]) -> dict[str, list[Outcome]]:
     groups: dict[str, list[Outcome]] = {}
     for o in outcomes:
         groups.setdefault(o.execution.task_id, []).append(o)
-    advantages: dict[str, float] = {}
-    for members in groups.values():
-        counted = [o for o in members if o.score.counts_in_group]
-        adv = group_advantages([o.score.reward or 0.0 for o in counted], trajectory.std_normalize)
-        advantages.update((o.execution.run_id, a) for o, a in zip(counted, adv, strict=True))
-    rng = random.Random(f"{seed}-select-{step}")
-    paths = {
-        o.execution.run_id: select_paths(trees[o.execution.run_id], trajectory.jmax, rng, trajectory.priority)
-        for o in outcomes
-        if o.score.trainable and o.execution.run_id in trees and advantages.get(o.execution.run_id)
-    }
-    batch = build_batch(paths, advantages)
-    bins = pack_micro_steps([len(s) for s in batch.sequences], micro_step_tokens)
-    queue = [[batch.sequences[i] for i in b] for b in bins]
+    return groups
+
+
+def step_stats(outcomes: Sequence[Outcome], queue: list[list[TrainSequence]], runs: int) -> dict[str, object]:
     counted = [o for o in outcomes if o.score.counts_in_group]
     rewards = [o.score.reward or 0.0 for o in counted]
-    stats = {
+    sequences = [s for mb in queue for s in mb]
+    return {
         "executions": len(outcomes),
         "reward_mean": sum(rewards) / max(len(rewards), 1),
         "pass_rate": sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
-        "dropped": sum(1 for o in outcomes if not o.score.counts_in_group),
-        "trained_runs": batch.num_runs,
-        "sequences": len(batch.sequences),
+        "dropped": len(outcomes) - len(counted),
+        "trained_runs": runs,
+        "sequences": len(sequences),
         "micro_steps": len(queue),
-        "tokens": sum(len(s) for s in batch.sequences),
-        "loss_tokens": int(sum(s.loss_mask.sum() for s in batch.sequences)),
+        "tokens": sum(len(s) for s in sequences),
+        "loss_tokens": int(sum(s.loss_mask.sum() for s in sequences)),
         "calls": sum(o.execution.calls for o in outcomes),
+        "statuses": dict(sorted(Counter(o.execution.status for o in outcomes).items())),
     }
-    return StepBatch(queue, batch.num_runs, stats)

@@ -64,6 +64,9 @@ class Transport(Protocol):
     def reset_counter(self) -> None:
         """Counter owner only: start a new queue at 0 (while nobody claims)."""
 
+    def claimed(self) -> int:
+        """Counter owner only: claims handed out so far (the counter's value)."""
+
     def close(self) -> None: ...
 
 

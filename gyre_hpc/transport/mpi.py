@@ -75,6 +75,13 @@ class MpiTransport:
         self._counter[0] = 0
         self._counter_win.Unlock(self.rank)
 
+    def claimed(self) -> int:
+        assert self.rank == self.plan.counter
+        self._counter_win.Lock(self.rank, self.MPI.LOCK_SHARED)
+        value = int(self._counter[0])
+        self._counter_win.Unlock(self.rank)
+        return value
+
     def _get(self, win: Any, target: int, into: np.ndarray, offset: int, disp_unit: int = 1) -> None:
         """Get ``into.nbytes`` from ``target`` at byte ``offset``, in chunks MPI can count."""
         dest = into.reshape(-1).view(np.uint8)

@@ -161,6 +161,10 @@ class VerbsTransport:
         assert self.rank == self.plan.counter
         self._counter[0] = 0
 
+    def claimed(self) -> int:
+        assert self.rank == self.plan.counter
+        return int(self._counter[0])
+
     def _read(self, peer: int, dest: np.ndarray, addr: int, rkey: int) -> None:
         from pyverbs.wr import SGE, SendWR
 

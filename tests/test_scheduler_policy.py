@@ -1,0 +1,106 @@
+"""The scheduling policy over random traces: capacity rule, serial in-order switches, service."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gyre_hpc.runtime.protocol import Role
+from gyre_hpc.scheduler.policy import SchedState, decide, initial_roles
+
+S, T = Role.SAMPLING, Role.TRAINING
+
+
+def state(**kw) -> SchedState:
+    base = dict(
+        mode="elastic",
+        roles=(S, S, S),
+        capacity=(4, 4, 4),
+        pool_capacity=0,
+        dispatched=12,
+        finished=0,
+        queued=0,
+        step_open=False,
+    )
+    return SchedState(**{**base, **kw})
+
+
+def test_the_core_switches_first_once_the_water_has_fallen() -> None:
+    assert decide(state(finished=3, queued=2)) == []  # w = 9 > C_R − C_e = 8
+    (sw,) = decide(state(finished=4, queued=2))  # w = 8
+    assert (sw.cell, sw.role) == (0, T)
+    assert decide(state(finished=4, queued=0)) == []  # nothing to train yet
+
+
+def test_the_last_trainer_returns_when_executions_would_lack_a_server() -> None:
+    (sw,) = decide(state(roles=(T, T, S), finished=7, queued=3, step_open=True))  # w = 5 > 4
+    assert (sw.cell, sw.role) == (1, S)
+
+
+def test_idle_trainers_return_after_the_step_and_one_engine_always_serves() -> None:
+    (sw,) = decide(state(roles=(T, T, S), finished=12, step_open=False))
+    assert (sw.cell, sw.role) == (1, S)
+    (sw,) = decide(state(roles=(T, T, S), dispatched=0, finished=0, queued=9, step_open=True))
+    assert (sw.cell, sw.role) == (2, T)  # after the burst every cell may train
+    assert decide(state(roles=(T, T, S), finished=11, queued=9, step_open=True)) == []
+
+
+def test_async_and_colocate() -> None:
+    assert [(s.cell, s.role) for s in decide(state(mode="async"))] == [(0, T)]
+    assert initial_roles("async", 3, 2) == [T, T, S]
+    assert decide(state(mode="colocate", finished=11, queued=5)) == []  # one execution still runs
+    assert {s.role for s in decide(state(mode="colocate", finished=12, queued=5))} == {T}
+    assert {s.role for s in decide(state(mode="colocate", roles=(T, T, T), finished=0))} == {S}
+
+
+events = st.lists(
+    st.sampled_from(["finish", "finish", "finish", "queue", "claim", "close", "burst"]), max_size=200
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    trace=events,
+    caps=st.lists(st.integers(1, 6), min_size=1, max_size=5),
+    pool=st.integers(0, 4),
+    burst=st.integers(1, 30),
+)
+def test_random_traces_keep_the_rules(trace: list[str], caps: list[int], pool: int, burst: int) -> None:
+    s = SchedState(
+        mode="elastic",
+        roles=tuple([S] * len(caps)),
+        capacity=tuple(caps),
+        pool_capacity=pool,
+        dispatched=burst,
+        finished=0,
+        queued=0,
+        step_open=False,
+    )
+    for event in trace:
+        if event == "finish" and s.water > 0:
+            s = replace(s, finished=s.finished + 1)
+        elif event == "queue" and s.finished > 0:
+            s = replace(s, queued=s.queued + 1, step_open=True)
+        elif event == "claim" and s.queued and s.training_prefix:
+            s = replace(s, queued=s.queued - 1)
+        elif event == "close" and s.queued == 0 and s.water == 0:
+            s = replace(s, step_open=False)
+        elif event == "burst" and s.water == 0 and not s.step_open:
+            s = replace(s, dispatched=s.dispatched + burst)
+        switches = decide(s)
+        assert len(switches) <= 1, "switches are serial"
+        for sw in switches:
+            k = s.training_prefix
+            if sw.role == T:
+                assert sw.cell == k, "the next cell in switch order goes to training"
+                assert s.water <= s.rollout_capacity - s.capacity[k], "capacity rule"
+            else:
+                assert sw.cell == k - 1, "the last trainer returns first"
+            roles = list(s.roles)
+            roles[sw.cell] = sw.role
+            s = replace(s, roles=tuple(roles))
+            assert s.roles[: s.training_prefix] == (T,) * s.training_prefix
+            assert all(r == S for r in s.roles[s.training_prefix :]), "trainers form a prefix"
+        assert s.rollout_capacity > 0 or s.water == 0, "running executions always have an engine"

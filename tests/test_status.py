@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from conftest import gyre
+
 from gyre_hpc.recipe import load_recipe
 from gyre_hpc.rundir import RunDir
 
@@ -25,7 +26,7 @@ def recorded_run(tmp_path: Path, finished: bool) -> RunDir:
         {"event": "dispatched", "run": "r1", "d": 32, "p": 32, "f": 0},
         {"event": "finished", "run": "r1", "d": 32, "p": 32, "f": 20},
         {"event": "role_switched", "cell": 0, "role": "training", "seq": 4},
-        {"event": "switch", "step": 1, "cell": 0, "kind": "sampling→training", "reason": "w=12", "seconds": 0.08},
+        {"event": "switch", "step": 1, "cell": 0, "kind": "sampling→training", "reason": "w", "seconds": 0.1},
         {
             "event": "step",
             "step": 1,

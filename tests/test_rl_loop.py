@@ -70,7 +70,7 @@ def test_async_keeps_its_split_and_records_staleness(tmp_path: Path, policy: Pat
     rd = run(tmp_path, policy, "run.steps=3", "scheduler.mode=async")
     events = read_events(rd.events)
     switched = [(e["cell"], e["role"]) for e in events if e["event"] == "role_switched"]
-    assert switched == [(0, "training"), (1, "sampling")]  # set once, never changed
+    assert sorted(switched) == [(0, "training"), (1, "sampling")]  # set once, never changed
     done = steps(rd)
     assert [e["step"] for e in done] == [1, 2, 3]
     stale = {k for e in done for k, n in e["staleness"].items() if n}

@@ -1,0 +1,1 @@
+"""A discrete-event simulator of cells, driving the runtime's own scheduling policy."""

@@ -1,0 +1,108 @@
+"""What the simulator models: the cluster, the workload and the costs, one small dataclass.
+
+Named configurations document their assumptions next to each number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from gyre_hpc.recipe.schema import Mode
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    cells: int = 4
+    """Cells in switch order (cell 0 is the core)."""
+    capacity: int = 8
+    """Concurrent executions one sampling cell serves."""
+    pool_capacity: int = 0
+    """Concurrent executions of the standalone rollout pool (never trains)."""
+    prompts: int = 8
+    group_size: int = 4
+    steps: int = 6
+    duration_median_s: float = 60.0
+    """Median execution wall time while served."""
+    duration_sigma: float = 0.8
+    """Log-normal spread of execution durations: the long tail."""
+    timeout_s: float = 600.0
+    """Executions are cut here and partially scored."""
+    train_s_per_exec: float = 4.0
+    """One cell's training time for one execution's tokens."""
+    micro_step_s: float = 1.0
+    """Training time of one micro-step on one cell."""
+    switch_to_train_s: float = 1.0
+    switch_to_sample_s: float = 0.5
+    publish_s: float = 0.5
+    """Optimizer step and publication of the new version by the core."""
+    streaming: bool = True
+    """Groups become micro-steps as they complete (off: only once the burst has ended)."""
+    async_train_cells: int = 1
+    min_queued: int = 1
+    seed: int = 0
+
+    def with_(self, **changes: Any) -> SimConfig:
+        return replace(self, **changes)
+
+
+CONFIGS: dict[str, SimConfig] = {
+    # The smoke recipe's shape on this machine: 2 cells of 8, 8 prompts × 4, ~2 s executions.
+    "smoke": SimConfig(
+        cells=2,
+        capacity=8,
+        prompts=8,
+        group_size=4,
+        steps=20,
+        duration_median_s=2.0,
+        duration_sigma=0.6,
+        timeout_s=120.0,
+        train_s_per_exec=0.1,
+        micro_step_s=0.1,
+        switch_to_train_s=0.05,
+        switch_to_sample_s=0.02,
+        publish_s=0.05,
+    ),
+    # The paper's 2.4T regime. The paper gives the ratios, the 48-step totals and the switch
+    # times; everything else is assumed here: 8 cells of 16 concurrent executions, one batch
+    # fills the cluster (32 prompts × 4), a 1.5 h timeout with durations log-normal around 0.5×
+    # the timeout (σ 0.5, ~8 % cut), one execution's tokens cost 160 cell-seconds to train in
+    # 20 s micro-steps, 30 s to publish a version, async trains on 2 of the 8 cells.
+    "paper-2.4t": SimConfig(
+        cells=8,
+        capacity=16,
+        prompts=32,
+        group_size=4,
+        steps=48,
+        duration_median_s=2700.0,
+        duration_sigma=0.5,
+        timeout_s=5400.0,
+        train_s_per_exec=160.0,
+        micro_step_s=20.0,
+        switch_to_train_s=8.52,
+        switch_to_sample_s=3.46,
+        publish_s=30.0,
+        async_train_cells=2,
+    ),
+    # The paper's 122B regime (all assumed but the ratio range): 16 cells of 8, a 1 h timeout,
+    # durations around 0.3× the timeout (σ 0.6), 300 cell-seconds of training per execution in
+    # 15 s micro-steps, faster switches and publication than at 2.4T, async trains on 4 cells.
+    "paper-122b": SimConfig(
+        cells=16,
+        capacity=8,
+        prompts=32,
+        group_size=4,
+        steps=48,
+        duration_median_s=1080.0,
+        duration_sigma=0.6,
+        timeout_s=3600.0,
+        train_s_per_exec=300.0,
+        micro_step_s=15.0,
+        switch_to_train_s=5.0,
+        switch_to_sample_s=2.0,
+        publish_s=15.0,
+        async_train_cells=4,
+    ),
+}
+
+MODES: tuple[Mode, ...] = ("elastic", "async", "colocate")

@@ -1,0 +1,62 @@
+"""Pictures of simulated runs: step times per mode, cell roles over time, GPU-time split."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gyre_hpc.sim.simulate import SimResult
+
+COLORS = {"sampling": "#4c72b0", "training": "#dd8452", "idle": "#cccccc", "switching": "#c44e52"}
+
+
+def plot_all(results: dict[str, SimResult], out: Path, title: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=100)
+    for mode, r in results.items():
+        ax.plot(range(1, len(r.step_times) + 1), [t / 3600 for t in r.step_times], "o-", label=mode)
+    ax.set(xlabel="step", ylabel="step time (h)", title=f"{title}: step times")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    paths.append(_save(fig, out / "step_times.png"))
+    for mode, r in results.items():
+        cells = len(r.cells)
+        fig, ax = plt.subplots(figsize=(9, 0.4 * cells + 1.2), dpi=100)
+        spans: dict[tuple[int, str], list[tuple[float, float]]] = {}
+        for cell, start, end, what in r.timeline:
+            spans.setdefault((cell, what), []).append((start / 3600, (end - start) / 3600))
+        for (cell, what), xs in spans.items():  # one call per cell and role: thousands of spans stay fast
+            ax.broken_barh(xs, (cell - 0.4, 0.8), color=COLORS[what])
+        ax.set(xlabel="hours", ylabel="cell", title=f"{title}: {mode} — cell roles over time")
+        ax.set_ylim(cells - 0.5, -0.5)
+        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
+        ax.legend(handles, list(COLORS), loc="upper right", ncol=4, fontsize=7)
+        fig.tight_layout()
+        paths.append(_save(fig, out / f"gantt_{mode}.png"))
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    bottom = [0.0] * len(results)
+    for what, color in COLORS.items():
+        share = [
+            sum(getattr(c, what) for c in r.cells) / (r.total_s * len(r.cells)) for r in results.values()
+        ]
+        ax.bar(list(results), share, bottom=bottom, color=color, label=what)
+        bottom = [b + s for b, s in zip(bottom, share, strict=True)]
+    ax.set(ylabel="share of cell time", title=f"{title}: GPU-time split")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(_save(fig, out / "time_split.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:  # type: ignore[no-untyped-def]
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path)
+    plt.close(fig)
+    return path

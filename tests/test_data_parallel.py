@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from gyre_hpc.models.tiny import init_tiny
+from gyre_hpc.trainer.base import MicroStats
+from gyre_hpc.trainer.data_parallel import Claims, work_once
 
 HERE = Path(__file__).parent
 MPIRUN = ["mpirun", "--oversubscribe", "-n"]
@@ -44,3 +46,38 @@ def test_core_plus_satellites_give_the_core_alone_step(tmp_path: Path) -> None:
     assert v["grad_rel_err"] < 1e-5
     assert v["weight_max_abs_err"] < 1e-6, v
     assert v["version"] == 1
+
+
+class Counter:
+    """The claim counter alone (the MPI one is tested above): an in-process fetch-and-add."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def claim(self) -> int:
+        self.value += 1
+        return self.value - 1
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.trained: list[str] = []
+
+    def micro_step(self, sequences: list) -> MicroStats:
+        self.trained += sequences
+        return MicroStats(len(sequences), 0, 0, 0.0, 0)
+
+
+def test_a_growing_queue_is_trained_once_across_cells_that_wait_for_data() -> None:
+    counter, cells = Counter(), [Recorder(), Recorder()]
+    claims = [Claims.of([["m0"], ["m1"]], closed=False) for _ in cells]
+    states = [work_once(claims[i % 2], cells[i % 2], counter) for i in range(4)]
+    assert states == ["trained", "trained", "waiting", "waiting"]  # indices 2 and 3 are not packed yet
+    for c in claims:  # the controller appends the next group's micro-steps, then closes the queue
+        c.queue += [["m2"], ["m3"], ["m4"]]
+    for c, cell in zip(claims, cells, strict=True):
+        while work_once(c, cell, counter) != "done":
+            if c.pending is not None and c.pending >= len(c.queue) and not c.closed:
+                c.close(5)
+    trained = sorted(cells[0].trained + cells[1].trained)
+    assert trained == ["m0", "m1", "m2", "m3", "m4"]

@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -52,8 +52,8 @@ from gyre_hpc.runtime.protocol import (
 )
 from gyre_hpc.runtime.world import CONTROLLER, World
 from gyre_hpc.trainer import checkpoint
-from gyre_hpc.trainer.base import ApplyStats, MicroStats
-from gyre_hpc.trainer.data_parallel import apply_on_core, pull_snapshot
+from gyre_hpc.trainer.base import ApplyStats
+from gyre_hpc.trainer.data_parallel import Claims, apply_on_core, pull_snapshot, work_once
 from gyre_hpc.trainer.torch_backend import TorchTrainer
 from gyre_hpc.transport.base import Transport
 
@@ -67,22 +67,15 @@ class CellSetup:
     model_dir: Path
     checkpoints: Path
     transport: Transport
-    satellites: list[int]
-    """Leader ranks of the other cells (their gradients are what the core pulls)."""
 
 
 @dataclass
 class Session:
-    """This cell's part in one step's training: the queue it knows and what it claimed."""
+    """This cell's part in one step's training."""
 
     step: int
-    queue: list
-    closed: bool
-    total: int
+    claims: Claims
     started: float
-    claim: int | None = None
-    claimed: list[int] = field(default_factory=list)
-    stats: list[MicroStats] = field(default_factory=list)
 
 
 class EngineServer:
@@ -226,9 +219,9 @@ class Cell:
             elif isinstance(msg, TrainStep):
                 self.session = self.open_session(msg)
             elif isinstance(msg, MicroSteps):
-                self.session.queue += msg.items
+                self.session.claims.queue += msg.items
             elif isinstance(msg, CloseQueue):
-                self.session.closed, self.session.total = True, msg.total
+                self.session.claims.close(msg.total)
             elif isinstance(msg, ApplyStep):
                 self.to_controller.send(self.apply(msg, started), CONTROLLER)
             else:
@@ -262,34 +255,21 @@ class Cell:
             pull_snapshot(self.trainer, self.setup.transport, msg.version, self.scratch)
         self.trainer.zero_grad()
         self.trained_step = msg.step
-        total = len(msg.queue) if msg.closed else -1
-        return Session(msg.step, list(msg.queue), msg.closed, total, time.monotonic())
+        return Session(msg.step, Claims.of(msg.queue, msg.closed), time.monotonic())
 
     def work_once(self) -> bool:
-        """One claim or one micro-step of the open session; False when waiting for data."""
+        """One claim or one micro-step of the open session; False while waiting for data."""
         s = self.session
         assert s is not None and self.trainer is not None
-        if s.claim is None:
-            s.claim = self.setup.transport.claim()
-        if s.claim < len(s.queue):
-            s.stats.append(self.trainer.micro_step(s.queue[s.claim]))
-            s.claimed.append(s.claim)
-            s.claim = None
-            return True
-        if s.closed and s.claim >= s.total:
-            done = TrainDone(
-                self.unit,
-                s.step,
-                s.claimed,
-                sum(x.loss_sum for x in s.stats),
-                sum(x.tokens for x in s.stats),
-                sum(x.clipped for x in s.stats),
-                time.monotonic() - s.started,
-            )
+        state = work_once(s.claims, self.trainer, self.setup.transport)
+        if state == "done":
+            c = s.claims
+            clipped = sum(x.clipped for x in c.stats)
+            seconds = time.monotonic() - s.started
+            done = TrainDone(self.unit, s.step, c.claimed, c.loss_sum, c.tokens, clipped, seconds)
             self.to_controller.send(done, CONTROLLER)
             self.session = None
-            return True
-        return False  # claimed a micro-step that is not packed yet: it comes with MicroSteps
+        return state != "waiting"
 
     def apply(self, msg: ApplyStep, started: float) -> StepApplied:
         assert self.is_core and self.trainer is not None

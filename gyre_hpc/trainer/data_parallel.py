@@ -3,9 +3,10 @@
 ```
  every training cell                               the core, once all cells reported
    pull snapshot v (satellites)                      for each other contributor c:
-   loop: i = claim()  (fetch-and-add)                  pull_gradient(c) → g += g_c
-         i ≥ n → stop                                apply(R): g/R, clip, AdamW → v+1
-         micro_step(queue[i])                        publish(weights, v+1)
+   work_once: i = claim()  (fetch-and-add)             pull_gradient(c) → g += g_c
+         i < known length → micro_step(queue[i])     apply(R): g/R, clip, AdamW → v+1
+         queue closed and i ≥ n → done               publish(weights, v+1)
+         else: wait for more micro-steps
    report claimed indices
 ```
 
@@ -26,9 +27,27 @@ from gyre_hpc.transport.base import Transport
 
 
 @dataclass
-class ClaimReport:
+class Claims:
+    """One cell's part of one step's queue: what it knows of the queue and what it claimed.
+
+    The queue may still grow (elastic: micro-steps arrive as prompt groups complete) until it is
+    closed with its final length.
+    """
+
+    queue: list[list[TrainSequence]]
+    closed: bool
+    total: int = -1
+    pending: int | None = None
+    """An index taken from the counter whose micro-step has not arrived yet."""
     claimed: list[int] = field(default_factory=list)
     stats: list[MicroStats] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, queue: Sequence[list[TrainSequence]], closed: bool = True) -> Claims:
+        return cls(list(queue), closed, len(queue) if closed else -1)
+
+    def close(self, total: int) -> None:
+        self.closed, self.total = True, total
 
     @property
     def loss_sum(self) -> float:
@@ -39,19 +58,34 @@ class ClaimReport:
         return sum(s.tokens for s in self.stats)
 
 
+def work_once(claims: Claims, trainer: Trainer, transport: Transport) -> str:
+    """Claim an index and train its micro-step: ``trained``, ``waiting`` (its micro-step is not
+    packed yet) or ``done`` (the queue is closed and exhausted)."""
+    if claims.pending is None:
+        claims.pending = transport.claim()
+    i = claims.pending
+    if i < len(claims.queue):
+        claims.stats.append(trainer.micro_step(claims.queue[i]))
+        claims.claimed.append(i)
+        claims.pending = None
+        return "trained"
+    if claims.closed and i >= claims.total:
+        return "done"
+    return "waiting"
+
+
 def train_claimed(
     trainer: Trainer,
     transport: Transport,
     queue: Sequence[list[TrainSequence]],
-    before_each: Callable[[int], None] = lambda i: None,
-) -> ClaimReport:
-    """Claim micro-steps until the queue is exhausted; gradients accumulate in the trainer."""
-    report = ClaimReport()
-    while (i := transport.claim()) < len(queue):
-        before_each(i)
-        report.stats.append(trainer.micro_step(queue[i]))
-        report.claimed.append(i)
-    return report
+    before_each: Callable[[], None] = lambda: None,
+) -> Claims:
+    """A complete queue, claimed until exhausted (gradients accumulate in the trainer)."""
+    claims = Claims.of(queue)
+    while True:
+        before_each()
+        if work_once(claims, trainer, transport) == "done":
+            return claims
 
 
 def pull_snapshot(trainer: Trainer, transport: Transport, expected: int, scratch: np.ndarray) -> None:

@@ -78,8 +78,7 @@ if rank >= 1:
     if rank == 2:
         time.sleep(0.5)  # joins after the others have started
     pace = {1: 0.1, 2: 0.1, 3: 0.4}[rank]  # rank 3 is a slow cell
-    slow = lambda i: time.sleep(pace)  # noqa: E731
-    claimed = train_claimed(trainer, transport, queue, before_each=slow).claimed
+    claimed = train_claimed(trainer, transport, queue, before_each=lambda: time.sleep(pace)).claimed
 all_claimed = comm.gather(claimed, root=0)
 comm.Barrier()  # every satellite has reported: its gradient is final
 

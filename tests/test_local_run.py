@@ -185,3 +185,13 @@ def test_wrong_world_size_is_an_error_not_a_hang(
     assert message in proc.stderr
     failed = [e for e in read_events(run.events) if e["event"] == "rank_failed"]
     assert len(failed) == 1 and message in failed[0]["error"]
+
+
+def test_backends_the_runtime_does_not_drive_yet_are_refused_in_one_line(tmp_path: Path) -> None:
+    proc = gyre("run", str(REPO / "recipes" / "qwen3-8b-8cells.toml"), "--set", f"run.runs_dir={tmp_path}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: engine.backend = 'sglang' is not driven by the runtime yet (the SGLang client and launcher "
+        "exist, the cell does not start it); valid for gyre-hpc run/submit today: embedded"
+    ]
+    assert not any(tmp_path.iterdir())  # refused before a run directory was made

@@ -22,7 +22,7 @@ from gyre_hpc.launch.local import LocalRun
 from gyre_hpc.models.registry import resolve_model
 from gyre_hpc.recipe import load_recipe
 from gyre_hpc.rundir import RunDir
-from gyre_hpc.runtime.world import Layout
+from gyre_hpc.runtime.world import Layout, check_runnable
 
 EXIT = {"completed": 0, "failed": 1, "interrupted": 130}
 
@@ -53,8 +53,10 @@ def run(
         if not run_dir.recipe_path.exists():
             raise GyreError(f"--resume {resume}: not a run directory (no recipe.toml)")
         r = load_recipe(run_dir.recipe_path, set_ or [])
+        check_runnable(r.engine.backend, r.trainer.backend)
     else:
         r = load(recipe, set_)  # type: ignore[arg-type]
+        check_runnable(r.engine.backend, r.trainer.backend)
         run_dir = RunDir.create(r.run.runs_dir, r.run.name)
     run_dir.write_recipe(r)
     layout = Layout.from_config(r.cells)

@@ -17,7 +17,7 @@ from gyre_hpc.launch.sbatch import render_sbatch
 from gyre_hpc.models.registry import resolve_model
 from gyre_hpc.observability.events import EventLog
 from gyre_hpc.rundir import RunDir
-from gyre_hpc.runtime.world import Layout
+from gyre_hpc.runtime.world import Layout, check_runnable
 
 
 def submit(
@@ -44,6 +44,7 @@ def submit(
             render_sbatch(r.slurm, layout, job_name=r.run.name, run_dir=where, python=python), nl=False
         )
         return
+    check_runnable(r.engine.backend, r.trainer.backend)
     resolve_model(r.run.model)  # a built-in model is built here once, not by every rank
     run_dir = RunDir.create(r.run.runs_dir, r.run.name)
     run_dir.write_recipe(r)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gyre_hpc.errors import RecipeError
 from gyre_hpc.launch.env import JobEnvironment
 from gyre_hpc.recipe.schema import CellsConfig
 
@@ -74,6 +75,17 @@ class Layout:
     def describe(self) -> str:
         pool = f" + {self.pool} rollout engines" if self.pool else ""
         return f"1 controller + {self.cells} cells × {self.ranks_per_cell} ranks{pool}"
+
+
+def check_runnable(engine_backend: str, trainer_backend: str) -> None:
+    """The backends this runtime drives today; anything else is refused before launch, in one line."""
+    if engine_backend != "embedded":
+        raise RecipeError(
+            f"engine.backend = {engine_backend!r} is not driven by the runtime yet (the SGLang client and "
+            "launcher exist, the cell does not start it); valid for gyre-hpc run/submit today: embedded"
+        )
+    if trainer_backend != "torch":
+        raise RecipeError(f"trainer.backend = {trainer_backend!r} is not available yet; valid today: torch")
 
 
 def check_world_size(size: int, layout: Layout, env: JobEnvironment) -> None:

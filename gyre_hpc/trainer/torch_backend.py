@@ -85,7 +85,7 @@ class TorchTrainer:
                 ratio = torch.exp(logp - behaviour)
                 out = (ratio < 1 - c.clip_low) | (ratio > 1 + c.clip_high)
                 clipped += int((out & (mask > 0)).sum())
-            loss_sum += float(loss)
+            loss_sum += float(loss.detach())
             tokens += len(s)
             loss_tokens += int(mask.sum())
         return MicroStats(len(sequences), tokens, loss_tokens, loss_sum, clipped)

@@ -5,6 +5,7 @@ runs/<name>-<YYYYmmdd-HHMMSS>/
   recipe.toml     the resolved recipe (every key, documented)
   events.jsonl    what happened, one JSON record per line (observability.events)
   tito.bin        every model call's exact token ids, delta-encoded (trajectory.codec)
+  checkpoints/    step-NNNNNN/: a Hugging Face model directory + optimizer state + state.json
   job.json        how it was launched: local mpirun or the Slurm job id
   logs/           mpirun.log or slurm-<job>.out, rank-<N>.log
   ranks/          rank-<N>.json: pid, host, role of every rank (written when it starts);
@@ -59,6 +60,11 @@ class RunDir:
     def tito_log(self) -> Path:
         """Every model call of every execution, as checksummed encoded records (trajectory.codec)."""
         return self.path / "tito.bin"
+
+    @property
+    def checkpoints(self) -> Path:
+        """``step-NNNNNN/`` directories the core writes (trainer.checkpoint)."""
+        return self.path / "checkpoints"
 
     @property
     def logs(self) -> Path:

@@ -38,18 +38,13 @@ def idle_recv(comm, source: int):  # type: ignore[no-untyped-def]
     return comm.recv(source=source)
 
 
-def idle_barrier(comm) -> None:  # type: ignore[no-untyped-def]
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(0.001)
-
-
 def worker(sizes_mib: list[int], claims: int) -> None:
     from mpi4py import MPI
     from rich.console import Console
     from rich.table import Table
 
     from gyre_hpc.recipe.schema import TransportConfig
+    from gyre_hpc.runtime.protocol import wait_barrier
     from gyre_hpc.transport import TransportPlan, make_transport
 
     comm = MPI.COMM_WORLD
@@ -64,7 +59,7 @@ def worker(sizes_mib: list[int], claims: int) -> None:
             t.publish(weights, 1)
         if rank == 2:
             t.gradient_buffer()[:] = 1.0
-        idle_barrier(comm)
+        wait_barrier(comm, 600)
         if rank == 2:
             src = np.random.default_rng(1).random(n, dtype=np.float32)
             dst = np.empty(n, np.float32)
@@ -81,7 +76,7 @@ def worker(sizes_mib: list[int], claims: int) -> None:
             memcpy, snap, grad = idle_recv(comm, 1)
             gb = (n * 4) / 1e9
             rows.append((mib, gb / memcpy, gb / snap, gb / grad, t.name))
-        idle_barrier(comm)
+        wait_barrier(comm, 600)
         t.close()
     # Claim latency: the satellite takes micro-steps one by one, as a training cell does — once
     # while the counter's owner is outside MPI (busy elsewhere), once while it polls MPI.
@@ -89,7 +84,7 @@ def worker(sizes_mib: list[int], claims: int) -> None:
     t = make_transport(comm, plan, TransportConfig())
     lat: dict[str, np.ndarray] = {}
     for phase in ("owner outside MPI", "owner polling MPI"):
-        idle_barrier(comm)
+        wait_barrier(comm, 600)
         if rank == 0 and phase == "owner outside MPI":
             time.sleep(3.0)  # longer than the claims take
         if rank == 2:
@@ -101,7 +96,7 @@ def worker(sizes_mib: list[int], claims: int) -> None:
             comm.send(samples, dest=0)
         if rank == 0:
             lat[phase] = idle_recv(comm, 2) * 1e6
-    idle_barrier(comm)
+    wait_barrier(comm, 600)
     if rank == 0:
         table = Table(title="transport on this machine (best of 3; GB/s = 1e9 bytes/s)")
         for col in (

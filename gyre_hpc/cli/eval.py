@@ -20,7 +20,7 @@ from gyre_hpc.observability.events import EventLog
 from gyre_hpc.proxy.local import LocalServing
 from gyre_hpc.recipe.schema import Recipe
 from gyre_hpc.rundir import RunDir
-from gyre_hpc.scoring import ScoringRunner, load_scorer
+from gyre_hpc.scoring import ScoringRunners
 from gyre_hpc.tasks.suites import load_suite
 from gyre_hpc.tasks.task import Task
 
@@ -66,16 +66,7 @@ async def _run(r: Recipe, model: Path, tasks: list[Task], run_dir: RunDir, conso
         "top_p": r.engine.top_p,
         "max_tokens": r.engine.max_new_tokens,
     }
-    runners: dict[str, ScoringRunner] = {}
-
-    def scoring(task: Task) -> ScoringRunner:
-        name = task.scorer or r.scoring.scorer
-        if name not in runners:
-            config = type(r.scoring)(
-                scorer=name, max_retries=r.scoring.max_retries, timeout_s=r.scoring.timeout_s
-            )
-            runners[name] = ScoringRunner(load_scorer(config), r.scoring.max_retries)
-        return runners[name]
+    runners = ScoringRunners(r.scoring)
 
     events = EventLog(run_dir.events)
     with Progress(
@@ -96,7 +87,7 @@ async def _run(r: Recipe, model: Path, tasks: list[Task], run_dir: RunDir, conso
             harness = Harness(serving.url, serving.key, r.agent, sampling, model=model.name, seed=r.run.seed)
             dispatcher = Dispatcher(
                 harness,
-                scoring,
+                lambda task: runners.get(task.scorer),
                 run_dir.path / "workspaces",
                 run_dir.path / "tasks",
                 r.cells.count * r.cells.capacity,

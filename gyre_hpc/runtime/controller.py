@@ -203,7 +203,7 @@ class Controller:
     def wait(self, future: concurrent.futures.Future[Any]) -> Any:
         """The future's result, booking heartbeats (and catching a silent cell) meanwhile."""
         while not future.done():
-            self._check_alive(time.monotonic())
+            self.check_alive(time.monotonic())
             got = self.channel.poll()
             if got is None:
                 time.sleep(0.01)
@@ -227,8 +227,6 @@ class Controller:
             self.version - r.policy_version for run in runs if run in trees for r in trees[run].records()
         )
         info: dict[str, Any] = {**batch.stats, "staleness": {str(k): v for k, v in sorted(stale.items())}}
-        every = self.trainer_cfg.checkpoint_every
-        save = bool(every) and (step % every == 0 or step == self.run_cfg.steps)
         done: dict[int, TrainDone] = {}
         deadline = time.monotonic() + self.cells.heartbeat_timeout_s * max(len(batch.queue), 1)
         if batch.queue:
@@ -236,21 +234,12 @@ class Controller:
             for c in cells:
                 self.channel.send(TrainStep(step, self.version, batch.queue), self.world.layout.leader(c))
             while len(done) < len(cells):
-                _, msg = self._receive(deadline, "TrainDone")
+                _, msg = self.receive(deadline, "TrainDone")
                 if isinstance(msg, TrainDone) and msg.step == step:
                     done[msg.cell] = msg
         else:  # every group had equal rewards: no gradient, no new version (still a checkpoint)
             info["skipped"] = True
-        contributors = [self.world.layout.leader(c) for c, d in done.items() if c != 0 and d.claimed]
-        num_runs = batch.num_runs if batch.queue else 0
-        self.channel.send(
-            ApplyStep(step, contributors, num_runs, save, {"tito_bytes": tito_bytes}),
-            self.world.layout.leader(0),
-        )
-        while True:
-            _, msg = self._receive(deadline, "StepApplied")
-            if isinstance(msg, StepApplied) and msg.step == step:
-                break
+        msg = self.apply_step(step, done, batch.num_runs if batch.queue else 0, tito_bytes, deadline)
         self.version = msg.version
         info.update(
             loss=sum(d.loss_sum for d in done.values()) / max(batch.num_runs, 1),
@@ -262,6 +251,22 @@ class Controller:
             checkpoint=msg.checkpoint,
         )
         return info
+
+    def apply_step(
+        self, step: int, done: dict[int, TrainDone], num_runs: int, tito_bytes: int, deadline: float
+    ) -> StepApplied:
+        """The core sums the trainers' gradients, steps (unless ``num_runs`` is 0) and checkpoints."""
+        every = self.trainer_cfg.checkpoint_every
+        save = bool(every) and (step % every == 0 or step == self.run_cfg.steps)
+        contributors = [self.world.layout.leader(c) for c, d in done.items() if c != 0 and d.claimed]
+        self.channel.send(
+            ApplyStep(step, contributors, num_runs, save, {"tito_bytes": tito_bytes}),
+            self.world.layout.leader(0),
+        )
+        while True:
+            _, msg = self.receive(deadline, "StepApplied")
+            if isinstance(msg, StepApplied) and msg.step == step:
+                return msg
 
     def finish_step(self, step: int, started: float, sampled: float, info: dict[str, Any]) -> None:
         now = time.monotonic()
@@ -300,7 +305,7 @@ class Controller:
         deadline = time.monotonic() + self.cells.hello_timeout_s
         while len(self.hellos) < self.world.layout.units:
             missing = sorted(set(range(self.world.layout.units)) - set(self.hellos))
-            _, msg = self._receive(deadline, f"Hello from cells {missing}")
+            _, msg = self.receive(deadline, f"Hello from cells {missing}")
             if isinstance(msg, Hello):
                 self.hellos[msg.cell] = msg
                 self.roles[msg.cell] = Role.IDLE
@@ -328,7 +333,7 @@ class Controller:
             self.events.emit("switch_role", cell=cell, role=str(role), seq=self._seq)
         deadline = time.monotonic() + self.cells.heartbeat_timeout_s
         while pending:
-            _, msg = self._receive(deadline, f"RoleSwitched from cells {sorted(pending)}")
+            _, msg = self.receive(deadline, f"RoleSwitched from cells {sorted(pending)}")
             if isinstance(msg, RoleSwitched) and pending.get(msg.cell) == msg.seq:
                 del pending[msg.cell]
                 self.roles[msg.cell] = msg.role
@@ -350,7 +355,7 @@ class Controller:
         deadline = time.monotonic() + self.cells.heartbeat_timeout_s
         seconds = []
         while pending:
-            _, msg = self._receive(deadline, f"WeightsLoaded from {sorted(pending)}")
+            _, msg = self.receive(deadline, f"WeightsLoaded from {sorted(pending)}")
             if isinstance(msg, WeightsLoaded) and msg.version == version:
                 pending.discard(msg.cell)
                 seconds.append(msg.seconds)
@@ -362,11 +367,11 @@ class Controller:
         self.events.emit("shutdown", reason=reason)
         wait_barrier(self.world.comm, self.cells.heartbeat_timeout_s)
 
-    def _receive(self, deadline: float, what: str) -> tuple[int, Message]:
+    def receive(self, deadline: float, what: str) -> tuple[int, Message]:
         """The next non-heartbeat message; heartbeats are booked, a silent cell raises CellLost."""
         while True:
             now = time.monotonic()
-            self._check_alive(now)
+            self.check_alive(now)
             got = self.channel.poll()
             if got is not None:
                 if isinstance(got[1], Heartbeat):
@@ -377,7 +382,7 @@ class Controller:
                 raise ProtocolError(f"controller: no {what} in time")
             time.sleep(POLL_INTERVAL_S)
 
-    def _check_alive(self, now: float) -> None:
+    def check_alive(self, now: float) -> None:
         for cell, seen in self.last_seen.items():
             if now - seen > self.cells.heartbeat_timeout_s:
                 hello = self.hellos[cell]

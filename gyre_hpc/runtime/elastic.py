@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 from gyre_hpc.agents.dispatch import Outcome
 from gyre_hpc.runtime.protocol import (
     POLL_INTERVAL_S,
-    ApplyStep,
     CloseQueue,
     Heartbeat,
     MicroSteps,
@@ -60,7 +59,7 @@ class ElasticStep:
         ctl.transport.reset_counter()  # nobody claims between steps
         future = ctl.dispatch(self.step, on_outcome=self.finished.put)
         self.d, self.f = self.expected(), 0
-        while not self.closed() or set(self.done) != set(self.trainers) or not self.trainers_joined_ok():
+        while not self.trained():
             self.take_outcomes()
             if self.f == self.d and self.closed_at is None:
                 self.close()
@@ -104,11 +103,11 @@ class ElasticStep:
     def expected(self) -> int:
         return self.ctl.tasks.prompts_per_step * self.ctl.tasks.group_size
 
-    def closed(self) -> bool:
-        return self.closed_at is not None
-
-    def trainers_joined_ok(self) -> bool:
-        """After the burst, the queue is trained by someone unless it is empty."""
+    def trained(self) -> bool:
+        """The burst has ended and every cell that joined has trained out the queue (an empty
+        queue needs no trainer; a non-empty one needs at least one)."""
+        if self.closed_at is None or set(self.done) != set(self.trainers):
+            return False
         return bool(self.trainers) or not self.batch.queue
 
     def take_outcomes(self) -> None:
@@ -183,7 +182,7 @@ class ElasticStep:
 
     def poll(self) -> None:
         ctl = self.ctl
-        ctl._check_alive(time.monotonic())
+        ctl.check_alive(time.monotonic())
         got = ctl.channel.poll()
         if got is None:
             time.sleep(POLL_INTERVAL_S)
@@ -197,17 +196,6 @@ class ElasticStep:
             raise ProtocolError(f"controller: unexpected {msg!r} in an elastic step")
 
     def apply(self, tito_bytes: int) -> StepApplied:
-        ctl = self.ctl
-        every = ctl.trainer_cfg.checkpoint_every
-        save = bool(every) and (self.step % every == 0 or self.step == ctl.run_cfg.steps)
-        contributors = [ctl.world.layout.leader(c) for c, d in self.done.items() if c != 0 and d.claimed]
         num_runs = self.batch.num_runs if self.batch.queue else 0
-        ctl.channel.send(
-            ApplyStep(self.step, contributors, num_runs, save, {"tito_bytes": tito_bytes}),
-            ctl.world.layout.leader(0),
-        )
-        deadline = time.monotonic() + ctl.cells.heartbeat_timeout_s * 4
-        while True:
-            _, msg = ctl._receive(deadline, "StepApplied")
-            if isinstance(msg, StepApplied) and msg.step == self.step:
-                return msg
+        deadline = time.monotonic() + self.ctl.cells.heartbeat_timeout_s * 4
+        return self.ctl.apply_step(self.step, self.done, num_runs, tito_bytes, deadline)

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         if world.is_controller:
             controller(world, recipe, run_dir, events, model_dir, transport).run()
         else:
-            setup = CellSetup(model_dir, run_dir.path / "checkpoints", transport)
+            setup = CellSetup(model_dir, run_dir.checkpoints, transport)
             Cell(world, recipe.cells, recipe.engine, recipe.trainer, setup).run()
         transport.close()  # collective: only on the way out of a run every rank completed
     except Interrupted as sig:
@@ -113,7 +113,7 @@ def controller(
     world: World, recipe: Recipe, run_dir: RunDir, events: EventLog, model_dir: Path, transport: object
 ) -> Controller:
     """Rank 0: resumes from the newest checkpoint if the run directory has one."""
-    last = checkpoint.latest(run_dir.path / "checkpoints")
+    last = checkpoint.latest(run_dir.checkpoints)
     resume = checkpoint.read_state(last) if last is not None else None
     if resume is not None and run_dir.tito_log.exists():
         # Calls after the checkpointed step's data belong to steps that will be sampled again.

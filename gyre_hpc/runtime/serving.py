@@ -26,7 +26,7 @@ from gyre_hpc.agents.dispatch import Dispatcher, Outcome
 from gyre_hpc.agents.harness import Harness
 from gyre_hpc.proxy.server import Proxy
 from gyre_hpc.recipe.schema import AgentConfig, EngineConfig, ProxyConfig, ScoringConfig
-from gyre_hpc.scoring import ScoringRunner, load_scorer
+from gyre_hpc.scoring import ScoringRunners
 from gyre_hpc.tasks.task import Task
 from gyre_hpc.trajectory.tree import TrajectoryTree
 
@@ -49,11 +49,11 @@ class Serving:
         on_event: Callable[[str, str], None],
     ) -> None:
         self.run_dir, self.model_dir, self.engine_urls = run_dir, model_dir, engines
-        self.proxy_cfg, self.agent_cfg, self.engine_cfg, self.scoring_cfg = proxy, agent, engine, scoring
+        self.proxy_cfg, self.agent_cfg, self.engine_cfg = proxy, agent, engine
         self.capacity, self.seed, self.on_event = capacity, seed, on_event
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="serving", daemon=True)
-        self._runners: dict[str, ScoringRunner] = {}
+        self.scoring = ScoringRunners(scoring)
 
     def start(self) -> str:
         """Start the loop and the proxy; returns the proxy's base URL."""
@@ -86,7 +86,7 @@ class Serving:
     ) -> concurrent.futures.Future[list[Outcome]]:
         dispatcher = Dispatcher(
             self.harness,
-            self._scoring,
+            lambda task: self.scoring.get(task.scorer),
             workspaces,
             self.run_dir / "tasks",
             max(len(jobs), 1),  # the proxy's admission limits pace the engines
@@ -94,15 +94,6 @@ class Serving:
             on_outcome,
         )
         return asyncio.run_coroutine_threadsafe(dispatcher.run_all(jobs), self.loop)
-
-    def _scoring(self, task: Task) -> ScoringRunner:
-        name = task.scorer or self.scoring_cfg.scorer
-        if name not in self._runners:
-            cfg = type(self.scoring_cfg)(
-                scorer=name, max_retries=self.scoring_cfg.max_retries, timeout_s=self.scoring_cfg.timeout_s
-            )
-            self._runners[name] = ScoringRunner(load_scorer(cfg), cfg.max_retries)
-        return self._runners[name]
 
     def trees(self, run_ids: list[str]) -> dict[str, TrajectoryTree]:
         async def get() -> dict[str, TrajectoryTree]:
@@ -123,10 +114,9 @@ class Serving:
         self.call(apply())
 
     def tito_bytes(self) -> int:
-        return self.call(self._tito_bytes())
-
-    async def _tito_bytes(self) -> int:
-        return (self.run_dir / "tito.bin").stat().st_size if (self.run_dir / "tito.bin").exists() else 0
+        """Size of the TITO log: every call answered so far is in it (written before the reply)."""
+        path = self.run_dir / "tito.bin"
+        return path.stat().st_size if path.exists() else 0
 
     def stop(self) -> None:
         if self._thread.is_alive():

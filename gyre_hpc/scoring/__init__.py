@@ -1,7 +1,7 @@
 """Scoring finished, timed-out and crashed executions on the artifacts they left."""
 
 from gyre_hpc.scoring.contract import EvaluationError, NoArtifact, RunArtifacts, Scorer
-from gyre_hpc.scoring.runner import ScoreResult, ScoringRunner, load_scorer
+from gyre_hpc.scoring.runner import ScoreResult, ScoringRunner, ScoringRunners, load_scorer
 
 __all__ = [
     "EvaluationError",
@@ -10,5 +10,6 @@ __all__ = [
     "ScoreResult",
     "Scorer",
     "ScoringRunner",
+    "ScoringRunners",
     "load_scorer",
 ]

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from gyre_hpc.errors import RecipeError
@@ -87,3 +87,18 @@ def load_scorer(config: ScoringConfig) -> Scorer:
         return getattr(importlib.import_module(module), attr)(config)
     except (ImportError, AttributeError) as err:
         raise RecipeError(f"scoring.scorer = {name!r} cannot be loaded: {err}") from None
+
+
+class ScoringRunners:
+    """One runner per scorer name, built on first use: a task may name its own scorer."""
+
+    def __init__(self, config: ScoringConfig) -> None:
+        self.config = config
+        self._runners: dict[str, ScoringRunner] = {}
+
+    def get(self, scorer: str | None) -> ScoringRunner:
+        name = scorer or self.config.scorer
+        if name not in self._runners:
+            config = replace(self.config, scorer=name)
+            self._runners[name] = ScoringRunner(load_scorer(config), config.max_retries)
+        return self._runners[name]

@@ -89,15 +89,12 @@ class Simulation:
         self.react()
         while self.events and len(self.step_ends) < self.cfg.steps:
             t, _, kind, who = heapq.heappop(self.events)
-            self.advance(t)
+            self.now = t
             getattr(self, f"on_{kind}")(who)
             self.react()
         for c in range(self.cfg.cells):
             self.mark(c, self.state_of[c])
         return SimResult(self.mode, self.step_ends, self.now, self.cells, self.switches, self.timeline)
-
-    def advance(self, t: float) -> None:
-        self.now = t
 
     def mark(self, cell: int, what: str) -> None:
         """Close the cell's current segment and open ``what``."""

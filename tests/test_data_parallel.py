@@ -81,3 +81,14 @@ def test_a_growing_queue_is_trained_once_across_cells_that_wait_for_data() -> No
                 c.close(5)
     trained = sorted(cells[0].trained + cells[1].trained)
     assert trained == ["m0", "m1", "m2", "m3", "m4"]
+
+
+@pytest.mark.mpi
+def test_a_large_control_message_does_not_hold_its_sender(tmp_path: Path) -> None:
+    """The controller sends micro-steps to cells that poll only between micro-steps; a blocking
+    send held the whole control loop (scheduling included) until the busy cell looked up."""
+    verdict = tmp_path / "verdict.json"
+    mpirun(2, "channel_send.py", str(verdict))
+    v = json.loads(verdict.read_text())
+    assert v["reply"] == "Heartbeat" and v["unsent"] == 0
+    assert v["send_s"] < v["busy_s"] / 4

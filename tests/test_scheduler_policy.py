@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gyre_hpc.runtime.protocol import Role
-from gyre_hpc.scheduler.policy import SchedState, decide, initial_roles
+from gyre_hpc.scheduler.policy import SchedState, carries_tail, decide, initial_roles
 
 S, T = Role.SAMPLING, Role.TRAINING
 
@@ -104,3 +104,14 @@ def test_random_traces_keep_the_rules(trace: list[str], caps: list[int], pool: i
             assert s.roles[: s.training_prefix] == (T,) * s.training_prefix
             assert all(r == S for r in s.roles[s.training_prefix :]), "trainers form a prefix"
         assert s.rollout_capacity > 0 or s.water == 0, "running executions always have an engine"
+
+
+def test_carry_tail_only_where_it_keeps_staleness_at_one_and_leaves_no_work_behind() -> None:
+    ok = dict(mode="elastic", carry_tail=True, trainers=3, ends_run=False, checkpoint=False, stale_left=0)
+    assert carries_tail(**ok)
+    assert not carries_tail(**{**ok, "carry_tail": False})  # the paper's rule
+    assert not carries_tail(**{**ok, "mode": "colocate"})
+    assert not carries_tail(**{**ok, "trainers": 0})  # nothing would be applied
+    assert not carries_tail(**{**ok, "ends_run": True})  # the last step trains everything
+    assert not carries_tail(**{**ok, "checkpoint": True})  # a checkpoint leaves no work in flight
+    assert not carries_tail(**{**ok, "stale_left": 2})  # nothing is carried twice

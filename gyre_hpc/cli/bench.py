@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from statistics import mean
 from typing import Annotated
@@ -17,9 +16,11 @@ from rich.table import Table
 
 from gyre_hpc.errors import GyreError
 from gyre_hpc.observability.events import read_events
-from gyre_hpc.sim.config import CONFIGS, MODES, SimConfig
+from gyre_hpc.recipe.load import load_recipe
+from gyre_hpc.sim.config import CONFIGS, OURS, PAPER_ABLATIONS, SimConfig, ablations, variants
 from gyre_hpc.sim.plots import plot_all
-from gyre_hpc.sim.simulate import simulate
+from gyre_hpc.sim.simulate import SimResult, simulate
+from gyre_hpc.sim.trace import measured_costs, observed, replay
 
 app = typer.Typer(help="Compare scheduling modes.", no_args_is_help=True)
 
@@ -36,7 +37,10 @@ def parse_sets(base: SimConfig, sets: list[str]) -> SimConfig:
             changes[key] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
         except ValueError:
             raise GyreError(f"--set {item}: {key} must be a {kind.__name__}") from None
-    return base.with_(**changes)
+    try:
+        return base.with_(**changes)
+    except ValueError as err:
+        raise GyreError(f"--set: {err}") from None
 
 
 @app.command()
@@ -44,29 +48,31 @@ def sim(
     config: Annotated[str, typer.Option(help=f"Named configuration: {', '.join(CONFIGS)}.")] = "smoke",
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a field: key=value.")] = None,
     out: Annotated[Path, typer.Option(help="Where the plots go.")] = Path("bench-sim"),
+    ablations: Annotated[bool, typer.Option(help="Also run the paper's three ablations.")] = False,
 ) -> None:
-    """Simulate elastic, async and colocate on one workload; print step times and ratios, plot.
+    """Simulate elastic, async and colocate on one workload — and elastic with our carry_tail —
+    print total times and ratios, plot.
 
     The simulator drives the runtime's own scheduling policy (`gyre_hpc.scheduler.policy`).
 
-    Example: `gyre-hpc bench sim --config paper-2.4t --set streaming=false`
+    Example: `gyre-hpc bench sim --config paper-2.4t --ablations`
     """
     if config not in CONFIGS:
         raise GyreError(f"--config {config}: unknown; valid: {', '.join(CONFIGS)}")
     cfg = parse_sets(CONFIGS[config], set_ or [])
-    results = {mode: simulate(cfg, mode) for mode in MODES}
+    results = {name: simulate(c, mode) for name, (mode, c) in variants(cfg).items()}
     shape = f"{cfg.cells} cells × {cfg.capacity}, {cfg.prompts}×{cfg.group_size} executions"
     table = Table(title=f"{config}: {shape}, {cfg.steps} steps")
     for col in ("mode", "total h", "mean step h", "sampling", "training", "idle", "switching", "switches"):
         table.add_column(col, justify="right")
-    for mode, r in results.items():
+    for name, r in results.items():
         cell_s = r.total_s * len(r.cells)
         share = {
             k: sum(getattr(c, k) for c in r.cells) / cell_s
             for k in ("sampling", "training", "idle", "switching")
         }
         table.add_row(
-            mode,
+            name,
             f"{r.total_s / 3600:.2f}",
             f"{r.total_s / 3600 / len(r.step_ends):.3f}",
             *(f"{share[k]:.0%}" for k in ("sampling", "training", "idle", "switching")),
@@ -79,72 +85,152 @@ def sim(
         f"elastic speed-up: {results['async'].total_s / e:.2f}× vs async, "
         f"{results['colocate'].total_s / e:.2f}× vs colocate"
     )
+    console.print(
+        f"ours ({OURS}, scheduler.carry_tail) vs the paper's elastic rule: {e / results[OURS].total_s:.3f}×"
+    )
+    if ablations:
+        console.print(_ablation_table(cfg, config))
     for p in plot_all(results, out, config):
         console.print(f"plot: {p}")
+
+
+def _ablation_table(cfg: SimConfig, config: str) -> Table:
+    table = Table(title=f"{config}: ablations")
+    for col in ("ablation", "baseline h", "variant h", "baseline / variant", "paper"):
+        table.add_column(col, justify="right")
+    for name, ((m0, c0), (m1, c1)) in ablations(cfg).items():
+        t0, t1 = simulate(c0, m0).total_s, simulate(c1, m1).total_s
+        table.add_row(name, f"{t0 / 3600:.1f}", f"{t1 / 3600:.1f}", f"{t0 / t1:.3f}", PAPER_ABLATIONS[name])
+    return table
 
 
 @app.command()
 def modes(
     recipe: Annotated[Path, typer.Argument(help="Recipe TOML file.", show_default=False)],
     steps: Annotated[int, typer.Option(help="Steps per mode (step 1, the warm-up, is not counted).")] = 4,
-    cells: Annotated[int, typer.Option(help="Cells, the same for every mode.")] = 3,
+    cells: Annotated[int, typer.Option(help="Cells, the same for every mode (0: the recipe's).")] = 0,
     set_: Annotated[
         list[str] | None, typer.Option("--set", help="Recipe override, section.key=value.")
     ] = None,
+    out: Annotated[Path, typer.Option(help="Where the run directories and plots go.")] = Path("bench-modes"),
+    ours: Annotated[bool, typer.Option(help=f"Also run {OURS}: elastic with scheduler.carry_tail.")] = False,
 ) -> None:
-    """Run the recipe in elastic, async and colocate mode, one after another, and compare step times.
+    """Run the recipe in each mode of `bench.modes` (elastic, async, colocate), one after another,
+    and compare step times.
 
-    Same workload, cells and seed for every mode. On a laptop-class machine every cell shares the
-    same few cores, so overlapping training with sampling gains nothing there: the simulator
-    (`gyre-hpc bench sim`) is where separate devices are modelled.
+    Same workload, cells and seed for every mode. With emulated GPUs (`engine.backend` and
+    `trainer.backend` = "emulated", e.g. recipes/emulated.toml) each run is also replayed in the
+    simulator, with costs measured in the elastic run, and the two step times are set side by
+    side. With real compute on a laptop-class machine every cell shares the same few cores, so
+    overlapping training with sampling gains nothing there.
 
-    Example: `gyre-hpc bench modes recipes/smoke.toml --steps 4 --cells 3`
+    Example: `gyre-hpc bench modes recipes/emulated.toml --steps 6`
     """
     console = Console()
-    results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for mode in MODES:
-            console.print(f"running {mode} …")
-            results[mode] = _summarize(_run_mode(recipe, mode, steps, cells, set_ or [], Path(tmp)))
-    table = Table(title=f"{recipe}, {cells} cells, steps 2–{steps} (same seed)")
+    out.mkdir(parents=True, exist_ok=True)
+    plan = {m: [f"scheduler.mode={m}"] for m in load_recipe(recipe, set_ or []).bench.modes}
+    if ours:
+        plan[OURS] = ["scheduler.mode=elastic", "scheduler.carry_tail=true"]
+    runs = {}
+    for name, variant in plan.items():
+        console.print(f"running {name} …")
+        runs[name] = _run_mode(recipe, name, variant, steps, cells, set_ or [], out / "runs")
+    if not any(_summarize(r)["steps"] for r in runs.values()):
+        raise GyreError("bench modes: give --steps 2 or more (step 1 is the warm-up)")
+    emulated = all(_is_emulated(r) for r in runs.values())
+    simulated = _replay_all(runs) if emulated else {}
+    table = Table(title=f"{recipe}, steps 2–{steps} (same seed)")
     for col in ("mode", "step s", "sampling s", "training began before burst end (s)", "reward"):
         table.add_column(col, justify="right")
-    for mode, r in results.items():
-        table.add_row(
-            mode, f"{r['step_s']:.2f}", f"{r['sample_s']:.2f}", f"{r['early_s']:.2f}", f"{r['reward']:.3f}"
-        )
+    if simulated:
+        table.add_column("simulated step s", justify="right")
+        table.add_column("simulated / real", justify="right")
+    summary = {mode: _summarize(r) for mode, r in runs.items()}
+    for mode, r in summary.items():
+        row = [
+            mode,
+            f"{r['step_s']:.2f}",
+            f"{r['sample_s']:.2f}",
+            f"{r['early_s']:.2f}",
+            f"{r['reward']:.3f}",
+        ]
+        if simulated:
+            sim_s = mean(simulated[mode].step_times[1:])
+            row += [f"{sim_s:.2f}", f"{sim_s / r['step_s']:.3f}"]
+        table.add_row(*row)
     console.print(table)
-    e = results["elastic"]["step_s"]
-    console.print(
-        f"step-time speed-up of elastic: {results['async']['step_s'] / e:.2f}× vs async, "
-        f"{results['colocate']['step_s'] / e:.2f}× vs colocate"
+    if {"elastic", "async", "colocate"} <= set(summary):
+        e = summary["elastic"]["step_s"]
+        console.print(
+            f"step-time speed-up of elastic: {summary['async']['step_s'] / e:.2f}× vs async, "
+            f"{summary['colocate']['step_s'] / e:.2f}× vs colocate"
+        )
+    if ours and "elastic" in summary:
+        console.print(
+            f"{OURS} vs the paper's elastic rule: "
+            f"{summary['elastic']['step_s'] / summary[OURS]['step_s']:.3f}× (real), "
+            + (
+                f"{mean(simulated['elastic'].step_times[1:]) / mean(simulated[OURS].step_times[1:]):.3f}× "
+                "(simulated)"
+                if simulated
+                else ""
+            )
+        )
+    plots = plot_all(
+        {name: observed(r) for name, r in runs.items()}, out / "real", f"{recipe.stem} (real)", "s"
     )
+    if simulated:
+        plots += plot_all(simulated, out / "simulated", f"{recipe.stem} (simulated)", "s")
+    for p in plots:
+        console.print(f"plot: {p}")
 
 
-def _run_mode(recipe: Path, mode: str, steps: int, cells: int, sets: list[str], root: Path) -> Path:
+def _run_mode(
+    recipe: Path, name: str, variant: list[str], steps: int, cells: int, sets: list[str], root: Path
+) -> Path:
     overrides = [
-        f"scheduler.mode={mode}",
+        *variant,
         f"run.steps={steps}",
-        f"cells.count={cells}",
+        *([f"cells.count={cells}"] if cells else []),
         "tasks.eval_every=0",
         "trainer.checkpoint_every=0",
-        f"run.runs_dir={root / mode}",
+        f"run.runs_dir={root / name}",
         *sets,
     ]
     args = [sys.executable, "-m", "gyre_hpc", "run", str(recipe)]
     for o in overrides:
         args += ["--set", o]
+    before = set((root / name).iterdir()) if (root / name).exists() else set()
     proc = subprocess.run(args, capture_output=True, text=True)
     if proc.returncode:
-        raise GyreError(f"bench modes: the {mode} run failed: {proc.stderr.strip().splitlines()[-1]}")
-    return next((root / mode).iterdir())
+        raise GyreError(f"bench modes: the {name} run failed: {proc.stderr.strip().splitlines()[-1]}")
+    return max(set((root / name).iterdir()) - before)
+
+
+def _is_emulated(run_dir: Path) -> bool:
+    r = load_recipe(run_dir / "recipe.toml")
+    return r.engine.backend == "emulated" and r.trainer.backend == "emulated"
+
+
+def _replay_all(runs: dict[str, Path]) -> dict[str, SimResult]:
+    """Each run's recorded workload, simulated with the costs measured in one elastic run (the
+    one with switch events), so a single calibration predicts every mode."""
+    calibration = runs.get("elastic") or next(iter(runs.values()))
+    events = read_events(calibration / "events.jsonl")
+    costs = measured_costs(events, load_recipe(calibration / "recipe.toml").engine.emulated_decode_s)
+    out = {}
+    for name, run_dir in runs.items():
+        cfg, workload = replay(run_dir, costs)
+        out[name] = simulate(cfg, load_recipe(run_dir / "recipe.toml").scheduler.mode, workload)
+    return out
 
 
 def _summarize(run_dir: Path) -> dict[str, float]:
     steps = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "step"][1:]
     if not steps:
-        raise GyreError("bench modes: give --steps 2 or more (step 1 is the warm-up)")
+        return {"steps": 0}
     return {
+        "steps": len(steps),
         "step_s": mean(e["seconds"] for e in steps),
         "sample_s": mean(e["sample_seconds"] for e in steps),
         "reward": mean(e["reward_mean"] for e in steps),

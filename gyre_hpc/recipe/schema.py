@@ -64,13 +64,21 @@ class SchedulerConfig:
     min_queued_microsteps: int = knob(
         1, "elastic: micro-steps that must be queued before the next cell may switch to training.", min=1
     )
+    carry_tail: bool = knob(
+        False,
+        "elastic: apply each step when its burst ends and train the untrained rest in the next step "
+        "(one version stale) instead of making the next burst wait for it; steps that write a "
+        "checkpoint still train everything (so set trainer.checkpoint_every > 1).",
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EngineConfig:
     """The sampling engine each cell (and the rollout pool) runs."""
 
-    backend: Literal["embedded", "sglang"] = knob("embedded", "embedded (CPU/torch) or sglang (GPU).")
+    backend: Literal["embedded", "sglang", "emulated"] = knob(
+        "embedded", "embedded (CPU/torch), sglang (GPU) or emulated (decoding is a clock; benchmarks)."
+    )
     base_port: int = knob(30000, "First HTTP port; engine i listens on base_port + i.", min=1024, max=65000)
     tp_size: int = knob(1, "Tensor-parallel size of one engine.", min=1)
     mem_fraction_static: float = knob(0.8, "GPU memory fraction for weights and KV cache.", min=0.05, max=1.0)
@@ -82,14 +90,21 @@ class EngineConfig:
     )
     temperature: float = knob(1.0, "Sampling temperature.", min=0.0)
     top_p: float = knob(1.0, "Nucleus sampling mass.", min=0.0, max=1.0)
+    emulated_decode_s: float = knob(
+        0.02, "emulated: seconds per decode step; every running call gains one token.", min=0.001
+    )
+    emulated_tokens_median: float = knob(100.0, "emulated: median reply length in tokens.", min=1)
+    emulated_tokens_sigma: float = knob(
+        0.6, "emulated: log-normal spread of reply lengths (the long tail).", min=0.0
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainerConfig:
     """The training replica each cell runs while in the TRAINING role."""
 
-    backend: Literal["torch", "megatron"] = knob(
-        "torch", "torch (plain PyTorch) or megatron (megatron-core)."
+    backend: Literal["torch", "megatron", "emulated"] = knob(
+        "torch", "torch (plain PyTorch), megatron (megatron-core) or emulated (compute is a delay)."
     )
     dtype: Literal["float32", "bfloat16"] = knob("float32", "Parameter and compute dtype.")
     lr: float = knob(1e-6, "Adam learning rate.", min=0.0)
@@ -101,6 +116,9 @@ class TrainerConfig:
     tp_size: int = knob(1, "Tensor-parallel size inside a cell.", min=1)
     pp_size: int = knob(1, "Pipeline-parallel size inside a cell.", min=1)
     checkpoint_every: int = knob(1, "Write a checkpoint every N steps; 0 never.", min=0)
+    emulated_s_per_token: float = knob(
+        0.001, "emulated: seconds one cell spends per trained token (forward and backward).", min=0.0
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -203,10 +221,8 @@ class BenchConfig:
     """Side-by-side comparisons of scheduling modes."""
 
     modes: list[Mode] = knob(
-        ["elastic", "async", "colocate"], "Modes compared, on the same workload and seed."
+        ["elastic", "async", "colocate"], "Modes `gyre-hpc bench modes` runs, on the same workload and seed."
     )
-    repeats: int = knob(1, "Repetitions of each mode.", min=1)
-    emulate: bool = knob(False, "Replace model compute by calibrated delays (emulated GPUs).")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

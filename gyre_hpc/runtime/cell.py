@@ -28,6 +28,7 @@ import torch
 from aiohttp import web
 
 from gyre_hpc.engines.embedded import Engine
+from gyre_hpc.engines.emulated import EmulatedEngine
 from gyre_hpc.engines.server import make_app
 from gyre_hpc.recipe.schema import CellsConfig, EngineConfig, TrainerConfig
 from gyre_hpc.runtime.protocol import (
@@ -54,6 +55,7 @@ from gyre_hpc.runtime.world import CONTROLLER, World
 from gyre_hpc.trainer import checkpoint
 from gyre_hpc.trainer.base import ApplyStats
 from gyre_hpc.trainer.data_parallel import Claims, apply_on_core, pull_snapshot, work_once
+from gyre_hpc.trainer.emulated import EmulatedTrainer
 from gyre_hpc.trainer.torch_backend import TorchTrainer
 from gyre_hpc.transport.base import Transport
 
@@ -134,12 +136,14 @@ class Cell:
                 self.server.stop()
         else:
             self.follow()
+        for channel in (self.to_controller, self.in_cell):
+            channel.flush(self.cells.heartbeat_timeout_s)
         wait_barrier(self.world.comm, self.cells.heartbeat_timeout_s)
 
     def start_replica(self) -> None:
         assert self.setup is not None
         s = self.setup
-        self.engine = Engine(s.model_dir, max_running=self.cells.capacity, cache_tokens=self._cache_tokens())
+        self.engine = self._engine(s.model_dir)
         self.engine.weight_version = "0"
         self.engine.start()
         self.server = EngineServer(
@@ -150,7 +154,8 @@ class Cell:
         if self.world.layout.is_standalone(self.unit):
             self.trainer = None
             return
-        self.trainer = TorchTrainer(
+        trainer_class = EmulatedTrainer if self.trainer_cfg.backend == "emulated" else TorchTrainer
+        self.trainer = trainer_class(
             s.model_dir,
             self.trainer_cfg,
             core=self.is_core,
@@ -162,6 +167,18 @@ class Cell:
                 info = checkpoint.restore(last, self.trainer)
                 log.info("core: resumed from %s (step %s, version %s)", last, info["step"], info["version"])
             s.transport.publish(self.trainer.weights(), self.trainer.version)
+
+    def _engine(self, model_dir: Path) -> Engine:
+        e = self.engine_cfg
+        if e.backend == "emulated":
+            return EmulatedEngine(
+                model_dir,
+                max_running=self.cells.capacity,
+                decode_s=e.emulated_decode_s,
+                tokens_median=e.emulated_tokens_median,
+                tokens_sigma=e.emulated_tokens_sigma,
+            )
+        return Engine(model_dir, max_running=self.cells.capacity, cache_tokens=self._cache_tokens())
 
     def _cache_tokens(self) -> int:
         if not self.engine_cfg.prefix_cache:
@@ -221,7 +238,7 @@ class Cell:
             elif isinstance(msg, MicroSteps):
                 self.session.claims.queue += msg.items
             elif isinstance(msg, CloseQueue):
-                self.session.claims.close(msg.total)
+                self.session.claims.close(msg.total, msg.stop)
             elif isinstance(msg, ApplyStep):
                 self.to_controller.send(self.apply(msg, started), CONTROLLER)
             else:

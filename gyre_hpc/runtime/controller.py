@@ -138,8 +138,9 @@ class Controller:
             elif self.scheduler.mode == "async":
                 self.run_async(first)
             else:
+                carried: list = []
                 for step in range(first, self.run_cfg.steps + 1):
-                    ElasticStep(self, step).run()
+                    carried = ElasticStep(self, step, carried).run()
         finally:
             self.serving.stop()
         self.shutdown("completed")
@@ -252,12 +253,15 @@ class Controller:
         )
         return info
 
+    def writes_checkpoint(self, step: int) -> bool:
+        every = self.trainer_cfg.checkpoint_every
+        return bool(every) and (step % every == 0 or step == self.run_cfg.steps)
+
     def apply_step(
         self, step: int, done: dict[int, TrainDone], num_runs: int, tito_bytes: int, deadline: float
     ) -> StepApplied:
         """The core sums the trainers' gradients, steps (unless ``num_runs`` is 0) and checkpoints."""
-        every = self.trainer_cfg.checkpoint_every
-        save = bool(every) and (step % every == 0 or step == self.run_cfg.steps)
+        save = self.writes_checkpoint(step)
         contributors = [self.world.layout.leader(c) for c, d in done.items() if c != 0 and d.claimed]
         self.channel.send(
             ApplyStep(step, contributors, num_runs, save, {"tito_bytes": tito_bytes}),
@@ -365,6 +369,7 @@ class Controller:
         for unit in range(self.world.layout.units):
             self.channel.send(Shutdown(reason), self.world.layout.leader(unit))
         self.events.emit("shutdown", reason=reason)
+        self.channel.flush(self.cells.heartbeat_timeout_s)
         wait_barrier(self.world.comm, self.cells.heartbeat_timeout_s)
 
     def receive(self, deadline: float, what: str) -> tuple[int, Message]:

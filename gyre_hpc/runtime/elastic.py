@@ -9,6 +9,7 @@
         │       drain it in the proxy (its calls continue elsewhere, KV moved) → SwitchRole
         │       → TrainStep(snapshot v, queue so far) → it claims micro-steps as they come
         ├── f == d: CloseQueue(total) ── every trainer reports TrainDone ── ApplyStep → v+1
+        │    carry_tail: CloseQueue(stop) instead; what nobody trained leads step k+1's queue
         ▼
  after the step: sampling engines load v+1; trainers return (last first), load v+1, admit
 ```
@@ -36,25 +37,34 @@ from gyre_hpc.runtime.protocol import (
     TrainStep,
 )
 from gyre_hpc.runtime.step_data import StreamingBatch
-from gyre_hpc.scheduler.policy import SchedState, Switch, decide
+from gyre_hpc.scheduler.policy import SchedState, Switch, carries_tail, decide
+from gyre_hpc.trajectory.batch import TrainSequence
 
 if TYPE_CHECKING:
     from gyre_hpc.runtime.controller import Controller
 
 
 class ElasticStep:
-    def __init__(self, ctl: Controller, step: int) -> None:
+    def __init__(self, ctl: Controller, step: int, carried: list[list[TrainSequence]]) -> None:
         self.ctl, self.step = ctl, step
+        self.carried_in = len(carried)
         self.batch = StreamingBatch(
-            ctl.tasks.group_size, ctl.trajectory, ctl.trainer_cfg.micro_step_tokens, ctl.run_cfg.seed, step
+            ctl.tasks.group_size,
+            ctl.trajectory,
+            ctl.trainer_cfg.micro_step_tokens,
+            ctl.run_cfg.seed,
+            step,
+            carried,
         )
         self.finished: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
         self.trainers: dict[int, float] = {}  # cell -> when it joined
         self.done: dict[int, TrainDone] = {}
         self.closed_at: float | None = None
+        self.stopped = False
         self.switches: list[dict[str, Any]] = []
 
-    def run(self) -> None:
+    def run(self) -> list[list[TrainSequence]]:
+        """Carry out the step; the micro-steps left for the next one (``carry_tail``)."""
         ctl, started = self.ctl, time.monotonic()
         ctl.transport.reset_counter()  # nobody claims between steps
         future = ctl.dispatch(self.step, on_outcome=self.finished.put)
@@ -63,12 +73,15 @@ class ElasticStep:
             self.take_outcomes()
             if self.f == self.d and self.closed_at is None:
                 self.close()
-            for sw in decide(self.state(step_open=True)):
-                self.to_training(sw)
+            if not self.stopped:
+                for sw in decide(self.state(step_open=True)):
+                    self.to_training(sw)
             self.poll()
         future.result()  # surfaces a dispatcher error
         tito_bytes = ctl.serving.tito_bytes()
-        applied = self.apply(tito_bytes)
+        trained = {i for d in self.done.values() for i in d.claimed}
+        left = [mb for i, mb in enumerate(self.batch.queue) if i not in trained]
+        applied = self.apply(tito_bytes, trained)
         ctl.version = applied.version
         sampling = [u for u, r in ctl.roles.items() if r == Role.SAMPLING]
         ctl.load_weights(ctl.version, sampling)
@@ -78,6 +91,9 @@ class ElasticStep:
             **self.batch.stats(),
             "loss": sum(d.loss_sum for d in self.done.values()) / max(self.batch.num_runs, 1),
             "grad_norm": round(applied.grad_norm, 6),
+            "apply_seconds": round(applied.seconds, 3),
+            "carried_in": self.carried_in,
+            "carried_out": len(left),
             "claims": {str(c): len(d.claimed) for c, d in sorted(self.done.items())},
             "train_before_burst_end_s": round(self.closed_at - min(self.trainers.values()), 3)
             if self.trainers and self.closed_at
@@ -86,9 +102,10 @@ class ElasticStep:
             "checkpoint": applied.checkpoint,
             "staleness": self.staleness(),
         }
-        if self.batch.num_runs == 0:
+        if self.batch.num_runs == 0 and not trained:
             info["skipped"] = True
         ctl.finish_step(self.step, started, self.closed_at or time.monotonic(), info)
+        return left
 
     def staleness(self) -> dict[str, int]:
         """Versions between the one trained from and the one each call was served by."""
@@ -124,11 +141,22 @@ class ElasticStep:
                     self.ctl.channel.send(MicroSteps(self.step, new), self.ctl.world.layout.leader(cell))
 
     def close(self) -> None:
+        ctl = self.ctl
         self.closed_at = time.monotonic()
         total = len(self.batch.queue)
+        self.stopped = carries_tail(
+            "elastic",
+            ctl.scheduler.carry_tail,
+            len(self.trainers),
+            ends_run=self.step == ctl.run_cfg.steps,
+            checkpoint=ctl.writes_checkpoint(self.step),
+            stale_left=max(self.carried_in - ctl.transport.claimed(), 0),  # claims go in queue order
+        )
         for cell in self.trainers:
-            self.ctl.channel.send(CloseQueue(self.step, total), self.ctl.world.layout.leader(cell))
-        self.ctl.events.emit("burst_end", step=self.step, micro_steps=total, trainers=sorted(self.trainers))
+            ctl.channel.send(CloseQueue(self.step, total, self.stopped), ctl.world.layout.leader(cell))
+        ctl.events.emit(
+            "burst_end", step=self.step, micro_steps=total, trainers=sorted(self.trainers), stop=self.stopped
+        )
 
     def state(self, step_open: bool) -> SchedState:
         ctl = self.ctl
@@ -195,7 +223,11 @@ class ElasticStep:
         else:
             raise ProtocolError(f"controller: unexpected {msg!r} in an elastic step")
 
-    def apply(self, tito_bytes: int) -> StepApplied:
+    def apply(self, tito_bytes: int, trained: set[int]) -> StepApplied:
         num_runs = self.batch.num_runs if self.batch.queue else 0
+        if self.carried_in or self.stopped:
+            # Runs whose sequences this update trained: a run split by the stop counts in both
+            # of the updates that train part of it.
+            num_runs = len({s.run_id for i in trained for s in self.batch.queue[i]})
         deadline = time.monotonic() + self.ctl.cells.heartbeat_timeout_s * 4
         return self.ctl.apply_step(self.step, self.done, num_runs, tito_bytes, deadline)

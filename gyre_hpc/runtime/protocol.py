@@ -115,10 +115,12 @@ class MicroSteps:
 
 @dataclass(frozen=True, slots=True)
 class CloseQueue:
-    """The step's queue is complete: ``total`` micro-steps."""
+    """The step's queue is complete: ``total`` micro-steps. ``stop``: the step ends now — finish
+    the micro-step in hand and claim no more (the rest is carried into the next step)."""
 
     step: int
     total: int
+    stop: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +191,7 @@ class ProtocolError(RuntimeError):
 
 
 class Channel:
-    """Typed, non-blocking control messages on one communicator.
+    """Typed control messages on one communicator; neither sending nor receiving blocks.
 
     Receiving polls with short sleeps instead of blocking in MPI, so signal handlers run and
     timeouts are honoured.
@@ -197,9 +199,21 @@ class Channel:
 
     def __init__(self, comm: Any) -> None:
         self.comm = comm
+        self._sending: list[Any] = []
 
     def send(self, message: Message, dest: int) -> None:
-        self.comm.send(message, dest=dest, tag=CONTROL_TAG)
+        """Returns at once: a large message (micro-steps) to a cell busy training would otherwise
+        hold the sender until the cell next polls. MPI keeps the order of messages per peer."""
+        self._sending.append(self.comm.isend(message, dest=dest, tag=CONTROL_TAG))
+        self._sending = [r for r in self._sending if not r.Test()]
+
+    def flush(self, timeout: float) -> int:
+        """Wait up to ``timeout`` seconds for sent messages to be taken; how many were not."""
+        deadline = time.monotonic() + timeout
+        while self._sending and time.monotonic() < deadline:
+            self._sending = [r for r in self._sending if not r.Test()]
+            time.sleep(POLL_INTERVAL_S)
+        return len(self._sending)
 
     def poll(self, source: int | None = None) -> tuple[int, Message] | None:
         """One message if one is waiting, else None."""

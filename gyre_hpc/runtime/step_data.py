@@ -96,12 +96,14 @@ def step_batch(
     """The whole step at once (colocate, async): groups in order, then one packing."""
     sequences: list[TrainSequence] = []
     runs = 0
+    work = []
     for task_id, group in by_task(outcomes).items():
         seqs, n = group_sequences(group, trees, trajectory, group_rng(seed, step, task_id))
         sequences += seqs
         runs += n
+        work.append(group_work(group, trees, seqs))
     queue = pack(sequences, micro_step_tokens)
-    return StepBatch(queue, runs, step_stats(outcomes, queue, runs))
+    return StepBatch(queue, runs, step_stats(outcomes, queue, runs, work))
 
 
 class StreamingBatch:
@@ -109,15 +111,23 @@ class StreamingBatch:
     as its last run finishes, so training can start before the burst ends."""
 
     def __init__(
-        self, group_size: int, trajectory: TrajectoryConfig, micro_step_tokens: int, seed: int, step: int
+        self,
+        group_size: int,
+        trajectory: TrajectoryConfig,
+        micro_step_tokens: int,
+        seed: int,
+        step: int,
+        carried: Sequence[list[TrainSequence]] = (),
     ):
         self.group_size, self.trajectory, self.tokens = group_size, trajectory, micro_step_tokens
         self.seed, self.step = seed, step
         self.pending: dict[str, list[Outcome]] = {}
         self.trees: dict[str, TrajectoryTree] = {}
         self.outcomes: list[Outcome] = []
-        self.queue: list[list[TrainSequence]] = []
+        self.queue: list[list[TrainSequence]] = list(carried)
+        """Micro-steps carried from the previous step (``scheduler.carry_tail``) come first."""
         self.num_runs = 0
+        self.work: list[dict[str, object]] = []
 
     def add(self, outcome: Outcome, tree: TrajectoryTree | None) -> list[list[TrainSequence]]:
         """Book one finished run (and its complete tree); returns the micro-steps its group
@@ -133,12 +143,13 @@ class StreamingBatch:
         rng = group_rng(self.seed, self.step, outcome.execution.task_id)
         seqs, n = group_sequences(group, self.trees, self.trajectory, rng)
         self.num_runs += n
+        self.work.append(group_work(group, self.trees, seqs))
         new = pack(seqs, self.tokens)
         self.queue += new
         return new
 
     def stats(self) -> dict[str, object]:
-        return step_stats(self.outcomes, self.queue, self.num_runs)
+        return step_stats(self.outcomes, self.queue, self.num_runs, self.work)
 
 
 def group_rng(seed: int, step: int, task_id: str) -> random.Random:
@@ -153,7 +164,27 @@ def by_task(outcomes: Sequence[Outcome]) -> dict[str, list[Outcome]]:
     return groups
 
 
-def step_stats(outcomes: Sequence[Outcome], queue: list[list[TrainSequence]], runs: int) -> dict[str, object]:
+def group_work(
+    group: Sequence[Outcome], trees: Mapping[str, TrajectoryTree], sequences: Sequence[TrainSequence]
+) -> dict[str, object]:
+    """What one group cost, independent of timing: the tokens each run generated (sampling work)
+    and the length of each sequence it trains (training work). The simulator replays these."""
+    runs = sorted(o.execution.run_id for o in group)
+    return {
+        "task": group[0].execution.task_id,
+        "run_tokens": [
+            sum(len(r.output_ids) for r in trees[run].records()) if run in trees else 0 for run in runs
+        ],
+        "sequence_tokens": [len(s) for s in sequences],
+    }
+
+
+def step_stats(
+    outcomes: Sequence[Outcome],
+    queue: list[list[TrainSequence]],
+    runs: int,
+    work: Sequence[dict[str, object]] = (),
+) -> dict[str, object]:
     counted = [o for o in outcomes if o.score.counts_in_group]
     rewards = [o.score.reward or 0.0 for o in counted]
     sequences = [s for mb in queue for s in mb]
@@ -169,4 +200,5 @@ def step_stats(outcomes: Sequence[Outcome], queue: list[list[TrainSequence]], ru
         "loss_tokens": int(sum(s.loss_mask.sum() for s in sequences)),
         "calls": sum(o.execution.calls for o in outcomes),
         "statuses": dict(sorted(Counter(o.execution.status for o in outcomes).items())),
+        "groups": list(work),
     }

@@ -79,13 +79,16 @@ class Layout:
 
 def check_runnable(engine_backend: str, trainer_backend: str) -> None:
     """The backends this runtime drives today; anything else is refused before launch, in one line."""
-    if engine_backend != "embedded":
+    if engine_backend not in ("embedded", "emulated"):
         raise RecipeError(
             f"engine.backend = {engine_backend!r} is not driven by the runtime yet (the SGLang client and "
-            "launcher exist, the cell does not start it); valid for gyre-hpc run/submit today: embedded"
+            "launcher exist, the cell does not start it); valid for gyre-hpc run/submit today: "
+            "embedded, emulated"
         )
-    if trainer_backend != "torch":
-        raise RecipeError(f"trainer.backend = {trainer_backend!r} is not available yet; valid today: torch")
+    if trainer_backend not in ("torch", "emulated"):
+        raise RecipeError(
+            f"trainer.backend = {trainer_backend!r} is not available yet; valid today: torch, emulated"
+        )
 
 
 def check_world_size(size: int, layout: Layout, env: JobEnvironment) -> None:

@@ -14,6 +14,8 @@ nothing about MPI, HTTP or models: it only says which role each cell takes next.
    TRAINING ──▶ SAMPLING   last of the prefix first, if w > C_R (executions would lack a server),
                            or once the step's gradient is applied and the next burst needs the
                            capacity — the core stays if the next step's data is already queued
+   carry_tail (ours)       the step is applied when its burst ends; the untrained micro-steps
+                           lead the next step's queue (``carries_tail``)
  async     a fixed split: the first async_train_cells cells train, the rest sample, always
  colocate  all sample while executions run; all train once the burst has ended; all sample again
            once the step is applied
@@ -83,6 +85,31 @@ class Switch:
     cell: int
     role: Role
     reason: str
+
+
+def carries_tail(
+    mode: Mode, carry_tail: bool, trainers: int, ends_run: bool, checkpoint: bool, stale_left: int
+) -> bool:
+    """Whether an elastic step is applied as soon as its burst ends (ours, ``carry_tail``).
+
+    The paper's rule trains the whole queue before applying, so the next burst waits for the
+    training tail: the groups that complete last, at the timeout, all at once. With
+    ``carry_tail`` the cells finish the micro-step in hand, the step is applied, the next burst
+    starts, and the untrained rest leads the next step's queue (trained one version stale, its
+    behaviour log-probs and the ratio clip account for that). Never when no cell is training
+    (nothing would be applied), on the run's last step, on a step that writes a checkpoint (a
+    checkpoint leaves no work in flight), or while micro-steps carried into this step are still
+    untrained (``stale_left``): nothing is carried twice, so staleness stays at most one version
+    and the carried work cannot pile up.
+    """
+    return (
+        mode == "elastic"
+        and carry_tail
+        and trainers > 0
+        and not ends_run
+        and not checkpoint
+        and stale_left == 0
+    )
 
 
 def decide(s: SchedState) -> list[Switch]:

@@ -1,7 +1,9 @@
-"""Built-in scorers: the fraction of hidden tests passing, and rule-based milestones."""
+"""Built-in scorers: the fraction of hidden tests passing, rule-based milestones, and a seeded
+coin for emulated runs."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -140,7 +142,24 @@ def _inside(ws: Path, rel: str) -> Path:
     return path
 
 
+class CoinScorer:
+    """Reward 1 or 0 by a coin seeded with the run id, whatever the run did.
+
+    Only for emulated runs (benchmarks of the schedule), where no model produces an answer worth
+    evaluating: the coin gives groups differing rewards, hence advantages and training work, and
+    it is the same coin in every mode. The one scorer that looks at the run id and not the workspace.
+    """
+
+    def __init__(self, config: ScoringConfig) -> None:
+        del config
+
+    def score(self, artifacts: RunArtifacts) -> float:
+        # Not crc32: its low bit is linear in the input, so run ids one character apart agree.
+        return float(hashlib.sha256(artifacts.run_id.encode()).digest()[0] & 1)
+
+
 BUILTIN: dict[str, Callable[[ScoringConfig], Scorer]] = {
     "hidden-tests": HiddenTestsScorer,
     "milestones": MilestonesScorer,
+    "coin": CoinScorer,
 }

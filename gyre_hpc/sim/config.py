@@ -28,19 +28,32 @@ class SimConfig:
     """Log-normal spread of execution durations: the long tail."""
     timeout_s: float = 600.0
     """Executions are cut here and partially scored."""
+    exec_overhead_s: float = 0.0
+    """Fixed time added to every execution (harness, proxy and tool time besides decoding)."""
     train_s_per_exec: float = 4.0
     """One cell's training time for one execution's tokens."""
     micro_step_s: float = 1.0
     """Training time of one micro-step on one cell."""
+    micro_step_tokens: int = 8192
+    """Replayed workloads: tokens packed into one micro-step (as ``trainer.micro_step_tokens``)."""
+    train_s_per_token: float = 0.0
+    """Replayed workloads: one cell's training time per token."""
     switch_to_train_s: float = 1.0
     switch_to_sample_s: float = 0.5
     publish_s: float = 0.5
     """Optimizer step and publication of the new version by the core."""
-    streaming: bool = True
-    """Groups become micro-steps as they complete (off: only once the burst has ended)."""
+    streaming: str = "elastic"
+    """Which modes turn groups into micro-steps as they complete (the others only once the burst
+    has ended): ``elastic`` as the runtime does, ``all`` or ``none``."""
     async_train_cells: int = 1
     min_queued: int = 1
+    carry_tail: bool = False
+    """Ours: apply each elastic step when its burst ends, the rest leads the next step's queue."""
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.streaming not in ("elastic", "all", "none"):
+            raise ValueError(f"streaming = {self.streaming!r}; valid: elastic, all, none")
 
     def with_(self, **changes: Any) -> SimConfig:
         return replace(self, **changes)
@@ -106,3 +119,39 @@ CONFIGS: dict[str, SimConfig] = {
 }
 
 MODES: tuple[Mode, ...] = ("elastic", "async", "colocate")
+
+OURS = "elastic+carry"
+"""The paper's elastic rule plus ours, ``carry_tail`` (``scheduler.carry_tail`` in a recipe)."""
+
+
+def variants(cfg: SimConfig) -> dict[str, tuple[Mode, SimConfig]]:
+    """What ``bench sim`` compares: the three modes, and elastic with our improvement."""
+    return {**{m: (m, cfg) for m in MODES}, OURS: ("elastic", cfg.with_(carry_tail=True))}
+
+
+def ablations(cfg: SimConfig) -> dict[str, tuple[tuple[Mode, SimConfig], tuple[Mode, SimConfig]]]:
+    """The paper's ablations as (baseline, variant) pairs: the ratio baseline / variant."""
+    bigger = cfg.with_(
+        cells=cfg.cells // 2,
+        capacity=cfg.capacity * 2,
+        train_s_per_exec=cfg.train_s_per_exec / 2,
+        micro_step_s=cfg.micro_step_s / 2,
+    )
+    return {
+        "streaming alone on async": (
+            ("async", cfg.with_(streaming="none")),
+            ("async", cfg.with_(streaming="all")),
+        ),
+        "elastic vs colocate with streaming": (
+            ("colocate", cfg.with_(streaming="all")),
+            ("elastic", cfg),
+        ),
+        "half as many cells, twice as large": (("elastic", cfg), ("elastic", bigger)),
+    }
+
+
+PAPER_ABLATIONS = {
+    "streaming alone on async": "saves 11.6 %",
+    "elastic vs colocate with streaming": "1.19×",
+    "half as many cells, twice as large": "costs 2.2 %",
+}

@@ -9,18 +9,20 @@ from gyre_hpc.sim.simulate import SimResult
 COLORS = {"sampling": "#4c72b0", "training": "#dd8452", "idle": "#cccccc", "switching": "#c44e52"}
 
 
-def plot_all(results: dict[str, SimResult], out: Path, title: str) -> list[Path]:
+def plot_all(results: dict[str, SimResult], out: Path, title: str, unit: str = "h") -> list[Path]:
+    """Step times, a Gantt chart per mode and the time split; times in hours (``h``) or seconds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
+    scale = 3600.0 if unit == "h" else 1.0
     paths = []
     fig, ax = plt.subplots(figsize=(7, 3.5), dpi=100)
     for mode, r in results.items():
-        ax.plot(range(1, len(r.step_times) + 1), [t / 3600 for t in r.step_times], "o-", label=mode)
-    ax.set(xlabel="step", ylabel="step time (h)", title=f"{title}: step times")
+        ax.plot(range(1, len(r.step_times) + 1), [t / scale for t in r.step_times], "o-", label=mode)
+    ax.set(xlabel="step", ylabel=f"step time ({unit})", title=f"{title}: step times")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -30,10 +32,14 @@ def plot_all(results: dict[str, SimResult], out: Path, title: str) -> list[Path]
         fig, ax = plt.subplots(figsize=(9, 0.4 * cells + 1.2), dpi=100)
         spans: dict[tuple[int, str], list[tuple[float, float]]] = {}
         for cell, start, end, what in r.timeline:
-            spans.setdefault((cell, what), []).append((start / 3600, (end - start) / 3600))
+            spans.setdefault((cell, what), []).append((start / scale, (end - start) / scale))
         for (cell, what), xs in spans.items():  # one call per cell and role: thousands of spans stay fast
             ax.broken_barh(xs, (cell - 0.4, 0.8), color=COLORS[what])
-        ax.set(xlabel="hours", ylabel="cell", title=f"{title}: {mode} — cell roles over time")
+        ax.set(
+            xlabel="hours" if unit == "h" else "seconds",
+            ylabel="cell",
+            title=f"{title}: {mode} — cell roles over time",
+        )
         ax.set_ylim(cells - 0.5, -0.5)
         handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
         ax.legend(handles, list(COLORS), loc="upper right", ncol=4, fontsize=7)

@@ -8,6 +8,10 @@
 
 Nothing here decides a role: ``scheduler.policy.decide`` does, exactly as in the runtime.
 Time only moves between events; there is no compute.
+
+The workload is a function from a step to its prompt groups: each group's execution durations
+and the micro-steps it yields. ``sampled`` draws it from the config's distributions;
+``sim.trace`` replays the one a real run recorded.
 """
 
 from __future__ import annotations
@@ -15,12 +19,58 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gyre_hpc.recipe.schema import Mode
 from gyre_hpc.runtime.protocol import Role
-from gyre_hpc.scheduler.policy import SchedState, decide, initial_roles
+from gyre_hpc.scheduler.policy import SchedState, carries_tail, decide, initial_roles
 from gyre_hpc.sim.config import SimConfig
+from gyre_hpc.trajectory.batch import pack_micro_steps
+
+
+@dataclass(frozen=True)
+class Group:
+    """One prompt's executions and the training they yield."""
+
+    durations: tuple[float, ...]
+    """Each execution's time while served (before ``exec_overhead_s``)."""
+    micro_steps: tuple[float, ...]
+    """Training time of each micro-step the group yields when packed on its own (streaming)."""
+    sequence_tokens: tuple[int, ...] = ()
+    """Replayed workloads: the group's sequence lengths, repacked with the whole step when not
+    streaming (as the runtime's ``step_batch`` does)."""
+
+
+Workload = Callable[[int], list[Group]]
+
+
+def sampled(cfg: SimConfig) -> Workload:
+    """Log-normal durations cut at the timeout; every execution costs ``train_s_per_exec`` of
+    training in micro-steps of ``micro_step_s``."""
+    rng = random.Random(cfg.seed)
+    mu = math.log(cfg.duration_median_s)
+    per_exec = max(1, round(cfg.train_s_per_exec / cfg.micro_step_s))
+
+    def groups(step: int) -> list[Group]:
+        return [
+            Group(
+                tuple(
+                    min(rng.lognormvariate(mu, cfg.duration_sigma), cfg.timeout_s)
+                    for _ in range(cfg.group_size)
+                ),
+                (cfg.micro_step_s,) * (per_exec * cfg.group_size),
+            )
+            for _ in range(cfg.prompts)
+        ]
+
+    return groups
+
+
+def packed(cfg: SimConfig, sequence_tokens: list[int]) -> tuple[float, ...]:
+    """Micro-step times of sequences packed like the runtime packs them."""
+    bins = pack_micro_steps(sequence_tokens, cfg.micro_step_tokens)
+    return tuple(sum(sequence_tokens[i] for i in b) * cfg.train_s_per_token for b in bins)
 
 
 @dataclass
@@ -47,9 +97,10 @@ class SimResult:
 
 
 class Simulation:
-    def __init__(self, cfg: SimConfig, mode: Mode) -> None:
+    def __init__(self, cfg: SimConfig, mode: Mode, workload: Workload | None = None) -> None:
         self.cfg, self.mode = cfg, mode
-        self.rng = random.Random(cfg.seed)
+        self.workload = workload or sampled(cfg)
+        self.streaming = cfg.streaming == "all" or (cfg.streaming == "elastic" and mode == "elastic")
         self.now = 0.0
         self.events: list[tuple[float, int, str, int]] = []
         self._n = 0
@@ -69,14 +120,19 @@ class Simulation:
         self.running = 0
         self.remaining: dict[int, float] = {}
         self.group_left: dict[int, int] = {}
-        self.queue = 0  # micro-steps available
+        self.groups: dict[int, Group] = {}
+        self.queue: list[float] = []  # claimable micro-steps (their training times)
         self.training_step = 0  # step whose micro-steps are queued / trained (0: none)
-        self.step_work: dict[int, int] = {}  # step -> micro-steps not yet trained (incl. not yet queued)
+        self.step_work: dict[int, int] = {}  # step -> micro-steps released and not yet trained
         self.closed: set[int] = set()
         self.publishing = False
         self.next_exec = 0
         self.exec_group: dict[int, int] = {}  # execution -> its group
-        self.pending_release: dict[int, int] = {}  # step -> micro-steps ready but not yet claimable
+        self.pending_release: dict[int, list[float]] = {}  # step -> micro-steps not yet claimable
+        self.carried: list[float] = []  # carry_tail: micro-steps left for the next step
+        self.stopping: set[int] = set()  # steps applied at their burst's end (carry_tail)
+        self.carried_in: dict[int, int] = {}  # step -> micro-steps carried into it
+        self.started: dict[int, int] = {}  # step -> micro-steps trainers have taken
 
     # ---- events -----------------------------------------------------------------------------
 
@@ -111,19 +167,18 @@ class Simulation:
     # ---- sampling ---------------------------------------------------------------------------
 
     def dispatch(self) -> None:
-        """A new burst: prompts × group executions, each with a long-tailed duration."""
-        cfg = self.cfg
+        """A new burst: the workload's groups for the next step."""
         self.burst += 1
-        self.d += cfg.prompts * cfg.group_size
         self.step_work[self.burst] = 0
-        mu = math.log(cfg.duration_median_s)
-        for g in range(cfg.prompts):
+        for g, group in enumerate(self.workload(self.burst)):
             gid = self.burst * 10_000 + g
-            self.group_left[gid] = cfg.group_size
-            for _ in range(cfg.group_size):
+            self.groups[gid] = group
+            self.group_left[gid] = len(group.durations)
+            self.d += len(group.durations)
+            for duration in group.durations:
                 e = self.next_exec
                 self.next_exec += 1
-                self.remaining[e] = min(self.rng.lognormvariate(mu, cfg.duration_sigma), cfg.timeout_s)
+                self.remaining[e] = duration + self.cfg.exec_overhead_s
                 self.exec_group[e] = gid
                 self.waiting.append(e)
 
@@ -146,23 +201,34 @@ class Simulation:
         gid = self.exec_group.pop(e)
         self.group_left[gid] -= 1
         step = gid // 10_000
-        per_exec = max(1, round(self.cfg.train_s_per_exec / self.cfg.micro_step_s))
-        self.step_work[step] += per_exec
-        if self.group_left[gid] == 0 and self.cfg.streaming:
-            self.release(step, self.cfg.group_size * per_exec)
+        if self.group_left[gid] == 0 and self.streaming:
+            self.release(step, list(self.groups[gid].micro_steps))
         if self.burst_done(step):
-            if not self.cfg.streaming:
-                self.release(step, self.step_work[step])
+            if not self.streaming:
+                self.release(step, self.whole_step(step))
             self.closed.add(step)
+            trainers = sum(r == Role.TRAINING for r in self.roles)
+            stale_left = max(self.carried_in.get(step, 0) - self.started.get(step, 0), 0)
+            if carries_tail(
+                self.mode, self.cfg.carry_tail, trainers, step == self.cfg.steps, False, stale_left
+            ):
+                self.stopping.add(step)
+
+    def whole_step(self, step: int) -> list[float]:
+        """Not streaming: the step's micro-steps, made once the burst has ended."""
+        groups = [g for gid, g in self.groups.items() if gid // 10_000 == step]
+        if all(g.sequence_tokens or not g.micro_steps for g in groups):
+            return list(packed(self.cfg, [t for g in groups for t in g.sequence_tokens]))
+        return [m for g in groups for m in g.micro_steps]
 
     def burst_done(self, step: int) -> bool:
         return all(left == 0 for gid, left in self.group_left.items() if gid // 10_000 == step)
 
-    def release(self, step: int, micro_steps: int) -> None:
+    def release(self, step: int, micro_steps: list[float]) -> None:
         if self.training_step in (0, step):
             self.training_step = step
-        self.pending_release.setdefault(step, 0)
-        self.pending_release[step] += micro_steps
+        self.step_work[step] += len(micro_steps)
+        self.pending_release.setdefault(step, []).extend(micro_steps)
 
     # ---- training -----------------------------------------------------------------------------
 
@@ -175,16 +241,23 @@ class Simulation:
         step = self.training_step
         if step and step in self.pending_release:  # micro-steps of the step in training become claimable
             self.queue += self.pending_release.pop(step)
+        carrying = step in self.stopping
+        # Trainers going back to serve (executions exceed the sampling capacity) take no more work.
+        going_back = self.mode == "elastic" and self.d - self.f > self.slots()
         for c, r in enumerate(self.roles):
             if r == Role.TRAINING and c not in self.switching and not self.busy[c]:
-                if self.queue:
-                    self.queue -= 1
+                if self.queue and not carrying and not going_back:
+                    seconds = self.queue.pop(0)
+                    self.started[step] = self.started.get(step, 0) + 1
                     self.busy[c] = True
                     if self.state_of[c] != "training":
                         self.mark(c, "training")
-                    self.at(self.now + self.cfg.micro_step_s, "micro_end", c)
+                    self.at(self.now + seconds, "micro_end", c)
                 elif self.state_of[c] != "idle":
                     self.mark(c, "idle")
+        if carrying and not self.publishing and not any(self.busy.values()) and self.queue:
+            self.carried, self.queue = self.queue, []  # trained in the next step, one version stale
+            self.step_work[step] = 0
         if step and step in self.closed and self.step_work.get(step) == 0 and not self.publishing:
             if not any(self.busy.values()):
                 self.publishing = True
@@ -197,9 +270,12 @@ class Simulation:
         later = [s for s in self.pending_release if s > step]
         if later:
             self.training_step = min(later)
-        if self.mode != "async" or self.burst <= step + 1:
-            if self.burst == step:
-                self.dispatch()
+        if self.burst == step and self.burst < self.cfg.steps:
+            self.dispatch()
+            if self.carried:
+                self.carried_in[self.burst] = len(self.carried)
+                self.release(self.burst, self.carried)
+                self.carried = []
 
     # ---- switches -----------------------------------------------------------------------------
 
@@ -209,7 +285,12 @@ class Simulation:
 
     def react(self) -> None:
         """After every event: serve, train, and let the policy decide (serial switches)."""
-        if self.mode == "async" and self.burst == len(self.step_ends) + 1 and self.burst_done(self.burst):
+        if (
+            self.mode == "async"
+            and self.burst == len(self.step_ends) + 1
+            and self.burst < self.cfg.steps
+            and self.burst_done(self.burst)
+        ):
             self.dispatch()  # sampling never waits: burst k+1 while step k trains (staleness 1)
         self.start_waiting()
         self.feed_trainers()
@@ -220,7 +301,9 @@ class Simulation:
             pool_capacity=self.cfg.pool_capacity,
             dispatched=self.d,
             finished=self.f,
-            queued=self.queue + sum(v for s, v in self.pending_release.items() if s == self.training_step),
+            queued=0
+            if self.training_step in self.stopping
+            else len(self.queue) + len(self.pending_release.get(self.training_step, [])),
             step_open=self.training_step != 0,
             min_queued=self.cfg.min_queued,
             async_train_cells=self.cfg.async_train_cells,
@@ -237,5 +320,5 @@ class Simulation:
             self.at(self.now + cost, "switch_end", sw.cell)
 
 
-def simulate(cfg: SimConfig, mode: Mode) -> SimResult:
-    return Simulation(cfg, mode).run()
+def simulate(cfg: SimConfig, mode: Mode, workload: Workload | None = None) -> SimResult:
+    return Simulation(cfg, mode, workload).run()

@@ -5,6 +5,8 @@
 - ``terminal-mini``: multi-step shell / configuration tasks checked on the end state, with
   milestones for partial credit.
 - ``smoke``: one-file tasks sized so the tiny CPU model can learn them.
+- ``emulated``: placeholder prompts scored by a seeded coin, for emulated-GPU runs that measure
+  the schedule (the emulated engine does not read the prompt).
 
 ``split="heldout"`` draws from a separate random stream, so evaluation tasks are not the
 training tasks.
@@ -238,11 +240,20 @@ def smoke(n: int, seed: int) -> list[Task]:
     ]
 
 
+def emulated(n: int, seed: int) -> list[Task]:
+    """Prompts for emulated runs: the reply length is the emulated engine's, the reward a coin."""
+    return [
+        Task(id=f"emulated-{seed}-{i}", spec=f"Emulated task {i}. Call finish.", scorer="coin")
+        for i in range(n)
+    ]
+
+
 SUITES: dict[str, Callable[[int, int], list[Task]]] = {
     "smoke": smoke,
     "repo-mini": repo_mini,
     "repo-mini-long": lambda n, seed: repo_mini(n, seed, size=(16, 20)),
     "terminal-mini": terminal_mini,
+    "emulated": emulated,
 }
 HELDOUT_OFFSET = 1_000_003
 

@@ -41,13 +41,15 @@ class Claims:
     """An index taken from the counter whose micro-step has not arrived yet."""
     claimed: list[int] = field(default_factory=list)
     stats: list[MicroStats] = field(default_factory=list)
+    stopped: bool = False
+    """The step ended before the queue was exhausted: claim nothing more."""
 
     @classmethod
     def of(cls, queue: Sequence[list[TrainSequence]], closed: bool = True) -> Claims:
         return cls(list(queue), closed, len(queue) if closed else -1)
 
-    def close(self, total: int) -> None:
-        self.closed, self.total = True, total
+    def close(self, total: int, stop: bool = False) -> None:
+        self.closed, self.total, self.stopped = True, total, stop
 
     @property
     def loss_sum(self) -> float:
@@ -60,7 +62,10 @@ class Claims:
 
 def work_once(claims: Claims, trainer: Trainer, transport: Transport) -> str:
     """Claim an index and train its micro-step: ``trained``, ``waiting`` (its micro-step is not
-    packed yet) or ``done`` (the queue is closed and exhausted)."""
+    packed yet) or ``done`` (the queue is closed and exhausted, or the step was stopped: an
+    index claimed and not trained is reported by nobody, so the controller carries it)."""
+    if claims.stopped:
+        return "done"
     if claims.pending is None:
         claims.pending = transport.claim()
     i = claims.pending

@@ -1,0 +1,150 @@
+"""Replay an emulated run in the simulator: the workload it recorded and the costs measured in it.
+
+```
+ run directory ─▶ recipe.toml: cells, capacity, batch, decode and training delays
+               └▶ events.jsonl: each step's groups (tokens generated per run, sequence lengths)
+                               ─▶ Workload: durations = tokens × decode_s, micro-steps packed
+                  switch / step / dispatched / finished events ─▶ the runtime's measured costs
+```
+
+Only emulated runs (``engine.backend = "emulated"``) are replayable: there, an execution's
+duration is its token count times a known delay, and a micro-step's its tokens times another.
+The costs are medians over the run, so one run calibrates the simulator for every mode.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from gyre_hpc.errors import GyreError
+from gyre_hpc.observability.events import read_events
+from gyre_hpc.recipe.load import load_recipe
+from gyre_hpc.recipe.schema import Recipe
+from gyre_hpc.sim.config import SimConfig
+from gyre_hpc.sim.simulate import CellTime, Group, SimResult, Workload, packed
+
+
+def run_tokens(steps: list[dict[str, Any]]) -> dict[str, int]:
+    """Run id → tokens it generated, from the step events' groups."""
+    out = {}
+    for s in steps:
+        for g in s.get("groups", []):
+            for i, t in enumerate(g["run_tokens"]):
+                out[f"s{s['step']:04d}-{g['task']}-g{i}"] = t
+    return out
+
+
+def workload(cfg: SimConfig, steps: list[dict[str, Any]], decode_s: float) -> Workload:
+    by_step = {s["step"]: s.get("groups", []) for s in steps}
+
+    def groups(step: int) -> list[Group]:
+        if step not in by_step:
+            raise GyreError(f"the recorded run has no step {step}")
+        return [
+            Group(
+                tuple(t * decode_s for t in g["run_tokens"]),
+                packed(cfg, list(g["sequence_tokens"])),
+                tuple(g["sequence_tokens"]),
+            )
+            for g in by_step[step]
+        ]
+
+    return groups
+
+
+def measured_costs(events: list[dict[str, Any]], decode_s: float) -> dict[str, float]:
+    """The runtime's own costs: switches, version publication, and per-execution overhead."""
+    steps = [e for e in events if e["event"] == "step"]
+    tokens = run_tokens(steps)
+    start = {e["run"]: e["t"] for e in events if e["event"] == "dispatched"}
+    overhead = [
+        e["t"] - start[e["run"]] - tokens[e["run"]] * decode_s
+        for e in events
+        if e["event"] == "finished" and e["run"] in start and e["run"] in tokens
+    ]
+    to_train = [e["seconds"] for e in events if e["event"] == "switch" and e["kind"] == "sampling→training"]
+    to_sample = [e["seconds"] for e in events if e["event"] == "switch" and e["kind"] == "training→sampling"]
+    costs = {"exec_overhead_s": max(median(overhead), 0.0) if overhead else 0.0}
+    if to_train and to_sample:
+        costs |= {"switch_to_train_s": median(to_train), "switch_to_sample_s": median(to_sample)}
+    applied = [e["apply_seconds"] for e in steps if "apply_seconds" in e]
+    if applied:
+        costs["publish_s"] = median(applied)
+    return costs
+
+
+def replay(run_dir: Path, costs: dict[str, float] | None = None) -> tuple[SimConfig, Workload]:
+    """The simulator's config and workload for a recorded emulated run. ``costs`` (e.g. measured
+    in another mode's run) replace the ones measured in this run."""
+    recipe_path, events_path = run_dir / "recipe.toml", run_dir / "events.jsonl"
+    if not recipe_path.exists() or not events_path.exists():
+        raise GyreError(f"{run_dir} is not a run directory (no recipe.toml or events.jsonl)")
+    r = load_recipe(recipe_path)
+    if r.engine.backend != "emulated" or r.trainer.backend != "emulated":
+        raise GyreError(
+            f"{run_dir}: only emulated runs can be replayed (engine.backend and trainer.backend = "
+            f"'emulated'); this one has {r.engine.backend!r} and {r.trainer.backend!r}"
+        )
+    events = read_events(events_path)
+    steps = [e for e in events if e["event"] == "step"]
+    cfg = config_of(r, len(steps)).with_(**(costs or measured_costs(events, r.engine.emulated_decode_s)))
+    return cfg, workload(cfg, steps, r.engine.emulated_decode_s)
+
+
+def config_of(r: Recipe, steps: int) -> SimConfig:
+    return SimConfig(
+        cells=r.cells.count,
+        capacity=r.cells.capacity,
+        pool_capacity=r.cells.rollout_pool * r.cells.capacity,
+        prompts=r.tasks.prompts_per_step,
+        group_size=r.tasks.group_size,
+        steps=steps,
+        timeout_s=r.engine.max_new_tokens * r.engine.emulated_decode_s,
+        micro_step_tokens=r.trainer.micro_step_tokens,
+        train_s_per_token=r.trainer.emulated_s_per_token,
+        async_train_cells=r.scheduler.async_train_cells,
+        min_queued=r.scheduler.min_queued_microsteps,
+        carry_tail=r.scheduler.carry_tail,
+        seed=r.run.seed,
+    )
+
+
+def observed(run_dir: Path) -> SimResult:
+    """What a real run did, in the simulator's terms (step ends, role timeline, time split), so
+    both are tabulated and drawn alike. Times are seconds from the first dispatch; a training
+    cell waiting for micro-steps counts as training (the runtime does not record it apart)."""
+    events = read_events(run_dir / "events.jsonl")
+    t0 = min(e["t"] for e in events if e["event"] == "dispatched")
+    end = max(e["t"] for e in events if e["event"] == "step")
+    roles = {int(c): r for c, r in next(e for e in events if e["event"] == "step")["roles"].items()}
+    first = [e for e in events if e["event"] == "switch_role" and e["t"] <= t0]
+    state = {c: "sampling" for c in roles}
+    for e in first:  # roles taken before the first burst (async's fixed split)
+        state[e["cell"]] = e["role"].lower()
+    since = dict.fromkeys(state, 0.0)
+    cells = {c: CellTime() for c in state}
+    timeline: list[tuple[int, float, float, str]] = []
+    switches = 0
+
+    def close(cell: int, now: float, what: str) -> None:
+        if now > since[cell]:
+            timeline.append((cell, since[cell], now, state[cell]))
+            setattr(cells[cell], state[cell], getattr(cells[cell], state[cell]) + now - since[cell])
+        state[cell], since[cell] = what, now
+
+    for e in events:
+        now = min(e["t"], end) - t0
+        if now < 0 or e["event"] not in ("switch_role", "role_switched") or e["cell"] not in state:
+            continue
+        if e["event"] == "switch_role":
+            switches += 1
+            close(e["cell"], now, "switching")
+        else:
+            close(e["cell"], now, e["role"].lower())
+    for c in state:
+        close(c, end - t0, state[c])
+    steps = [e["t"] - t0 for e in events if e["event"] == "step"]
+    mode = load_recipe(run_dir / "recipe.toml").scheduler.mode
+    return SimResult(mode, steps, end - t0, [cells[c] for c in sorted(cells)], switches, timeline)

@@ -1,0 +1,133 @@
+"""Emulated GPUs: the engine's replies are planned and clocked, the trainer's micro-steps are
+delays, the coin scorer varies within groups, and a real emulated run replays in the simulator."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import gyre
+
+from gyre_hpc.engines.emulated import EmulatedEngine, planned_tokens
+from gyre_hpc.engines.sampling import SamplingParams
+from gyre_hpc.models.registry import resolve_model
+from gyre_hpc.observability.events import read_events
+from gyre_hpc.proxy.chat import parse_reply
+from gyre_hpc.recipe.schema import ScoringConfig
+from gyre_hpc.scoring.builtin import CoinScorer
+from gyre_hpc.scoring.contract import RunArtifacts
+from gyre_hpc.sim.simulate import simulate
+from gyre_hpc.sim.trace import observed, replay, run_tokens
+
+DECODE_S = 0.01
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = EmulatedEngine(resolve_model("tiny"), decode_s=DECODE_S, tokens_median=40, tokens_sigma=0.5).start()
+    yield e
+    e.stop()
+
+
+def generate(engine: EmulatedEngine, input_ids: list[int], **params) -> tuple[dict, float]:
+    done: dict = {}
+    event = threading.Event()
+    started = time.monotonic()
+    engine.submit(
+        input_ids,
+        SamplingParams.from_request(params),
+        lambda r: (done.update(r), event.set()),
+    )
+    assert event.wait(30)
+    return done, time.monotonic() - started
+
+
+def test_a_reply_is_its_planned_length_clocked_at_the_decode_time(engine: EmulatedEngine) -> None:
+    for seed in (1, 2, 3):
+        n = planned_tokens(seed, 40, 0.5)
+        reply, seconds = generate(engine, [5, 6, 7], max_new_tokens=500, sampling_seed=seed)
+        assert reply["meta_info"]["completion_tokens"] == n
+        assert seconds >= (n - 1) * DECODE_S  # one token per tick, whatever the batch
+        _, calls = parse_reply(reply["text"], "c")
+        assert [c["function"]["name"] for c in calls] == ["finish"]  # one call ends the execution
+
+
+def test_max_new_tokens_cuts_the_reply_like_a_timeout(engine: EmulatedEngine) -> None:
+    reply, _ = generate(engine, [5, 6, 7], max_new_tokens=3, sampling_seed=2)
+    assert reply["meta_info"]["completion_tokens"] == 3
+    assert reply["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_a_call_continued_elsewhere_resumes_the_same_plan(engine: EmulatedEngine) -> None:
+    whole, _ = generate(engine, [5, 6, 7], max_new_tokens=500, sampling_seed=4)
+    head, _ = generate(engine, [5, 6, 7], max_new_tokens=10, sampling_seed=4)
+    rest, _ = generate(engine, [5, 6, 7, *head["output_ids"]], max_new_tokens=490, sampling_seed=4)
+    assert head["output_ids"] + rest["output_ids"] == whole["output_ids"]
+
+
+def test_the_coin_differs_within_groups_and_never_changes() -> None:
+    coin = CoinScorer(ScoringConfig())
+    groups = [[f"s0001-emulated-1-{t}-g{g}" for g in range(4)] for t in range(16)]
+    rewards = [[coin.score(RunArtifacts(r, Path("."), "finished")) for r in g] for g in groups]
+    assert sum(len(set(g)) > 1 for g in rewards) >= 10  # most groups have an advantage to train
+    assert rewards == [[coin.score(RunArtifacts(r, Path("."), "finished")) for r in g] for g in groups]
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+def test_emulated_elastic_run_carries_its_tail_and_replays(tmp_path: Path) -> None:
+    proc = gyre(
+        "run",
+        "recipes/emulated.toml",
+        "--set", f"run.runs_dir={tmp_path}",
+        "--set", "cells.count=3",
+        "--set", "run.steps=3",
+        "--set", "tasks.prompts_per_step=3",
+        "--set", "engine.emulated_tokens_median=60",
+        "--set", "scheduler.carry_tail=true",
+        timeout=400,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = next(tmp_path.iterdir())
+    events = read_events(run_dir / "events.jsonl")
+    steps = [e for e in events if e["event"] == "step"]
+    assert [s["version"] for s in steps] == [1, 2, 3]
+    assert all(s["statuses"] == {"finished": 12} and s["calls"] == 12 for s in steps)
+    # What one step leaves is what the next one starts with; the last step leaves nothing.
+    assert [s["carried_in"] for s in steps[1:]] == [s["carried_out"] for s in steps[:-1]]
+    assert steps[-1]["carried_out"] == 0
+    stops = [e["stop"] for e in events if e["event"] == "burst_end"]
+    assert stops[-1] is False
+    # The recorded workload replays: durations are tokens × decode time, one step per step.
+    cfg, workload = replay(run_dir)
+    assert (cfg.cells, cfg.capacity, cfg.steps, cfg.carry_tail) == (3, 4, 3, True)
+    tokens = run_tokens(steps)
+    assert sorted(d for g in workload(1) for d in g.durations) == sorted(
+        t * 0.02 for r, t in tokens.items() if r.startswith("s0001")
+    )
+    sim = simulate(cfg, "elastic", workload)
+    assert len(sim.step_ends) == 3
+    seen = observed(run_dir)
+    assert len(seen.step_ends) == 3 and seen.switches > 0
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+def test_bench_modes_sets_real_and_simulated_step_times_side_by_side(tmp_path: Path) -> None:
+    proc = gyre(
+        "bench", "modes", "recipes/emulated.toml",
+        "--steps", "2", "--cells", "2", "--ours", "--out", str(tmp_path),
+        "--set", "tasks.prompts_per_step=2",
+        "--set", 'bench.modes=["elastic", "colocate"]',
+        timeout=500,
+        env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "simulated / real" in proc.stdout and "vs the paper's elastic rule" in proc.stdout
+    for kind in ("real", "simulated"):
+        names = {p.name for p in (tmp_path / kind).iterdir()}
+        assert {"step_times.png", "gantt_elastic.png", "gantt_elastic+carry.png", "time_split.png"} <= names
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["colocate", "elastic", "elastic+carry"]

@@ -192,6 +192,6 @@ def test_backends_the_runtime_does_not_drive_yet_are_refused_in_one_line(tmp_pat
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: engine.backend = 'sglang' is not driven by the runtime yet (the SGLang client and launcher "
-        "exist, the cell does not start it); valid for gyre-hpc run/submit today: embedded"
+        "exist, the cell does not start it); valid for gyre-hpc run/submit today: embedded, emulated"
     ]
     assert not any(tmp_path.iterdir())  # refused before a run directory was made

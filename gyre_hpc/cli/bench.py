@@ -135,54 +135,49 @@ def modes(
     for name, variant in plan.items():
         console.print(f"running {name} …")
         runs[name] = _run_mode(recipe, name, variant, steps, cells, set_ or [], out / "runs")
-    if not any(_summarize(r)["steps"] for r in runs.values()):
+    if not all(_summarize(r)["steps"] for r in runs.values()):
         raise GyreError("bench modes: give --steps 2 or more (step 1 is the warm-up)")
-    emulated = all(_is_emulated(r) for r in runs.values())
-    simulated = _replay_all(runs) if emulated else {}
-    table = Table(title=f"{recipe}, steps 2–{steps} (same seed)")
+    simulated = _replay_all(runs) if all(_is_emulated(r) for r in runs.values()) else {}
+    _report(console, f"{recipe}, steps 2–{steps} (same seed)", runs, simulated)
+    plots = plot_all({n: observed(r) for n, r in runs.items()}, out / "real", f"{recipe.stem} (real)", "s")
+    if simulated:
+        plots += plot_all(simulated, out / "simulated", f"{recipe.stem} (simulated)", "s")
+    for p in plots:
+        console.print(f"plot: {p}")
+
+
+def _report(console: Console, title: str, runs: dict[str, Path], simulated: dict[str, SimResult]) -> None:
+    """The step-time table (real, and simulated where replayed) and the speed-ups."""
+    table = Table(title=title)
     for col in ("mode", "step s", "sampling s", "training began before burst end (s)", "reward"):
         table.add_column(col, justify="right")
     if simulated:
         table.add_column("simulated step s", justify="right")
         table.add_column("simulated / real", justify="right")
-    summary = {mode: _summarize(r) for mode, r in runs.items()}
-    for mode, r in summary.items():
+    real = {name: _summarize(r) for name, r in runs.items()}
+    sim = {name: mean(r.step_times[1:]) for name, r in simulated.items()}
+    for name, r in real.items():
         row = [
-            mode,
+            name,
             f"{r['step_s']:.2f}",
             f"{r['sample_s']:.2f}",
             f"{r['early_s']:.2f}",
             f"{r['reward']:.3f}",
         ]
         if simulated:
-            sim_s = mean(simulated[mode].step_times[1:])
-            row += [f"{sim_s:.2f}", f"{sim_s / r['step_s']:.3f}"]
+            row += [f"{sim[name]:.2f}", f"{sim[name] / r['step_s']:.3f}"]
         table.add_row(*row)
     console.print(table)
-    if {"elastic", "async", "colocate"} <= set(summary):
-        e = summary["elastic"]["step_s"]
-        console.print(
-            f"step-time speed-up of elastic: {summary['async']['step_s'] / e:.2f}× vs async, "
-            f"{summary['colocate']['step_s'] / e:.2f}× vs colocate"
-        )
-    if ours and "elastic" in summary:
-        console.print(
-            f"{OURS} vs the paper's elastic rule: "
-            f"{summary['elastic']['step_s'] / summary[OURS]['step_s']:.3f}× (real), "
-            + (
-                f"{mean(simulated['elastic'].step_times[1:]) / mean(simulated[OURS].step_times[1:]):.3f}× "
-                "(simulated)"
-                if simulated
-                else ""
+    step_s = {name: r["step_s"] for name, r in real.items()}
+    for label, times in (("real", step_s), ("simulated", sim)):
+        if {"elastic", "async", "colocate"} <= set(times):
+            e = times["elastic"]
+            a, c = times["async"] / e, times["colocate"] / e
+            console.print(f"{label}: elastic {a:.2f}× vs async, {c:.2f}× vs colocate")
+        if {"elastic", OURS} <= set(times):
+            console.print(
+                f"{label}: {OURS} {times['elastic'] / times[OURS]:.3f}× vs the paper's elastic rule"
             )
-        )
-    plots = plot_all(
-        {name: observed(r) for name, r in runs.items()}, out / "real", f"{recipe.stem} (real)", "s"
-    )
-    if simulated:
-        plots += plot_all(simulated, out / "simulated", f"{recipe.stem} (simulated)", "s")
-    for p in plots:
-        console.print(f"plot: {p}")
 
 
 def _run_mode(

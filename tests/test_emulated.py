@@ -78,50 +78,13 @@ def test_the_coin_differs_within_groups_and_never_changes() -> None:
 
 @pytest.mark.mpi
 @pytest.mark.timeout(600)
-def test_emulated_elastic_run_carries_its_tail_and_replays(tmp_path: Path) -> None:
-    proc = gyre(
-        "run",
-        "recipes/emulated.toml",
-        "--set", f"run.runs_dir={tmp_path}",
-        "--set", "cells.count=3",
-        "--set", "run.steps=3",
-        "--set", "tasks.prompts_per_step=3",
-        "--set", "engine.emulated_tokens_median=60",
-        "--set", "scheduler.carry_tail=true",
-        timeout=400,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run_dir = next(tmp_path.iterdir())
-    events = read_events(run_dir / "events.jsonl")
-    steps = [e for e in events if e["event"] == "step"]
-    assert [s["version"] for s in steps] == [1, 2, 3]
-    assert all(s["statuses"] == {"finished": 12} and s["calls"] == 12 for s in steps)
-    # What one step leaves is what the next one starts with; the last step leaves nothing.
-    assert [s["carried_in"] for s in steps[1:]] == [s["carried_out"] for s in steps[:-1]]
-    assert steps[-1]["carried_out"] == 0
-    stops = [e["stop"] for e in events if e["event"] == "burst_end"]
-    assert stops[-1] is False
-    # The recorded workload replays: durations are tokens × decode time, one step per step.
-    cfg, workload = replay(run_dir)
-    assert (cfg.cells, cfg.capacity, cfg.steps, cfg.carry_tail) == (3, 4, 3, True)
-    tokens = run_tokens(steps)
-    assert sorted(d for g in workload(1) for d in g.durations) == sorted(
-        t * 0.02 for r, t in tokens.items() if r.startswith("s0001")
-    )
-    sim = simulate(cfg, "elastic", workload)
-    assert len(sim.step_ends) == 3
-    seen = observed(run_dir)
-    assert len(seen.step_ends) == 3 and seen.switches > 0
-
-
-@pytest.mark.mpi
-@pytest.mark.timeout(600)
-def test_bench_modes_sets_real_and_simulated_step_times_side_by_side(tmp_path: Path) -> None:
+def test_bench_modes_runs_ours_beside_elastic_and_replays_both(tmp_path: Path) -> None:
     proc = gyre(
         "bench", "modes", "recipes/emulated.toml",
-        "--steps", "2", "--cells", "2", "--ours", "--out", str(tmp_path),
-        "--set", "tasks.prompts_per_step=2",
-        "--set", 'bench.modes=["elastic", "colocate"]',
+        "--steps", "3", "--cells", "3", "--ours", "--out", str(tmp_path),
+        "--set", "tasks.prompts_per_step=3",
+        "--set", "engine.emulated_tokens_median=60",
+        "--set", 'bench.modes=["elastic"]',
         timeout=500,
         env={**os.environ, "COLUMNS": "200"},
     )  # fmt: skip
@@ -130,4 +93,24 @@ def test_bench_modes_sets_real_and_simulated_step_times_side_by_side(tmp_path: P
     for kind in ("real", "simulated"):
         names = {p.name for p in (tmp_path / kind).iterdir()}
         assert {"step_times.png", "gantt_elastic.png", "gantt_elastic+carry.png", "time_split.png"} <= names
-    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["colocate", "elastic", "elastic+carry"]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["elastic", "elastic+carry"]
+
+    run_dir = next((tmp_path / "runs" / "elastic+carry").iterdir())
+    events = read_events(run_dir / "events.jsonl")
+    steps = [e for e in events if e["event"] == "step"]
+    assert [s["version"] for s in steps] == [1, 2, 3]
+    assert all(s["statuses"] == {"finished": 12} and s["calls"] == 12 for s in steps)
+    # What one step leaves is what the next one starts with; the last step leaves nothing.
+    assert [s["carried_in"] for s in steps[1:]] == [s["carried_out"] for s in steps[:-1]]
+    assert steps[-1]["carried_out"] == 0 and any(s["carried_out"] for s in steps)
+    assert [e["stop"] for e in events if e["event"] == "burst_end"][-1] is False
+    # The recorded workload replays: durations are tokens × decode time, one step per step.
+    cfg, workload = replay(run_dir)
+    assert (cfg.cells, cfg.capacity, cfg.steps, cfg.carry_tail) == (3, 4, 3, True)
+    tokens = run_tokens(steps)
+    assert sorted(d for g in workload(1) for d in g.durations) == sorted(
+        t * 0.02 for r, t in tokens.items() if r.startswith("s0001")
+    )
+    assert len(simulate(cfg, "elastic", workload).step_ends) == 3
+    seen = observed(run_dir)
+    assert len(seen.step_ends) == 3 and seen.switches > 0

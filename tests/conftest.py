@@ -1,7 +1,7 @@
-"""Hardware and service needs are pytest markers (mpi, slurm, gpu, rdma).
+"""Hardware, service and package needs are pytest markers (mpi, slurm, gpu, rdma, megatron).
 
 Plain ``pytest`` runs everything this machine can run and skips the rest, saying why. Where a
-capability must be there (CI sets ``GYRE_REQUIRE=mpi,slurm``), its absence fails the run instead
+capability must be there (CI sets ``GYRE_REQUIRE=mpi,slurm,megatron``), its absence fails the run instead
 of hiding behind skips.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-CAPABILITIES = ("mpi", "slurm", "gpu", "rdma")
+CAPABILITIES = ("mpi", "slurm", "gpu", "rdma", "megatron")
 
 
 @functools.cache
@@ -37,6 +37,10 @@ def why_missing(capability: str) -> str | None:
         nodes = [line for line in out.stdout.splitlines() if line.split()[-1] in ("idle", "mix", "alloc")]
         if out.returncode or len(nodes) < 3:
             return "no running Slurm with 3 usable nodes (tools/local_slurm.sh start)"
+        return None
+    if capability == "megatron":
+        if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+            return "megatron-core not installed (pip install -e '.[megatron]')"
         return None
     if capability == "gpu":
         import torch

@@ -3,12 +3,12 @@
 # MariaDB for Slurm accounting), a virtual environment in .venv, and the package in it.
 #
 #   bash tools/setup.sh          # what `gyre-hpc run` and `gyre-hpc submit` need
-#   bash tools/setup.sh --test   # also the test tools (pytest, hypothesis, ruff)
+#   bash tools/setup.sh --test   # also the test tools (pytest, hypothesis, ruff) and megatron-core
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 extras=""
-[ "${1:-}" = "--test" ] && extras="[test]"
+[ "${1:-}" = "--test" ] && extras="[test,megatron]"
 
 packages=(python3-venv python3-dev build-essential openmpi-bin libopenmpi-dev libpmix-dev
           munge slurmctld slurmd slurmdbd slurm-client mariadb-server)

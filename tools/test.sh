@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh --test
 bash tools/local_slurm.sh start
-# Here the mpi and slurm tests must run: a missing launcher is an error, not a skip.
-export GYRE_REQUIRE="${GYRE_REQUIRE-mpi,slurm}"
+# Here the mpi, slurm and megatron tests must run: a missing launcher or package is an error,
+# not a skip.
+export GYRE_REQUIRE="${GYRE_REQUIRE-mpi,slurm,megatron}"
 exec .venv/bin/python -m pytest "$@"

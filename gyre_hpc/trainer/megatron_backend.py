@@ -1,0 +1,253 @@
+"""The ``megatron`` trainer: a megatron-core GPTModel built from the Qwen3 config the engines load.
+
+```
+ HF flat snapshot (transport) ──load_snapshot──▶ Megatron params (fused QKV, [gate|up] fc1)
+ micro_step: GPTModel forward (explicit causal mask) → the torch backend's loss → backward
+           └─▶ Megatron grads ──to HF layout──▶ the flat gradient buffer the transport exposes
+ core: apply(R): summed HF gradient ──▶ Megatron grads → /R → clip → AdamW → weights() in HF layout
+```
+
+The flat buffers keep the layout every other part uses (``engines.embedded.flat_parameters``):
+engines load snapshots unchanged, cells of either backend sum their gradients alike, and
+checkpoints stay Hugging Face directories. Conversion happens at those boundaries, tensor by
+tensor (``megatron_weights``). Tensor and pipeline parallel sizes come from the recipe; this
+version runs TP = PP = 1 per process and says so for anything else.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from gyre_hpc.loss.policy import token_logprobs, weighted_policy_loss
+from gyre_hpc.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from gyre_hpc.recipe.schema import TrainerConfig
+from gyre_hpc.trainer.base import ApplyStats, MicroStats
+from gyre_hpc.trainer.megatron_cpu import redirect_cuda_to_cpu
+from gyre_hpc.trainer.megatron_weights import Layout, hf_to_megatron, megatron_to_hf
+from gyre_hpc.trajectory.batch import TrainSequence
+
+
+def hf_slots(config: Qwen3Config) -> dict[str, tuple[int, torch.Size]]:
+    """Hugging Face tensor name → (offset, shape) in the flat buffer (unique parameters, in order)."""
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    slots, at = {}, 0
+    for name, p in model.named_parameters():  # tied weights appear once, as in flat_parameters
+        slots[name] = (at, p.shape)
+        at += p.numel()
+    return slots
+
+
+def transformer_config(c: Qwen3Config, layout: Layout, dtype: torch.dtype) -> Any:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=c.num_hidden_layers,
+        hidden_size=c.hidden_size,
+        num_attention_heads=c.num_attention_heads,
+        num_query_groups=c.num_key_value_heads,
+        kv_channels=c.head_dim,
+        ffn_hidden_size=c.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=c.rms_norm_eps,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        # Fusions need CUDA kernels; on the CPU the plain paths compute the same thing.
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        params_dtype=dtype,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+    )
+
+
+def build_model(c: Qwen3Config, layout: Layout, dtype: torch.dtype) -> Any:
+    """The GPTModel of this rank (model parallel state must be initialised)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(
+        transformer_config(c, layout, dtype),
+        get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"),
+        vocab_size=layout.padded_vocab,
+        max_sequence_length=c.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(c.rope_theta),
+        share_embeddings_and_output_weights=c.tie_word_embeddings,
+    )
+
+
+def init_single_process_megatron(seed: int) -> None:
+    """A one-rank megatron world (TP = PP = 1) over gloo, once per process."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    redirect_cuda_to_cpu()
+    if not torch.distributed.is_initialized():
+        with socket.socket() as s:  # a private store: this process is its own world
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        store = torch.distributed.TCPStore("127.0.0.1", port, 1, is_master=True)
+        torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+class MegatronTrainer:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: TrainerConfig,
+        *,
+        core: bool,
+        grad_buffer: np.ndarray | None = None,
+        seed: int = 0,
+    ) -> None:
+        if config.tp_size != 1 or config.pp_size != 1:
+            raise ValueError(
+                f"trainer.tp_size = {config.tp_size}, pp_size = {config.pp_size}: the megatron "
+                "trainer runs TP = PP = 1 per process so far"
+            )
+        self.config = config
+        self.model_config = Qwen3Config.load(model_dir)
+        self.layout = Layout(self.model_config)
+        init_single_process_megatron(seed)
+        self.model = build_model(self.model_config, self.layout, torch.float32).train()
+        self.params = dict(self.model.named_parameters())
+        self.slots = hf_slots(self.model_config)
+        self.numel = sum(int(np.prod(shape)) for _, shape in self.slots.values())
+        self.flat = np.zeros(self.numel, dtype=np.float32)
+        if grad_buffer is None:
+            grad_buffer = np.zeros(self.numel, dtype=np.float32)
+        if grad_buffer.shape != (self.numel,) or grad_buffer.dtype != np.float32:
+            raise ValueError(f"gradient buffer must be float32[{self.numel}]")
+        self.grad = grad_buffer
+        self._load(_reader(Path(model_dir)))
+        self.version = 0
+        self.optimizer = (
+            torch.optim.AdamW(
+                self.params.values(), lr=config.lr, weight_decay=config.weight_decay, foreach=False
+            )
+            if core
+            else None
+        )
+
+    # ---- the Trainer protocol ------------------------------------------------------------------
+
+    def weights(self) -> np.ndarray:
+        self._to_flat(self.flat, lambda p: p.detach())
+        return self.flat
+
+    def gradient(self) -> np.ndarray:
+        return self.grad
+
+    def load_snapshot(self, flat: np.ndarray, version: int) -> None:
+        self._load(self._view(flat))
+        self.version = version
+
+    def zero_grad(self) -> None:
+        for p in self.params.values():
+            p.grad = None
+        self.grad[:] = 0.0
+
+    def micro_step(self, sequences: list[TrainSequence]) -> MicroStats:
+        c = self.config
+        loss_sum, tokens, loss_tokens, clipped = 0.0, 0, 0, 0
+        vocab = self.model_config.vocab_size
+        for s in sequences:
+            ids = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))[None]
+            n = ids.shape[1]
+            mask = torch.from_numpy(np.asarray(s.loss_mask, dtype=np.float32))
+            behaviour = torch.from_numpy(np.asarray(s.behaviour_logprobs, dtype=np.float32))
+            causal = torch.triu(torch.ones(1, 1, n, n, dtype=torch.bool), diagonal=1)  # True = hidden
+            logits = self.model(ids, torch.arange(n)[None], attention_mask=causal)[..., :vocab]
+            logp = token_logprobs(logits[0], ids[0])
+            adv = torch.full_like(logp, s.advantage)
+            weights = torch.full_like(logp, s.token_weight)
+            loss = weighted_policy_loss(logp, behaviour, adv, weights, mask, c.clip_low, c.clip_high)
+            loss.backward()
+            with torch.no_grad():
+                ratio = torch.exp(logp - behaviour)
+                out = (ratio < 1 - c.clip_low) | (ratio > 1 + c.clip_high)
+                clipped += int((out & (mask > 0)).sum())
+            loss_sum += float(loss.detach())
+            tokens += n
+            loss_tokens += int(mask.sum())
+        # The gradient leaves in the shared layout, where the core (or the transport) reads it.
+        self._to_flat(self.grad, lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
+        return MicroStats(len(sequences), tokens, loss_tokens, loss_sum, clipped)
+
+    def apply(self, num_runs: int) -> ApplyStats:
+        if self.optimizer is None:
+            raise RuntimeError("only the core owns an optimizer")
+        grads = {name: torch.empty_like(p) for name, p in self.params.items()}
+        for name, t in hf_to_megatron(self._view(self.grad), self.layout, 0, 0):
+            grads[name].copy_(t)
+        with torch.no_grad():
+            total = torch.cat([g.reshape(-1) for g in grads.values()]).div_(max(num_runs, 1))
+            norm = float(torch.linalg.vector_norm(total))
+            scale = 1.0 / max(num_runs, 1)
+            if self.config.grad_clip and norm > self.config.grad_clip:
+                scale *= self.config.grad_clip / (norm + 1e-6)
+            for name, p in self.params.items():
+                p.grad = grads[name].mul_(scale)
+        self.optimizer.step()
+        self.version += 1
+        return ApplyStats(self.version, norm)
+
+    # ---- layout boundaries ---------------------------------------------------------------------
+
+    def _view(self, flat: np.ndarray):  # noqa: ANN202 - a reader callback
+        t = torch.from_numpy(flat)
+        return lambda name: t[self.slots[name][0] : self.slots[name][0] + _numel(self.slots[name][1])].view(
+            self.slots[name][1]
+        )
+
+    def _load(self, read) -> None:  # noqa: ANN001 - a reader callback
+        with torch.no_grad():
+            for name, t in hf_to_megatron(read, self.layout, 0, 0):
+                self.params[name].copy_(t)
+
+    def _to_flat(self, flat: np.ndarray, tensor_of) -> None:  # noqa: ANN001 - parameter → tensor
+        out = torch.from_numpy(flat)
+        with torch.no_grad():
+            for name, t in megatron_to_hf(lambda n: [tensor_of(self.params[n])], self.layout, 0):
+                if name in self.slots:  # a tied lm_head is the embedding's slot
+                    at, shape = self.slots[name]
+                    out[at : at + _numel(shape)].copy_(t.reshape(-1))
+
+
+def _numel(shape: torch.Size) -> int:
+    return int(np.prod(shape))
+
+
+def _reader(model_dir: Path):  # noqa: ANN202 - a reader callback
+    files = sorted(model_dir.glob("*.safetensors"))
+    where = {}
+    for f in files:
+        with safe_open(f, framework="pt") as h:
+            where.update(dict.fromkeys(h.keys(), f))
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(where[name], framework="pt") as h:
+            return h.get_tensor(name)
+
+    return read

@@ -1,0 +1,27 @@
+"""megatron-core on a machine without a GPU: the few ``torch.cuda`` calls it makes, sent to the CPU.
+
+megatron-core builds and runs its models on the CPU over gloo, except that its RNG tracker and
+its rotary embedding ask CUDA for a device and random states. ``redirect_cuda_to_cpu`` points
+exactly those calls at the CPU equivalents. It is used only when ``torch.cuda.is_available()``
+is false (tests, laptops); with a GPU nothing is touched. The causal mask is always passed
+explicitly by the trainer, so megatron's default (CUDA) mask is never built.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def redirect_cuda_to_cpu() -> bool:
+    """Redirect megatron-core's CUDA device and RNG calls to the CPU; False (and nothing done)
+    when a GPU exists. Idempotent."""
+    if torch.cuda.is_available():
+        return False
+    import megatron.core.tensor_parallel.random as megatron_random
+
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()  # type: ignore[assignment]
+    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)  # type: ignore[assignment]
+    megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    megatron_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    return True

@@ -1,0 +1,160 @@
+"""Qwen3 weights between the Hugging Face layout (what engines load) and Megatron-core's
+(what a ``megatron`` cell trains), one tensor at a time.
+
+```
+ HF (one file set)                         Megatron GPTModel, local spec, TP rank r of t, PP stage s
+ model.embed_tokens                   ──▶  embedding.word_embeddings      rows r/t (vocab padded)
+ layers.i.input_layernorm             ──▶  decoder.layers.j.input_layernorm             (replicated)
+ layers.i.self_attn.{q,k,v}_proj      ──▶  decoder.layers.j.self_attention.linear_qkv   groups r/t,
+                                           each group [its q heads | k | v]
+ layers.i.self_attn.{q,k}_norm        ──▶  ….self_attention.{q,k}_layernorm             (replicated)
+ layers.i.self_attn.o_proj            ──▶  ….self_attention.linear_proj                 columns r/t
+ layers.i.post_attention_layernorm    ──▶  ….pre_mlp_layernorm                          (replicated)
+ layers.i.mlp.{gate,up}_proj          ──▶  ….mlp.linear_fc1                             [gate r/t | up r/t]
+ layers.i.mlp.down_proj               ──▶  ….mlp.linear_fc2                             columns r/t
+ model.norm                           ──▶  decoder.final_layernorm                      (last stage)
+ lm_head (untied only)                ──▶  output_layer                                 rows r/t
+```
+
+Layer i lives on stage s = i // (layers / pp) as local layer j. The conversion reads one source
+tensor at a time through a callback (e.g. a ``safetensors`` ``safe_open`` handle) and yields
+target tensors as it goes, so a large model never needs two full copies in memory. Nothing here
+imports megatron: the layout is plain tensor algebra, and the round trip is bit-identical.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from gyre_hpc.models.qwen3 import Qwen3Config
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a Qwen3 model is cut for one Megatron world: ``tp`` × ``pp``."""
+
+    config: Qwen3Config
+    tp: int = 1
+    pp: int = 1
+    vocab_multiple: int = 128
+    """Megatron pads the vocabulary to a multiple of this × tp (``make_vocab_size_divisible_by``)."""
+
+    def __post_init__(self) -> None:
+        c = self.config
+        if c.num_key_value_heads % self.tp or c.num_attention_heads % self.tp:
+            raise ValueError(
+                f"tensor parallel size {self.tp} must divide the {c.num_attention_heads} attention "
+                f"heads and {c.num_key_value_heads} key/value heads"
+            )
+        if c.intermediate_size % self.tp:
+            raise ValueError(
+                f"tensor parallel size {self.tp} must divide intermediate_size {c.intermediate_size}"
+            )
+        if c.num_hidden_layers % self.pp:
+            raise ValueError(f"pipeline size {self.pp} must divide the {c.num_hidden_layers} layers")
+
+    @property
+    def padded_vocab(self) -> int:
+        step = self.vocab_multiple * self.tp
+        return math.ceil(self.config.vocab_size / step) * step
+
+    def layers_of(self, stage: int) -> range:
+        per = self.config.num_hidden_layers // self.pp
+        return range(stage * per, (stage + 1) * per)
+
+
+ReadHF = Callable[[str], torch.Tensor]
+ReadShards = Callable[[str], list[torch.Tensor]]
+"""Megatron tensor name (stage-local) → its tensor on every TP rank of that stage, in rank order."""
+
+_NORMS = {
+    "input_layernorm": "input_layernorm",
+    "self_attn.q_norm": "self_attention.q_layernorm",
+    "self_attn.k_norm": "self_attention.k_layernorm",
+    "post_attention_layernorm": "pre_mlp_layernorm",
+}
+
+
+def hf_to_megatron(read: ReadHF, layout: Layout, rank: int, stage: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The state dict of TP rank ``rank`` on PP stage ``stage``, tensor by tensor."""
+    c, tp = layout.config, layout.tp
+    if stage == 0:
+        yield (
+            "embedding.word_embeddings.weight",
+            _rows(_pad_vocab(read("model.embed_tokens.weight"), layout), tp, rank),
+        )
+    for j, i in enumerate(layout.layers_of(stage)):
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{j}."
+        for ours, theirs in _NORMS.items():
+            yield mg + theirs + ".weight", read(hf + ours + ".weight")
+        q, k, v = (read(f"{hf}self_attn.{p}_proj.weight") for p in "qkv")
+        yield mg + "self_attention.linear_qkv.weight", _fuse_qkv(q, k, v, c, tp, rank)
+        yield mg + "self_attention.linear_proj.weight", _cols(read(hf + "self_attn.o_proj.weight"), tp, rank)
+        gate, up = read(hf + "mlp.gate_proj.weight"), read(hf + "mlp.up_proj.weight")
+        yield mg + "mlp.linear_fc1.weight", torch.cat([_rows(gate, tp, rank), _rows(up, tp, rank)])
+        yield mg + "mlp.linear_fc2.weight", _cols(read(hf + "mlp.down_proj.weight"), tp, rank)
+    if stage == layout.pp - 1:
+        yield "decoder.final_layernorm.weight", read("model.norm.weight")
+        if not c.tie_word_embeddings:
+            yield "output_layer.weight", _rows(_pad_vocab(read("lm_head.weight"), layout), tp, rank)
+
+
+def megatron_to_hf(read: ReadShards, layout: Layout, stage: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The Hugging Face tensors held by PP stage ``stage``, each gathered from its TP shards."""
+    c, vocab = layout.config, layout.config.vocab_size
+    if stage == 0:
+        yield "model.embed_tokens.weight", torch.cat(read("embedding.word_embeddings.weight"))[:vocab]
+    for j, i in enumerate(layout.layers_of(stage)):
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{j}."
+        for ours, theirs in _NORMS.items():
+            yield hf + ours + ".weight", read(mg + theirs + ".weight")[0]
+        q, k, v = _split_qkv(read(mg + "self_attention.linear_qkv.weight"), c)
+        yield hf + "self_attn.q_proj.weight", q
+        yield hf + "self_attn.k_proj.weight", k
+        yield hf + "self_attn.v_proj.weight", v
+        yield hf + "self_attn.o_proj.weight", torch.cat(read(mg + "self_attention.linear_proj.weight"), dim=1)
+        fc1 = [s.chunk(2) for s in read(mg + "mlp.linear_fc1.weight")]
+        yield hf + "mlp.gate_proj.weight", torch.cat([g for g, _ in fc1])
+        yield hf + "mlp.up_proj.weight", torch.cat([u for _, u in fc1])
+        yield hf + "mlp.down_proj.weight", torch.cat(read(mg + "mlp.linear_fc2.weight"), dim=1)
+    if stage == layout.pp - 1:
+        yield "model.norm.weight", read("decoder.final_layernorm.weight")[0]
+        if not c.tie_word_embeddings:
+            yield "lm_head.weight", torch.cat(read("output_layer.weight"))[:vocab]
+
+
+def _rows(t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    return t.chunk(tp, dim=0)[rank].clone()
+
+
+def _cols(t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    return t.chunk(tp, dim=1)[rank].clone()
+
+
+def _pad_vocab(t: torch.Tensor, layout: Layout) -> torch.Tensor:
+    missing = layout.padded_vocab - t.shape[0]
+    return torch.cat([t, t.new_zeros(missing, t.shape[1])]) if missing else t
+
+
+def _fuse_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: Qwen3Config, tp: int, rank: int
+) -> torch.Tensor:
+    """Megatron's fused QKV rows for one TP rank: per query group, its q heads, then k, then v."""
+    groups, d, hidden = c.num_key_value_heads, c.head_dim, q.shape[1]
+    per_group = c.num_attention_heads // groups
+    q = q.view(groups, per_group * d, hidden)
+    fused = torch.cat([q, k.view(groups, d, hidden), v.view(groups, d, hidden)], dim=1)
+    return fused.chunk(tp, dim=0)[rank].reshape(-1, hidden).clone()
+
+
+def _split_qkv(shards: list[torch.Tensor], c: Qwen3Config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    groups, d = c.num_key_value_heads, c.head_dim
+    per_group = c.num_attention_heads // groups
+    hidden = shards[0].shape[1]
+    fused = torch.cat(shards).view(groups, (per_group + 2) * d, hidden)
+    q, k, v = fused.split([per_group * d, d, d], dim=1)
+    return q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)

@@ -4,6 +4,9 @@ backend's loss and gradients, and one optimizer step the same weights."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,6 +23,7 @@ from gyre_hpc.trajectory.batch import TrainSequence
 pytestmark = pytest.mark.megatron
 
 CFG = TrainerConfig(lr=1e-3, grad_clip=0.0)
+HERE = Path(__file__).parent
 
 
 def untied(tmp_path: Path) -> Path:
@@ -80,3 +84,27 @@ def test_megatron_micro_step_and_update_match_the_torch_backend(tmp_path: Path, 
 
     mega.load_snapshot(ours.weights().copy(), 7)  # a pulled snapshot lands in Megatron's layout
     assert mega.version == 7 and np.array_equal(mega.weights(), ours.weights())
+
+
+@pytest.mark.mpi
+def test_a_tp2_cell_matches_tp1(tmp_path: Path) -> None:
+    from gyre_hpc.trainer import megatron_backend
+
+    model_dir = init_tiny(tmp_path / "tiny")
+    out = tmp_path / "tp2.npz"
+    program = HERE / "mpi_programs" / "megatron_tp.py"
+    proc = subprocess.run(
+        ["mpirun", "--oversubscribe", "-n", "2", sys.executable, str(program), str(model_dir), str(out)],
+        capture_output=True, text=True, timeout=240,
+        env={**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    tp2 = np.load(out)
+    tp1 = megatron_backend.MegatronTrainer(model_dir, CFG, core=True)
+    assert np.array_equal(tp2["before"], tp1.weights())  # shards gathered back exactly
+    stats = tp1.micro_step(sequences(Qwen3Config.load(model_dir).vocab_size))
+    assert float(tp2["loss"]) == pytest.approx(stats.loss_sum, rel=1e-5)
+    g1 = tp1.gradient()
+    assert np.abs(tp2["grad"] - g1).max() <= 1e-5 * np.abs(g1).max()
+    tp1.apply(3)
+    assert np.abs(tp2["after"] - tp1.weights()).max() < 1e-5

@@ -10,13 +10,15 @@
 The flat buffers keep the layout every other part uses (``engines.embedded.flat_parameters``):
 engines load snapshots unchanged, cells of either backend sum their gradients alike, and
 checkpoints stay Hugging Face directories. Conversion happens at those boundaries, tensor by
-tensor (``megatron_weights``). Tensor and pipeline parallel sizes come from the recipe; this
-version runs TP = PP = 1 per process and says so for anything else.
+tensor (``megatron_weights``): a TP rank loads its own shards, and the shards are gathered over
+the tensor-parallel group wherever a whole tensor is needed. Every rank of the group runs each
+micro-step on the same sequences. Pipeline parallelism is not wired yet (PP = 1).
 """
 
 from __future__ import annotations
 
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -91,23 +93,41 @@ def build_model(c: Qwen3Config, layout: Layout, dtype: torch.dtype) -> Any:
         position_embedding_type="rope",
         rotary_base=int(c.rope_theta),
         share_embeddings_and_output_weights=c.tie_word_embeddings,
+        parallel_output=False,  # whole-vocabulary logits on every TP rank: the policy loss needs them
     )
 
 
-def init_single_process_megatron(seed: int) -> None:
-    """A one-rank megatron world (TP = PP = 1) over gloo, once per process."""
+@dataclass(frozen=True)
+class MegatronWorld:
+    """The ranks of one cell as a torch.distributed world: this rank, their number, and where
+    rank 0 keeps the rendezvous store (a cell shares it over MPI; one rank picks its own)."""
+
+    rank: int = 0
+    size: int = 1
+    host: str = "127.0.0.1"
+    port: int = 0
+
+    @classmethod
+    def alone(cls) -> MegatronWorld:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return cls(0, 1, "127.0.0.1", s.getsockname()[1])
+
+
+def init_megatron(world: MegatronWorld, tp: int, seed: int) -> None:
+    """torch.distributed (gloo on the CPU, nccl on GPUs) and megatron's parallel state, once per process."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     redirect_cuda_to_cpu()
     if not torch.distributed.is_initialized():
-        with socket.socket() as s:  # a private store: this process is its own world
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        store = torch.distributed.TCPStore("127.0.0.1", port, 1, is_master=True)
-        torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+        store = torch.distributed.TCPStore(world.host, world.port, world.size, is_master=world.rank == 0)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        torch.distributed.init_process_group(backend, store=store, rank=world.rank, world_size=world.size)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=1
+        )
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
@@ -120,16 +140,18 @@ class MegatronTrainer:
         core: bool,
         grad_buffer: np.ndarray | None = None,
         seed: int = 0,
+        world: MegatronWorld | None = None,
     ) -> None:
-        if config.tp_size != 1 or config.pp_size != 1:
-            raise ValueError(
-                f"trainer.tp_size = {config.tp_size}, pp_size = {config.pp_size}: the megatron "
-                "trainer runs TP = PP = 1 per process so far"
-            )
+        from megatron.core import parallel_state
+
+        if config.pp_size != 1:
+            raise ValueError(f"trainer.pp_size = {config.pp_size}: the megatron trainer runs PP = 1 so far")
         self.config = config
         self.model_config = Qwen3Config.load(model_dir)
-        self.layout = Layout(self.model_config)
-        init_single_process_megatron(seed)
+        self.layout = Layout(self.model_config, tp=config.tp_size)
+        init_megatron(world or MegatronWorld.alone(), config.tp_size, seed)
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.model = build_model(self.model_config, self.layout, torch.float32).train()
         self.params = dict(self.model.named_parameters())
         self.slots = hf_slots(self.model_config)
@@ -153,7 +175,7 @@ class MegatronTrainer:
     # ---- the Trainer protocol ------------------------------------------------------------------
 
     def weights(self) -> np.ndarray:
-        self._to_flat(self.flat, lambda p: p.detach())
+        self._to_flat(self.flat, lambda name: self.params[name].detach())
         return self.flat
 
     def gradient(self) -> np.ndarray:
@@ -192,18 +214,27 @@ class MegatronTrainer:
             tokens += n
             loss_tokens += int(mask.sum())
         # The gradient leaves in the shared layout, where the core (or the transport) reads it.
-        self._to_flat(self.grad, lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
+        self._to_flat(self.grad, self._whole_grad)
         return MicroStats(len(sequences), tokens, loss_tokens, loss_sum, clipped)
+
+    def _whole_grad(self, name: str) -> torch.Tensor:
+        """A parameter's gradient on this rank; q/k norms act on this rank's heads only, so their
+        gradient is the sum over the TP group (as megatron's finalize_model_grads does)."""
+        p = self.params[name]
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        if self.layout.tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
+            g = g.clone()
+            torch.distributed.all_reduce(g, group=self.tp_group)
+        return g
 
     def apply(self, num_runs: int) -> ApplyStats:
         if self.optimizer is None:
             raise RuntimeError("only the core owns an optimizer")
         grads = {name: torch.empty_like(p) for name, p in self.params.items()}
-        for name, t in hf_to_megatron(self._view(self.grad), self.layout, 0, 0):
+        for name, t in hf_to_megatron(self._view(self.grad), self.layout, self.tp_rank, 0):
             grads[name].copy_(t)
-        with torch.no_grad():
-            total = torch.cat([g.reshape(-1) for g in grads.values()]).div_(max(num_runs, 1))
-            norm = float(torch.linalg.vector_norm(total))
+        with torch.no_grad():  # the norm of the whole gradient, which every TP rank holds
+            norm = float(np.linalg.norm(self.grad)) / max(num_runs, 1)
             scale = 1.0 / max(num_runs, 1)
             if self.config.grad_clip and norm > self.config.grad_clip:
                 scale *= self.config.grad_clip / (norm + 1e-6)
@@ -223,13 +254,22 @@ class MegatronTrainer:
 
     def _load(self, read) -> None:  # noqa: ANN001 - a reader callback
         with torch.no_grad():
-            for name, t in hf_to_megatron(read, self.layout, 0, 0):
+            for name, t in hf_to_megatron(read, self.layout, self.tp_rank, 0):
                 self.params[name].copy_(t)
 
-    def _to_flat(self, flat: np.ndarray, tensor_of) -> None:  # noqa: ANN001 - parameter → tensor
+    def _shards(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """``t`` from every rank of the tensor-parallel group, in rank order."""
+        if self.layout.tp == 1:
+            return [t]
+        out = [torch.empty_like(t) for _ in range(self.layout.tp)]
+        torch.distributed.all_gather(out, t.contiguous(), group=self.tp_group)
+        return out
+
+    def _to_flat(self, flat: np.ndarray, tensor_of) -> None:  # noqa: ANN001 - parameter name → tensor
         out = torch.from_numpy(flat)
         with torch.no_grad():
-            for name, t in megatron_to_hf(lambda n: [tensor_of(self.params[n])], self.layout, 0):
+            shards = lambda n: self._shards(tensor_of(n))  # noqa: E731
+            for name, t in megatron_to_hf(shards, self.layout, 0):
                 if name in self.slots:  # a tied lm_head is the embedding's slot
                     at, shape = self.slots[name]
                     out[at : at + _numel(shape)].copy_(t.reshape(-1))

@@ -1,0 +1,39 @@
+"""A megatron trainer cell of tensor-parallel ranks: one micro-step and one update, recorded.
+
+mpirun -n TP python megatron_tp.py MODEL_DIR OUT_NPZ
+"""
+
+import dataclasses
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+warnings.filterwarnings("ignore")
+
+from test_megatron_backend import CFG, sequences  # noqa: E402
+
+from gyre_hpc.models.qwen3 import Qwen3Config  # noqa: E402
+from gyre_hpc.trainer.megatron_backend import MegatronTrainer, MegatronWorld  # noqa: E402
+
+comm = MPI.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+model_dir, out = Path(sys.argv[1]), sys.argv[2]
+port = comm.bcast(MegatronWorld.alone().port if rank == 0 else None, root=0)
+trainer = MegatronTrainer(
+    model_dir,
+    dataclasses.replace(CFG, tp_size=size),
+    core=True,
+    world=MegatronWorld(rank, size, "127.0.0.1", port),
+)
+before = trainer.weights().copy()
+stats = trainer.micro_step(sequences(Qwen3Config.load(model_dir).vocab_size))
+grad = trainer.gradient().copy()
+trainer.apply(3)
+after = trainer.weights().copy()
+if rank == 0:
+    np.savez(out, before=before, grad=grad, after=after, loss=stats.loss_sum, tokens=stats.tokens)
+comm.Barrier()

@@ -154,8 +154,7 @@ class Cell:
         if self.world.layout.is_standalone(self.unit):
             self.trainer = None
             return
-        trainer_class = EmulatedTrainer if self.trainer_cfg.backend == "emulated" else TorchTrainer
-        self.trainer = trainer_class(
+        self.trainer = self._trainer_class()(
             s.model_dir,
             self.trainer_cfg,
             core=self.is_core,
@@ -167,6 +166,14 @@ class Cell:
                 info = checkpoint.restore(last, self.trainer)
                 log.info("core: resumed from %s (step %s, version %s)", last, info["step"], info["version"])
             s.transport.publish(self.trainer.weights(), self.trainer.version)
+
+    def _trainer_class(self) -> type:
+        backend = self.trainer_cfg.backend
+        if backend == "megatron":
+            from gyre_hpc.trainer.megatron_backend import MegatronTrainer  # needs megatron-core
+
+            return MegatronTrainer
+        return EmulatedTrainer if backend == "emulated" else TorchTrainer
 
     def _engine(self, model_dir: Path) -> Engine:
         e = self.engine_cfg

@@ -12,6 +12,7 @@ does, not whom it talks to. The world knows nothing about roles or the recipe be
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,7 +78,7 @@ class Layout:
         return f"1 controller + {self.cells} cells × {self.ranks_per_cell} ranks{pool}"
 
 
-def check_runnable(engine_backend: str, trainer_backend: str) -> None:
+def check_runnable(engine_backend: str, trainer_backend: str, trainer_tp: int = 1) -> None:
     """The backends this runtime drives today; anything else is refused before launch, in one line."""
     if engine_backend not in ("embedded", "emulated"):
         raise RecipeError(
@@ -85,10 +86,16 @@ def check_runnable(engine_backend: str, trainer_backend: str) -> None:
             "launcher exist, the cell does not start it); valid for gyre-hpc run/submit today: "
             "embedded, emulated"
         )
-    if trainer_backend not in ("torch", "emulated"):
-        raise RecipeError(
-            f"trainer.backend = {trainer_backend!r} is not available yet; valid today: torch, emulated"
-        )
+    if trainer_backend == "megatron":
+        if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+            raise RecipeError(
+                "trainer.backend = 'megatron' needs megatron-core: pip install -e '.[megatron]'"
+            )
+        if trainer_tp != 1:
+            raise RecipeError(
+                f"trainer.tp_size = {trainer_tp}: the runtime drives megatron cells of one rank so far "
+                "(the trainer itself runs tensor-parallel); valid for gyre-hpc run/submit today: 1"
+            )
 
 
 def check_world_size(size: int, layout: Layout, env: JobEnvironment) -> None:

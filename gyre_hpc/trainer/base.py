@@ -17,8 +17,28 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+import torch
 
+from gyre_hpc.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from gyre_hpc.trajectory.batch import TrainSequence
+
+
+def flat_slots(config: Qwen3Config) -> dict[str, tuple[int, torch.Size]]:
+    """Hugging Face tensor name → (offset, shape) in a flat buffer: unique parameters, in order
+    (a tied ``lm_head`` is the embedding's slot and is not listed)."""
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    slots, at = {}, 0
+    for name, p in model.named_parameters():
+        slots[name] = (at, p.shape)
+        at += p.numel()
+    return slots
+
+
+def flat_tensors(flat: np.ndarray, config: Qwen3Config) -> dict[str, torch.Tensor]:
+    """The Hugging Face tensors of a flat buffer, as views."""
+    t = torch.from_numpy(flat)
+    return {name: t[at : at + shape.numel()].view(shape) for name, (at, shape) in flat_slots(config).items()}
 
 
 @dataclass(frozen=True)
@@ -58,3 +78,7 @@ class Trainer(Protocol):
 
     def apply(self, num_runs: int) -> ApplyStats:
         """Core only: the summed gradient is in ``gradient()``; one optimizer step."""
+
+    def optimizer_state(self) -> dict: ...
+
+    def load_optimizer_state(self, state: dict) -> None: ...

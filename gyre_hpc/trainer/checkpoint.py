@@ -4,7 +4,7 @@
  checkpoints/step-000012/
    config.json generation_config.json tokenizer.json tokenizer_config.json chat_template.jinja
    model.safetensors            ← the engines, SGLang and transformers load this directory as is
-   optimizer.pt                 ← AdamW state (the core's only)
+   optimizer.pt                 ← AdamW state of the core's backend (another backend resumes the weights)
    state.json                   ← {"step": 12, "version": 12}
 ```
 
@@ -14,15 +14,19 @@ Written into a temporary directory and renamed, so a checkpoint is either comple
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
-from gyre_hpc.models.tiny import save_weights
-from gyre_hpc.trainer.torch_backend import TorchTrainer
+from gyre_hpc.models.qwen3 import Qwen3Config
+from gyre_hpc.trainer.base import Trainer, flat_tensors
+
+log = logging.getLogger(__name__)
 
 MODEL_FILES = (
     "config.json",
@@ -38,7 +42,7 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:06d}"
 
 
-def save(root: Path, step: int, trainer: TorchTrainer, model_dir: Path, **state: Any) -> Path:
+def save(root: Path, step: int, trainer: Trainer, model_dir: Path, **state: Any) -> Path:
     final = step_dir(root, step)
     tmp = root / f".tmp-step-{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -46,7 +50,10 @@ def save(root: Path, step: int, trainer: TorchTrainer, model_dir: Path, **state:
     for name in MODEL_FILES:
         if (model_dir / name).exists():
             shutil.copy2(model_dir / name, tmp / name)
-    save_weights(trainer.model, tmp / "model.safetensors")
+    tensors = flat_tensors(trainer.weights(), Qwen3Config.load(model_dir))  # any backend: its flat buffer
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"), {"format": "pt"}
+    )
     torch.save(trainer.optimizer_state(), tmp / "optimizer.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, "version": trainer.version, **state}) + "\n")
     shutil.rmtree(final, ignore_errors=True)
@@ -63,14 +70,16 @@ def read_state(path: Path) -> dict[str, Any]:
     return json.loads((path / "state.json").read_text())
 
 
-def restore(path: Path, trainer: TorchTrainer) -> dict[str, Any]:
-    """Weights and optimizer state into ``trainer`` (in place: parameter views stay valid)."""
+def restore(path: Path, trainer: Trainer) -> dict[str, Any]:
+    """Weights and optimizer state into ``trainer`` (through its flat buffer, any backend)."""
     state = load_file(str(path / "model.safetensors"))
-    if trainer.model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    with torch.no_grad():
-        trainer.model.load_state_dict(state, strict=False)
-    trainer.load_optimizer_state(torch.load(path / "optimizer.pt", weights_only=True))
+    flat = np.empty(trainer.numel, dtype=np.float32)
+    for name, view in flat_tensors(flat, Qwen3Config.load(path)).items():
+        view.copy_(state[name])
     info = read_state(path)
-    trainer.version = int(info["version"])
+    trainer.load_snapshot(flat, int(info["version"]))
+    try:
+        trainer.load_optimizer_state(torch.load(path / "optimizer.pt", weights_only=True))
+    except ValueError as err:  # written by another backend: its parameters are cut differently
+        log.warning("%s: optimizer state does not fit this trainer (%s); AdamW starts afresh", path, err)
     return info

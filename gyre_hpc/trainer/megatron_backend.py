@@ -28,23 +28,12 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from gyre_hpc.loss.policy import token_logprobs, weighted_policy_loss
-from gyre_hpc.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from gyre_hpc.models.qwen3 import Qwen3Config
 from gyre_hpc.recipe.schema import TrainerConfig
-from gyre_hpc.trainer.base import ApplyStats, MicroStats
+from gyre_hpc.trainer.base import ApplyStats, MicroStats, flat_slots
 from gyre_hpc.trainer.megatron_cpu import redirect_cuda_to_cpu
 from gyre_hpc.trainer.megatron_weights import Layout, hf_to_megatron, megatron_to_hf
 from gyre_hpc.trajectory.batch import TrainSequence
-
-
-def hf_slots(config: Qwen3Config) -> dict[str, tuple[int, torch.Size]]:
-    """Hugging Face tensor name → (offset, shape) in the flat buffer (unique parameters, in order)."""
-    with torch.device("meta"):
-        model = Qwen3ForCausalLM(config)
-    slots, at = {}, 0
-    for name, p in model.named_parameters():  # tied weights appear once, as in flat_parameters
-        slots[name] = (at, p.shape)
-        at += p.numel()
-    return slots
 
 
 def transformer_config(c: Qwen3Config, layout: Layout, dtype: torch.dtype) -> Any:
@@ -154,9 +143,10 @@ class MegatronTrainer:
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.model = build_model(self.model_config, self.layout, torch.float32).train()
         self.params = dict(self.model.named_parameters())
-        self.slots = hf_slots(self.model_config)
+        self.slots = flat_slots(self.model_config)
         self.numel = sum(int(np.prod(shape)) for _, shape in self.slots.values())
-        self.flat = np.zeros(self.numel, dtype=np.float32)
+        # Snapshots leave through host memory: pinned, so a GPU copies at full speed into it.
+        self.flat = torch.zeros(self.numel, pin_memory=torch.cuda.is_available()).numpy()
         if grad_buffer is None:
             grad_buffer = np.zeros(self.numel, dtype=np.float32)
         if grad_buffer.shape != (self.numel,) or grad_buffer.dtype != np.float32:
@@ -243,6 +233,14 @@ class MegatronTrainer:
         self.optimizer.step()
         self.version += 1
         return ApplyStats(self.version, norm)
+
+    def optimizer_state(self) -> dict:
+        assert self.optimizer is not None
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state(self, state: dict) -> None:
+        assert self.optimizer is not None
+        self.optimizer.load_state_dict(state)
 
     # ---- layout boundaries ---------------------------------------------------------------------
 

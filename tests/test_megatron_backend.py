@@ -158,3 +158,36 @@ def test_the_runtime_trains_with_megatron_cells(tmp_path: Path) -> None:
         "error: trainer.tp_size = 2: the runtime drives megatron cells of one rank so far (the trainer "
         "itself runs tensor-parallel); valid for gyre-hpc run/submit today: 1"
     ]
+
+
+def test_bfloat16_computes_in_bf16_and_steps_fp32_master_weights(tmp_path: Path) -> None:
+    from gyre_hpc.trainer import megatron_backend
+
+    model_dir = init_tiny(tmp_path / "tiny")
+    fp32 = megatron_backend.MegatronTrainer(model_dir, CFG, core=True)
+    bf16 = megatron_backend.MegatronTrainer(model_dir, replace(CFG, dtype="bfloat16"), core=True)
+    assert all(p.dtype == torch.bfloat16 for n, p in bf16.params.items() if "norm" not in n)  # norms: fp32
+    assert bf16.master is not None and all(m.dtype == torch.float32 for m in bf16.master.values())
+    assert np.array_equal(bf16.weights(), fp32.weights())  # snapshots come from the fp32 masters
+    seqs = sequences(Qwen3Config.load(model_dir).vocab_size)
+    a, b = fp32.micro_step(seqs), bf16.micro_step(seqs)
+    assert b.loss_sum == pytest.approx(a.loss_sum, rel=0.05) and b.loss_sum != a.loss_sum
+    ga, gb = fp32.gradient(), bf16.gradient()
+    assert float(ga @ gb / (np.linalg.norm(ga) * np.linalg.norm(gb))) > 0.99
+    before = fp32.weights().copy()
+    fp32.apply(3)
+    bf16.apply(3)
+    da, db = fp32.weights() - before, bf16.weights() - before
+    assert float(da @ db / (np.linalg.norm(da) * np.linalg.norm(db))) > 0.9  # the same step, in fp32
+    assert all(torch.equal(p, bf16.master[n].to(p.dtype)) for n, p in bf16.params.items())
+
+
+def test_the_megatron_benchmark_runs_at_tiny_size(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "tools/bench_megatron.py", "--size", "tiny", "--seq", "64", "--steps", "1",
+         "--dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=HERE.parent,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    figures = json.loads((tmp_path / "bench_megatron.json").read_text())
+    assert figures["train_tokens_per_s"] > 0 and figures["snapshot_export_gb_per_s"] > 0

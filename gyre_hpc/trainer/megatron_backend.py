@@ -141,8 +141,21 @@ class MegatronTrainer:
         init_megatron(world or MegatronWorld.alone(), config.tp_size, seed)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
-        self.model = build_model(self.model_config, self.layout, torch.float32).train()
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+        bf16 = config.dtype == "bfloat16"
+        self.model = build_model(self.model_config, self.layout, torch.bfloat16 if bf16 else torch.float32)
+        self.model.train()
         self.params = dict(self.model.named_parameters())
+        # bfloat16 parameters compute; the core steps fp32 master copies and casts them back.
+        self.master = (
+            {n: torch.zeros_like(p, dtype=torch.float32, requires_grad=True) for n, p in self.params.items()}
+            if bf16 and core
+            else None
+        )
         self.slots = flat_slots(self.model_config)
         self.numel = sum(int(np.prod(shape)) for _, shape in self.slots.values())
         # Snapshots leave through host memory: pinned, so a GPU copies at full speed into it.
@@ -156,7 +169,10 @@ class MegatronTrainer:
         self.version = 0
         self.optimizer = (
             torch.optim.AdamW(
-                self.params.values(), lr=config.lr, weight_decay=config.weight_decay, foreach=False
+                (self.master or self.params).values(),
+                lr=config.lr,
+                weight_decay=config.weight_decay,
+                foreach=False,
             )
             if core
             else None
@@ -165,7 +181,8 @@ class MegatronTrainer:
     # ---- the Trainer protocol ------------------------------------------------------------------
 
     def weights(self) -> np.ndarray:
-        self._to_flat(self.flat, lambda name: self.params[name].detach())
+        source = self.master or self.params
+        self._to_flat(self.flat, lambda name: source[name].detach().float())
         return self.flat
 
     def gradient(self) -> np.ndarray:
@@ -184,13 +201,16 @@ class MegatronTrainer:
         c = self.config
         loss_sum, tokens, loss_tokens, clipped = 0.0, 0, 0, 0
         vocab = self.model_config.vocab_size
+        dev = self.device
         for s in sequences:
-            ids = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))[None]
+            ids = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))[None].to(dev)
             n = ids.shape[1]
-            mask = torch.from_numpy(np.asarray(s.loss_mask, dtype=np.float32))
-            behaviour = torch.from_numpy(np.asarray(s.behaviour_logprobs, dtype=np.float32))
-            causal = torch.triu(torch.ones(1, 1, n, n, dtype=torch.bool), diagonal=1)  # True = hidden
-            logits = self.model(ids, torch.arange(n)[None], attention_mask=causal)[..., :vocab]
+            mask = torch.from_numpy(np.asarray(s.loss_mask, dtype=np.float32)).to(dev)
+            behaviour = torch.from_numpy(np.asarray(s.behaviour_logprobs, dtype=np.float32)).to(dev)
+            causal = torch.triu(
+                torch.ones(1, 1, n, n, dtype=torch.bool, device=dev), diagonal=1
+            )  # True = hidden
+            logits = self.model(ids, torch.arange(n, device=dev)[None], attention_mask=causal)[..., :vocab]
             logp = token_logprobs(logits[0], ids[0])
             adv = torch.full_like(logp, s.advantage)
             weights = torch.full_like(logp, s.token_weight)
@@ -203,15 +223,18 @@ class MegatronTrainer:
             loss_sum += float(loss.detach())
             tokens += n
             loss_tokens += int(mask.sum())
-        # The gradient leaves in the shared layout, where the core (or the transport) reads it.
-        self._to_flat(self.grad, self._whole_grad)
+        # The gradient leaves in the shared layout, where the core (or the transport) reads it,
+        # accumulated there in fp32 whatever the parameters' dtype.
+        self._to_flat(self.grad, self._whole_grad, add=True)
+        for p in self.params.values():
+            p.grad = None
         return MicroStats(len(sequences), tokens, loss_tokens, loss_sum, clipped)
 
     def _whole_grad(self, name: str) -> torch.Tensor:
         """A parameter's gradient on this rank; q/k norms act on this rank's heads only, so their
         gradient is the sum over the TP group (as megatron's finalize_model_grads does)."""
         p = self.params[name]
-        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        g = p.grad.float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
         if self.layout.tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
             g = g.clone()
             torch.distributed.all_reduce(g, group=self.tp_group)
@@ -220,17 +243,20 @@ class MegatronTrainer:
     def apply(self, num_runs: int) -> ApplyStats:
         if self.optimizer is None:
             raise RuntimeError("only the core owns an optimizer")
-        grads = {name: torch.empty_like(p) for name, p in self.params.items()}
-        for name, t in hf_to_megatron(self._view(self.grad), self.layout, self.tp_rank, 0):
-            grads[name].copy_(t)
-        with torch.no_grad():  # the norm of the whole gradient, which every TP rank holds
-            norm = float(np.linalg.norm(self.grad)) / max(num_runs, 1)
-            scale = 1.0 / max(num_runs, 1)
-            if self.config.grad_clip and norm > self.config.grad_clip:
-                scale *= self.config.grad_clip / (norm + 1e-6)
-            for name, p in self.params.items():
-                p.grad = grads[name].mul_(scale)
+        norm = float(np.linalg.norm(self.grad)) / max(num_runs, 1)  # the whole gradient: every rank has it
+        scale = 1.0 / max(num_runs, 1)
+        if self.config.grad_clip and norm > self.config.grad_clip:
+            scale *= self.config.grad_clip / (norm + 1e-6)
+        stepped = self.master or self.params
+        with torch.no_grad():
+            for name, t in hf_to_megatron(self._view(self.grad), self.layout, self.tp_rank, 0):
+                # A copy: ``t`` may be a view of the gradient buffer the transport exposes.
+                stepped[name].grad = t.to(stepped[name].device, torch.float32, copy=True).mul_(scale)
         self.optimizer.step()
+        if self.master is not None:
+            with torch.no_grad():
+                for name, m in self.master.items():
+                    self.params[name].copy_(m)
         self.version += 1
         return ApplyStats(self.version, norm)
 
@@ -254,6 +280,8 @@ class MegatronTrainer:
         with torch.no_grad():
             for name, t in hf_to_megatron(read, self.layout, self.tp_rank, 0):
                 self.params[name].copy_(t)
+                if self.master is not None:
+                    self.master[name].copy_(t)
 
     def _shards(self, t: torch.Tensor) -> list[torch.Tensor]:
         """``t`` from every rank of the tensor-parallel group, in rank order."""
@@ -263,14 +291,19 @@ class MegatronTrainer:
         torch.distributed.all_gather(out, t.contiguous(), group=self.tp_group)
         return out
 
-    def _to_flat(self, flat: np.ndarray, tensor_of) -> None:  # noqa: ANN001 - parameter name → tensor
+    def _to_flat(self, flat: np.ndarray, tensor_of, add: bool = False) -> None:  # noqa: ANN001
+        """Gather each tensor (``tensor_of(name)``) into ``flat`` in the shared layout, or add it."""
         out = torch.from_numpy(flat)
         with torch.no_grad():
             shards = lambda n: self._shards(tensor_of(n))  # noqa: E731
             for name, t in megatron_to_hf(shards, self.layout, 0):
                 if name in self.slots:  # a tied lm_head is the embedding's slot
                     at, shape = self.slots[name]
-                    out[at : at + _numel(shape)].copy_(t.reshape(-1))
+                    part = out[at : at + _numel(shape)]
+                    if add:
+                        part.add_(t.reshape(-1).cpu())
+                    else:
+                        part.copy_(t.reshape(-1))
 
 
 def _numel(shape: torch.Size) -> int:

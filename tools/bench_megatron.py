@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""The megatron trainer's costs on one device: HF → Megatron load, training tokens/s per
+micro-step, snapshot export to (pinned) host memory, and Megatron → HF conversion.
+
+python tools/bench_megatron.py                       # a ~1.7B Qwen3-shaped model in bf16 on a GPU
+python tools/bench_megatron.py --size tiny --seq 256 # the same measurements on the CPU, in seconds
+
+Random weights are written once as a Hugging Face directory (bf16 safetensors), then loaded the
+way a cell loads them. Prints one table and writes the figures as JSON next to the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+import warnings
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+warnings.filterwarnings("ignore")
+
+from gyre_hpc.models.qwen3 import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from gyre_hpc.recipe.schema import TrainerConfig  # noqa: E402
+from gyre_hpc.trainer import megatron_backend  # noqa: E402
+from gyre_hpc.trainer.base import flat_tensors  # noqa: E402
+from gyre_hpc.trainer.megatron_backend import MegatronTrainer  # noqa: E402
+from gyre_hpc.trainer.megatron_weights import megatron_to_hf  # noqa: E402
+from gyre_hpc.trajectory.batch import TrainSequence  # noqa: E402
+
+SIZES = {
+    # Qwen3-1.7B's shape.
+    "1.7b": Qwen3Config(
+        vocab_size=151_936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+        max_position_embeddings=40_960,
+    ),
+    "tiny": Qwen3Config(
+        vocab_size=4096,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    ),
+}
+
+
+def write_model(c: Qwen3Config, model_dir: Path) -> Path:
+    """Random weights (std 0.02) as one bf16 safetensors file, built layer by layer on the CPU."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in Qwen3ForCausalLM(c).named_parameters()}
+    gen = torch.Generator().manual_seed(0)
+    state = {n: (torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16) for n, s in shapes.items()}
+    save_file(state, str(model_dir / "model.safetensors"), {"format": "pt"})
+    (model_dir / "config.json").write_text(json.dumps(c.to_hf()))
+    return model_dir
+
+
+def timed(fn, repeat: int = 1) -> tuple[float, object]:  # noqa: ANN001
+    best, out = float("inf"), None
+    for _ in range(repeat):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", choices=list(SIZES), default="1.7b" if torch.cuda.is_available() else "tiny")
+    ap.add_argument("--seq", type=int, default=4096, help="tokens per training sequence")
+    ap.add_argument("--steps", type=int, default=3, help="timed micro-steps (after one warm-up)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--dir", type=Path, default=None, help="where the random model is written")
+    args = ap.parse_args()
+    c = replace(SIZES[args.size], max_position_embeddings=max(args.seq, 4096))
+    root = args.dir or Path(tempfile.mkdtemp(prefix="bench-megatron-"))
+    model_dir = write_model(c, root / args.size)
+
+    cfg = TrainerConfig(dtype=args.dtype, lr=1e-6)
+    start_s, trainer = timed(lambda: MegatronTrainer(model_dir, cfg, core=True))
+    assert isinstance(trainer, MegatronTrainer)
+    load_s, _ = timed(lambda: trainer._load(megatron_backend._reader(model_dir)))  # files → Megatron
+    gb = trainer.numel * 4 / 1e9  # the flat fp32 snapshot
+
+    rng = np.random.default_rng(0)
+    mask = (np.arange(args.seq) >= args.seq // 4).astype(np.float32)
+    seq = TrainSequence(
+        "bench",
+        rng.integers(0, c.vocab_size, args.seq).astype(np.int32),
+        mask,
+        np.where(mask > 0, -2.0, 0.0).astype(np.float32),
+        1.0,
+        1.0 / mask.sum(),
+    )
+    trainer.micro_step([seq])  # warm-up
+    step_s, _ = timed(lambda: trainer.micro_step([seq]), args.steps)
+    export_s, _ = timed(trainer.weights, 3)
+    to_hf_s, _ = timed(
+        lambda: sum(
+            t.numel() for _, t in megatron_to_hf(lambda n: [trainer.params[n].detach()], trainer.layout, 0)
+        ),
+        3,
+    )
+    apply_s, _ = timed(lambda: trainer.apply(1))
+    flat_tensors(trainer.weights(), c)  # the snapshot is readable as HF tensors
+
+    figures = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "size": args.size,
+        "parameters": trainer.numel,
+        "dtype": args.dtype,
+        "seq": args.seq,
+        "trainer_start_s": round(start_s, 3),
+        "hf_to_megatron_load_s": round(load_s, 3),
+        "micro_step_s": round(step_s, 4),
+        "train_tokens_per_s": round(args.seq / step_s, 1),
+        "snapshot_export_s": round(export_s, 4),
+        "snapshot_export_gb_per_s": round(gb / export_s, 2),
+        "megatron_to_hf_s": round(to_hf_s, 4),
+        "apply_s": round(apply_s, 4),
+        "host_buffer_pinned": bool(torch.from_numpy(trainer.flat).is_pinned()),
+    }
+    width = max(map(len, figures))
+    for k, v in figures.items():
+        print(f"{k:<{width}}  {v}")
+    (root / "bench_megatron.json").write_text(json.dumps(figures, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

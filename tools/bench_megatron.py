@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 warnings.filterwarnings("ignore")
 
 from gyre_hpc.models.qwen3 import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from gyre_hpc.models.tiny import tiny_config  # noqa: E402
 from gyre_hpc.recipe.schema import TrainerConfig  # noqa: E402
 from gyre_hpc.trainer import megatron_backend  # noqa: E402
 from gyre_hpc.trainer.base import flat_tensors  # noqa: E402
@@ -46,17 +47,7 @@ SIZES = {
         tie_word_embeddings=True,
         max_position_embeddings=40_960,
     ),
-    "tiny": Qwen3Config(
-        vocab_size=4096,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        tie_word_embeddings=True,
-        max_position_embeddings=4096,
-    ),
+    "tiny": replace(tiny_config(4096, []), max_position_embeddings=4096),
 }
 
 

@@ -62,23 +62,21 @@ class EmulatedEngine(Engine):
         return reply[_resumed_at(seq.input_ids, reply) :]
 
     def step(self) -> bool:
-        with self.lock:
-            if self.paused:
-                return False
-            while self.waiting and len(self.running) < self.max_running:
-                seq = self.waiting.pop(0)
-                if id(seq) not in self.plans:
-                    self.plans[id(seq)] = self.plan(seq)
-                    self.stats["prompt_tokens"] += len(seq.input_ids)
-                self.running.append(seq)
-            if not self.running:
-                return False
-            for seq in list(self.running):
-                self._emit_planned(seq)
-            self.running = [s for s in self.running if s.finish_reason is None]
-            self.stats["decode_steps"] += 1
-        self._sleep_to_next_tick()
-        return True
+        busy = super().step()  # admission, retraction and pausing as in the embedded engine
+        if busy:
+            self._sleep_to_next_tick()  # outside the lock: submits and aborts go on meanwhile
+        return busy
+
+    def _prefill(self, seq: Sequence) -> None:
+        """No compute: plan the reply (a retracted call keeps the plan it had)."""
+        if id(seq) not in self.plans:
+            self.plans[id(seq)] = self.plan(seq)
+            self.stats["prompt_tokens"] += len(seq.input_ids)
+
+    def _decode(self, batch: list[Sequence]) -> None:
+        for seq in batch:
+            self._emit_planned(seq)
+        self.stats["decode_steps"] += 1
 
     def _sleep_to_next_tick(self) -> None:
         now = time.monotonic()

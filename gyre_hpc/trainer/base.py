@@ -13,12 +13,14 @@ move as one contiguous block.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
 
+from gyre_hpc.loss.policy import token_logprobs, weighted_policy_loss
 from gyre_hpc.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from gyre_hpc.trajectory.batch import TrainSequence
 
@@ -82,3 +84,33 @@ class Trainer(Protocol):
     def optimizer_state(self) -> dict: ...
 
     def load_optimizer_state(self, state: dict) -> None: ...
+
+
+def policy_micro_step(
+    sequences: list[TrainSequence],
+    logits_of: Callable[[torch.Tensor], torch.Tensor],
+    clip_low: float,
+    clip_high: float,
+    device: torch.device | None = None,
+) -> MicroStats:
+    """Forward/backward every sequence with the weighted policy loss, whatever the model:
+    ``logits_of(ids [1, T])`` gives its logits [1, T, vocab]. Gradients accumulate where
+    autograd puts them; the backend moves them to its flat buffer."""
+    loss_sum, tokens, loss_tokens, clipped = 0.0, 0, 0, 0
+    for s in sequences:
+        ids = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))[None].to(device)
+        mask = torch.from_numpy(np.asarray(s.loss_mask, dtype=np.float32)).to(device)
+        behaviour = torch.from_numpy(np.asarray(s.behaviour_logprobs, dtype=np.float32)).to(device)
+        logp = token_logprobs(logits_of(ids)[0], ids[0])
+        adv = torch.full_like(logp, s.advantage)
+        weights = torch.full_like(logp, s.token_weight)
+        loss = weighted_policy_loss(logp, behaviour, adv, weights, mask, clip_low, clip_high)
+        loss.backward()
+        with torch.no_grad():
+            ratio = torch.exp(logp - behaviour)
+            out = (ratio < 1 - clip_low) | (ratio > 1 + clip_high)
+            clipped += int((out & (mask > 0)).sum())
+        loss_sum += float(loss.detach())
+        tokens += len(s)
+        loss_tokens += int(mask.sum())
+    return MicroStats(len(sequences), tokens, loss_tokens, loss_sum, clipped)

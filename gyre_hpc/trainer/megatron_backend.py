@@ -27,10 +27,9 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from gyre_hpc.loss.policy import token_logprobs, weighted_policy_loss
 from gyre_hpc.models.qwen3 import Qwen3Config
 from gyre_hpc.recipe.schema import TrainerConfig
-from gyre_hpc.trainer.base import ApplyStats, MicroStats, flat_slots
+from gyre_hpc.trainer.base import ApplyStats, MicroStats, flat_slots, policy_micro_step
 from gyre_hpc.trainer.megatron_cpu import redirect_cuda_to_cpu
 from gyre_hpc.trainer.megatron_weights import Layout, hf_to_megatron, megatron_to_hf
 from gyre_hpc.trajectory.batch import TrainSequence
@@ -199,36 +198,20 @@ class MegatronTrainer:
 
     def micro_step(self, sequences: list[TrainSequence]) -> MicroStats:
         c = self.config
-        loss_sum, tokens, loss_tokens, clipped = 0.0, 0, 0, 0
-        vocab = self.model_config.vocab_size
-        dev = self.device
-        for s in sequences:
-            ids = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))[None].to(dev)
-            n = ids.shape[1]
-            mask = torch.from_numpy(np.asarray(s.loss_mask, dtype=np.float32)).to(dev)
-            behaviour = torch.from_numpy(np.asarray(s.behaviour_logprobs, dtype=np.float32)).to(dev)
-            causal = torch.triu(
-                torch.ones(1, 1, n, n, dtype=torch.bool, device=dev), diagonal=1
-            )  # True = hidden
-            logits = self.model(ids, torch.arange(n, device=dev)[None], attention_mask=causal)[..., :vocab]
-            logp = token_logprobs(logits[0], ids[0])
-            adv = torch.full_like(logp, s.advantage)
-            weights = torch.full_like(logp, s.token_weight)
-            loss = weighted_policy_loss(logp, behaviour, adv, weights, mask, c.clip_low, c.clip_high)
-            loss.backward()
-            with torch.no_grad():
-                ratio = torch.exp(logp - behaviour)
-                out = (ratio < 1 - c.clip_low) | (ratio > 1 + c.clip_high)
-                clipped += int((out & (mask > 0)).sum())
-            loss_sum += float(loss.detach())
-            tokens += n
-            loss_tokens += int(mask.sum())
+        stats = policy_micro_step(sequences, self._logits, c.clip_low, c.clip_high, self.device)
         # The gradient leaves in the shared layout, where the core (or the transport) reads it,
         # accumulated there in fp32 whatever the parameters' dtype.
         self._to_flat(self.grad, self._whole_grad, add=True)
         for p in self.params.values():
             p.grad = None
-        return MicroStats(len(sequences), tokens, loss_tokens, loss_sum, clipped)
+        return stats
+
+    def _logits(self, ids: torch.Tensor) -> torch.Tensor:
+        n = ids.shape[1]
+        # True = hidden: every position sees itself and what precedes it.
+        causal = torch.triu(torch.ones(1, 1, n, n, dtype=torch.bool, device=ids.device), diagonal=1)
+        positions = torch.arange(n, device=ids.device)[None]
+        return self.model(ids, positions, attention_mask=causal)[..., : self.model_config.vocab_size]
 
     def _whole_grad(self, name: str) -> torch.Tensor:
         """A parameter's gradient on this rank; q/k norms act on this rank's heads only, so their

@@ -13,10 +13,9 @@ import numpy as np
 import torch
 
 from gyre_hpc.engines.embedded import unique_parameters
-from gyre_hpc.loss.policy import token_logprobs, weighted_policy_loss
 from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 from gyre_hpc.recipe.schema import TrainerConfig
-from gyre_hpc.trainer.base import ApplyStats, MicroStats
+from gyre_hpc.trainer.base import ApplyStats, MicroStats, policy_micro_step
 from gyre_hpc.trajectory.batch import TrainSequence
 
 
@@ -70,25 +69,7 @@ class TorchTrainer:
 
     def micro_step(self, sequences: list[TrainSequence]) -> MicroStats:
         c = self.config
-        loss_sum, tokens, loss_tokens, clipped = 0.0, 0, 0, 0
-        for s in sequences:
-            ids = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))[None]
-            mask = torch.from_numpy(np.asarray(s.loss_mask, dtype=np.float32))
-            behaviour = torch.from_numpy(np.asarray(s.behaviour_logprobs, dtype=np.float32))
-            logits, _ = self.model(ids)
-            logp = token_logprobs(logits[0], ids[0])
-            adv = torch.full_like(logp, s.advantage)
-            weights = torch.full_like(logp, s.token_weight)
-            loss = weighted_policy_loss(logp, behaviour, adv, weights, mask, c.clip_low, c.clip_high)
-            loss.backward()
-            with torch.no_grad():
-                ratio = torch.exp(logp - behaviour)
-                out = (ratio < 1 - c.clip_low) | (ratio > 1 + c.clip_high)
-                clipped += int((out & (mask > 0)).sum())
-            loss_sum += float(loss.detach())
-            tokens += len(s)
-            loss_tokens += int(mask.sum())
-        return MicroStats(len(sequences), tokens, loss_tokens, loss_sum, clipped)
+        return policy_micro_step(sequences, lambda ids: self.model(ids)[0], c.clip_low, c.clip_high)
 
     def apply(self, num_runs: int) -> ApplyStats:
         if self.optimizer is None:

@@ -12,7 +12,11 @@ def test_outside_any_launcher() -> None:
 
 def test_mpirun() -> None:
     env = JobEnvironment.from_environ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "3"})
-    assert (env.launcher, env.rank, env.ntasks) == ("mpirun", 2, 3)
+    assert (env.launcher, env.rank, env.ntasks, env.local_rank) == ("mpirun", 2, 3, 0)
+    env = JobEnvironment.from_environ(
+        {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}
+    )
+    assert env.local_rank == 1  # its GPU on the node
 
 
 def test_mpirun_inside_an_allocation_is_mpirun() -> None:
@@ -40,12 +44,14 @@ def het_step(procid: int) -> dict[str, str]:
         "SLURM_NTASKS_HET_GROUP_1": "4",
         "SLURM_NTASKS_HET_GROUP_2": "2",
         "SLURMD_NODENAME": f"node{procid}",
+        "SLURM_LOCALID": str(procid % 2),
     }
 
 
 def test_het_component_from_procid_and_component_sizes() -> None:
     groups = [JobEnvironment.from_environ(het_step(p)).het_group for p in range(7)]
     assert groups == [0, 1, 1, 1, 1, 2, 2]
+    assert [JobEnvironment.from_environ(het_step(p)).local_rank for p in range(4)] == [0, 1, 0, 1]
     env = JobEnvironment.from_environ(het_step(3))
     assert (env.launcher, env.ntasks, env.job_id, env.het_sizes, env.node_name) == (
         "slurm",

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from gyre_hpc.errors import RecipeError
 from gyre_hpc.launch.env import JobEnvironment
-from gyre_hpc.runtime.world import Layout, WorldError, check_world_size
+from gyre_hpc.recipe.schema import CellsConfig, EngineConfig, TrainerConfig
+from gyre_hpc.runtime.world import Layout, WorldError, check_runnable, check_world_size
 
 
 def test_layout_assigns_ranks_to_cells_then_pool() -> None:
@@ -40,4 +42,32 @@ def test_world_must_match_the_recipe() -> None:
         3,
         Layout(2, 1),
         JobEnvironment.from_environ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "3"}),
+    )
+
+
+def refusal(engine: str = "embedded", ranks: int = 1, **trainer: object) -> str:
+    with pytest.raises(RecipeError) as err:
+        check_runnable(
+            EngineConfig(backend=engine), TrainerConfig(**trainer), CellsConfig(ranks_per_cell=ranks)
+        )
+    return str(err.value)
+
+
+@pytest.mark.megatron
+def test_megatron_cells_hold_one_replica_over_all_their_ranks() -> None:
+    check_runnable(
+        EngineConfig(), TrainerConfig(backend="megatron", tp_size=2), CellsConfig(ranks_per_cell=2)
+    )
+    assert refusal(ranks=4, backend="megatron", tp_size=2) == (
+        "cells.ranks_per_cell = 4 with trainer.tp_size = 2: a megatron cell holds one replica over all "
+        "its ranks; valid: cells.ranks_per_cell = 2"
+    )
+    assert refusal(ranks=2, backend="megatron", pp_size=2).startswith("trainer.pp_size = 2:")
+
+
+def test_what_the_runtime_does_not_drive_is_refused_in_one_line() -> None:
+    assert refusal(engine="sglang").startswith("engine.backend = 'sglang' is not driven by the runtime")
+    assert refusal(ranks=2, tp_size=2) == (
+        "trainer.tp_size = 2, trainer.pp_size = 1: the torch trainer computes on one rank; valid with it: "
+        "1 and 1"
     )

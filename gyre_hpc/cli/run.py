@@ -53,10 +53,10 @@ def run(
         if not run_dir.recipe_path.exists():
             raise GyreError(f"--resume {resume}: not a run directory (no recipe.toml)")
         r = load_recipe(run_dir.recipe_path, set_ or [])
-        check_runnable(r.engine.backend, r.trainer.backend, r.trainer.tp_size)
+        check_runnable(r.engine, r.trainer, r.cells)
     else:
         r = load(recipe, set_)  # type: ignore[arg-type]
-        check_runnable(r.engine.backend, r.trainer.backend, r.trainer.tp_size)
+        check_runnable(r.engine, r.trainer, r.cells)
         run_dir = RunDir.create(r.run.runs_dir, r.run.name)
     run_dir.write_recipe(r)
     layout = Layout.from_config(r.cells)

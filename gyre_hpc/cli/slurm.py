@@ -44,7 +44,7 @@ def submit(
             render_sbatch(r.slurm, layout, job_name=r.run.name, run_dir=where, python=python), nl=False
         )
         return
-    check_runnable(r.engine.backend, r.trainer.backend, r.trainer.tp_size)
+    check_runnable(r.engine, r.trainer, r.cells)
     resolve_model(r.run.model)  # a built-in model is built here once, not by every rank
     run_dir = RunDir.create(r.run.runs_dir, r.run.name)
     run_dir.write_recipe(r)

@@ -33,6 +33,8 @@ class JobEnvironment:
     hostname: str
     node_name: str
     """The Slurm node name (emulated nodes share one hostname), else the hostname."""
+    local_rank: int = 0
+    """This task's index among the tasks of its node (which GPU it takes)."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> JobEnvironment:
@@ -50,7 +52,8 @@ class JobEnvironment:
                 ntasks = str(sum(het_sizes))
         else:
             rank, ntasks, launcher = "0", "1", "none"
-        return cls(launcher, int(rank), int(ntasks), job_id, het_sizes, hostname, node)
+        local = env.get("OMPI_COMM_WORLD_LOCAL_RANK") if launcher == "mpirun" else env.get("SLURM_LOCALID")
+        return cls(launcher, int(rank), int(ntasks), job_id, het_sizes, hostname, node, int(local or 0))
 
     @property
     def het_group(self) -> int:

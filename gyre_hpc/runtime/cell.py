@@ -8,9 +8,10 @@
 ```
 
 The leader hosts the engine (an HTTP server the proxy calls) and the trainer; members follow
-role switches (the torch backend computes on the leader; a megatron cell spreads TP/PP over
-its members). Cell 0 — the core — owns the optimizer, publishes every version through the
-transport and writes checkpoints. A cell knows nothing about the schedule.
+role switches. The torch backend computes on the leader; a megatron replica spreads
+tensor-parallel over every rank of its cell, and the members mirror each trainer verb the
+leader calls (``runtime.replica``). Cell 0 — the core — owns the optimizer, publishes every
+version through the transport and writes checkpoints. A cell knows nothing about the schedule.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from gyre_hpc.runtime.protocol import (
     Hello,
     LoadWeights,
     MicroSteps,
+    Mirror,
     ProtocolError,
     Role,
     RoleSwitched,
@@ -51,6 +53,7 @@ from gyre_hpc.runtime.protocol import (
     WeightsLoaded,
     wait_barrier,
 )
+from gyre_hpc.runtime.replica import MirroredTrainer, mirror
 from gyre_hpc.runtime.world import CONTROLLER, World
 from gyre_hpc.trainer import checkpoint
 from gyre_hpc.trainer.base import ApplyStats
@@ -122,12 +125,20 @@ class Cell:
         self.in_cell = Channel(world.cell_comm)
         self.session: Session | None = None
         self.trained_step = -1
+        self.megatron = None  # a MegatronWorld: this rank's place in its replica's torch.distributed world
+
+    @property
+    def spread(self) -> bool:
+        """The replica spans every rank of the cell, so the members compute too."""
+        return self.megatron is not None and self.megatron.size > 1
 
     @property
     def is_core(self) -> bool:
         return self.unit == 0
 
     def run(self) -> None:
+        if self.trainer_cfg.backend == "megatron" and not self.world.layout.is_standalone(self.unit):
+            self.megatron = self._megatron_world()
         if self.world.is_leader:
             self.start_replica()
             try:
@@ -154,11 +165,15 @@ class Cell:
         if self.world.layout.is_standalone(self.unit):
             self.trainer = None
             return
-        self.trainer = self._trainer_class()(
+        trainer = self._trainer_class()(
             s.model_dir,
             self.trainer_cfg,
             core=self.is_core,
             grad_buffer=None if self.is_core else s.transport.gradient_buffer(),
+            **({"world": self.megatron} if self.megatron is not None else {}),
+        )
+        self.trainer = (
+            MirroredTrainer(trainer, self.world.cell_comm, self.in_cell) if self.spread else trainer
         )
         if self.is_core:
             last = checkpoint.latest(s.checkpoints)
@@ -174,6 +189,15 @@ class Cell:
 
             return MegatronTrainer
         return EmulatedTrainer if backend == "emulated" else TorchTrainer
+
+    def _megatron_world(self):  # noqa: ANN202 - a MegatronWorld (megatron-core is optional)
+        """Collective over the cell: the leader picks where the rendezvous store listens."""
+        from gyre_hpc.trainer.megatron_backend import MegatronWorld, free_port
+
+        comm, env = self.world.cell_comm, self.world.env
+        host = env.hostname if env.launcher == "slurm" else "127.0.0.1"
+        host, port = comm.bcast((host, free_port(host)) if comm.Get_rank() == 0 else None, root=0)
+        return MegatronWorld(comm.Get_rank(), comm.Get_size(), host, port, gpu=env.local_rank)
 
     def _engine(self, model_dir: Path) -> Engine:
         e = self.engine_cfg
@@ -315,6 +339,7 @@ class Cell:
         return StepApplied(msg.step, stats.version, stats.grad_norm, time.monotonic() - started, saved)
 
     def follow(self) -> None:
+        trainer = self._member_trainer() if self.spread else None
         while True:
             # No timeout: a leader that dies takes the job down, one that hangs is caught by the
             # controller's heartbeat check.
@@ -324,6 +349,21 @@ class Cell:
             if isinstance(msg, SwitchRole):
                 self.role = msg.role
                 self.in_cell.send(RoleSwitched(self.unit, msg.role, msg.seq, 0.0), 0)
+            elif isinstance(msg, Mirror) and trainer is not None:
+                mirror(trainer, msg, self.world.cell_comm, self.scratch)
+            else:
+                raise ProtocolError(f"cell {self.unit} member: unexpected {msg!r}")
+
+    def _member_trainer(self):  # noqa: ANN202 - a MegatronTrainer
+        """This member's part of the replica, built with the leader's (its construction is collective)."""
+        from gyre_hpc.trainer.megatron_backend import MegatronTrainer
+
+        assert self.setup is not None
+        trainer = MegatronTrainer(
+            self.setup.model_dir, self.trainer_cfg, core=self.is_core, world=self.megatron
+        )
+        self.scratch = np.empty(trainer.numel, dtype=np.float32)  # broadcast snapshots land here
+        return trainer
 
     def _forward(self, msg: SwitchRole | Shutdown) -> None:
         for member in range(1, self.world.cell_comm.Get_size()):

@@ -13,6 +13,8 @@
    ├──────────────── ApplyStep ──────────────▶│  core only: pull, sum, step, publish v+1
    │◀─────────────── StepApplied(v+1) ────────┤
    ├──────────────── Shutdown ───────────────▶├── Shutdown ───────────▶│
+                                              ├── Mirror(verb) ───────▶│  trainer verbs of a replica
+                                                                          spread over the cell
 ```
 
 Messages are frozen dataclasses sent with mpi4py's pickled ``send`` on one tag. Bulk data —
@@ -146,6 +148,15 @@ class ApplyStep:
 
 
 @dataclass(frozen=True, slots=True)
+class Mirror:
+    """Inside a cell, leader to members: call trainer ``verb`` with ``args`` as the leader does
+    (``runtime.replica``)."""
+
+    verb: str
+    args: tuple = ()
+
+
+@dataclass(frozen=True, slots=True)
 class StepApplied:
     step: int
     version: int
@@ -168,6 +179,7 @@ Message = (
     | TrainDone
     | ApplyStep
     | StepApplied
+    | Mirror
 )
 MESSAGE_TYPES = (
     Hello,
@@ -183,6 +195,7 @@ MESSAGE_TYPES = (
     TrainDone,
     ApplyStep,
     StepApplied,
+    Mirror,
 )
 
 

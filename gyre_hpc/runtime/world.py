@@ -18,7 +18,7 @@ from typing import Any
 
 from gyre_hpc.errors import RecipeError
 from gyre_hpc.launch.env import JobEnvironment
-from gyre_hpc.recipe.schema import CellsConfig
+from gyre_hpc.recipe.schema import CellsConfig, EngineConfig, TrainerConfig
 
 CONTROLLER = 0
 
@@ -78,24 +78,36 @@ class Layout:
         return f"1 controller + {self.cells} cells × {self.ranks_per_cell} ranks{pool}"
 
 
-def check_runnable(engine_backend: str, trainer_backend: str, trainer_tp: int = 1) -> None:
-    """The backends this runtime drives today; anything else is refused before launch, in one line."""
-    if engine_backend not in ("embedded", "emulated"):
+def check_runnable(engine: EngineConfig, trainer: TrainerConfig, cells: CellsConfig) -> None:
+    """The backends and shapes this runtime drives today; anything else is refused before launch,
+    in one line."""
+    if engine.backend not in ("embedded", "emulated"):
         raise RecipeError(
-            f"engine.backend = {engine_backend!r} is not driven by the runtime yet (the SGLang client and "
+            f"engine.backend = {engine.backend!r} is not driven by the runtime yet (the SGLang client and "
             "launcher exist, the cell does not start it); valid for gyre-hpc run/submit today: "
             "embedded, emulated"
         )
-    if trainer_backend == "megatron":
+    if trainer.backend == "megatron":
         if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
             raise RecipeError(
                 "trainer.backend = 'megatron' needs megatron-core: pip install -e '.[megatron]'"
             )
-        if trainer_tp != 1:
+        if trainer.pp_size != 1:
             raise RecipeError(
-                f"trainer.tp_size = {trainer_tp}: the runtime drives megatron cells of one rank so far "
-                "(the trainer itself runs tensor-parallel); valid for gyre-hpc run/submit today: 1"
+                f"trainer.pp_size = {trainer.pp_size}: the megatron trainer runs tensor-parallel only so "
+                "far; valid: 1"
             )
+        if cells.ranks_per_cell != trainer.tp_size:
+            raise RecipeError(
+                f"cells.ranks_per_cell = {cells.ranks_per_cell} with trainer.tp_size = {trainer.tp_size}: "
+                "a megatron cell holds one replica over all its ranks; valid: cells.ranks_per_cell = "
+                f"{trainer.tp_size}"
+            )
+    elif trainer.tp_size != 1 or trainer.pp_size != 1:
+        raise RecipeError(
+            f"trainer.tp_size = {trainer.tp_size}, trainer.pp_size = {trainer.pp_size}: the "
+            f"{trainer.backend} trainer computes on one rank; valid with it: 1 and 1"
+        )
 
 
 def check_world_size(size: int, layout: Layout, env: JobEnvironment) -> None:

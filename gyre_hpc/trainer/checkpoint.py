@@ -80,6 +80,6 @@ def restore(path: Path, trainer: Trainer) -> dict[str, Any]:
     trainer.load_snapshot(flat, int(info["version"]))
     try:
         trainer.load_optimizer_state(torch.load(path / "optimizer.pt", weights_only=True))
-    except ValueError as err:  # written by another backend: its parameters are cut differently
+    except (ValueError, KeyError) as err:  # another backend or replica shape: cut differently
         log.warning("%s: optimizer state does not fit this trainer (%s); AdamW starts afresh", path, err)
     return info

@@ -87,19 +87,26 @@ def build_model(c: Qwen3Config, layout: Layout, dtype: torch.dtype) -> Any:
 
 @dataclass(frozen=True)
 class MegatronWorld:
-    """The ranks of one cell as a torch.distributed world: this rank, their number, and where
-    rank 0 keeps the rendezvous store (a cell shares it over MPI; one rank picks its own)."""
+    """The ranks of one cell as a torch.distributed world: this rank, their number, where rank 0
+    keeps the rendezvous store (a cell shares it over MPI; one rank picks its own), and the GPU
+    this rank computes on (None: the current one, or the CPU)."""
 
     rank: int = 0
     size: int = 1
     host: str = "127.0.0.1"
     port: int = 0
+    gpu: int | None = None
 
     @classmethod
     def alone(cls) -> MegatronWorld:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return cls(0, 1, "127.0.0.1", s.getsockname()[1])
+        return cls(0, 1, "127.0.0.1", free_port("127.0.0.1"))
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on ``host`` now, for the rendezvous store rank 0 opens."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def init_megatron(world: MegatronWorld, tp: int, seed: int) -> None:
@@ -108,6 +115,8 @@ def init_megatron(world: MegatronWorld, tp: int, seed: int) -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     redirect_cuda_to_cpu()
+    if world.gpu is not None and torch.cuda.is_available():
+        torch.cuda.set_device(world.gpu % torch.cuda.device_count())
     if not torch.distributed.is_initialized():
         store = torch.distributed.TCPStore(world.host, world.port, world.size, is_master=world.rank == 0)
         backend = "nccl" if torch.cuda.is_available() else "gloo"

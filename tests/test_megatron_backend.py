@@ -91,27 +91,33 @@ def test_megatron_micro_step_and_update_match_the_torch_backend(tmp_path: Path, 
 
 
 @pytest.mark.mpi
-def test_a_tp2_cell_matches_tp1(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("tp", "pp", "kind"), [(2, 1, "tied (tiny)"), (1, 2, "tied (tiny)"), (1, 2, "untied")]
+)
+def test_a_tensor_or_pipeline_parallel_trainer_matches_one_rank(
+    tmp_path: Path, tp: int, pp: int, kind: str
+) -> None:
     from gyre_hpc.trainer import megatron_backend
 
-    model_dir = init_tiny(tmp_path / "tiny")
-    out = tmp_path / "tp2.npz"
-    program = HERE / "mpi_programs" / "megatron_tp.py"
+    model_dir = init_tiny(tmp_path / "tiny") if kind.startswith("tied") else untied(tmp_path)
+    out = tmp_path / "parallel.npz"
+    program = HERE / "mpi_programs" / "megatron_parallel.py"
     proc = subprocess.run(
-        ["mpirun", "--oversubscribe", "-n", "2", sys.executable, str(program), str(model_dir), str(out)],
+        ["mpirun", "--oversubscribe", "-n", str(tp * pp),
+         sys.executable, str(program), str(model_dir), str(out), str(tp), str(pp)],
         capture_output=True, text=True, timeout=240,
         env={**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    tp2 = np.load(out)
-    tp1 = megatron_backend.MegatronTrainer(model_dir, CFG, core=True)
-    assert np.array_equal(tp2["before"], tp1.weights())  # shards gathered back exactly
-    stats = tp1.micro_step(sequences(Qwen3Config.load(model_dir).vocab_size))
-    assert float(tp2["loss"]) == pytest.approx(stats.loss_sum, rel=1e-5)
-    g1 = tp1.gradient()
-    assert np.abs(tp2["grad"] - g1).max() <= 1e-5 * np.abs(g1).max()
-    tp1.apply(3)
-    assert np.abs(tp2["after"] - tp1.weights()).max() < 1e-5
+    got = np.load(out)
+    one = megatron_backend.MegatronTrainer(model_dir, CFG, core=True)
+    assert np.array_equal(got["before"], one.weights())  # shards and stages gathered back exactly
+    stats = one.micro_step(sequences(Qwen3Config.load(model_dir).vocab_size))
+    assert float(got["loss"]) == pytest.approx(stats.loss_sum, rel=1e-5) and got["clipped"] == stats.clipped
+    g1 = one.gradient()
+    assert np.abs(got["grad"] - g1).max() <= 1e-5 * np.abs(g1).max()
+    one.apply(3)
+    assert np.abs(got["after"] - one.weights()).max() < 1e-5
 
 
 def test_checkpoints_are_hugging_face_directories_whatever_the_backend(tmp_path: Path) -> None:
@@ -157,31 +163,33 @@ def step_events(run_dir: Path) -> list[dict]:
 
 @pytest.mark.mpi
 @pytest.mark.timeout(600)
-def test_the_runtime_trains_with_megatron_cells_of_one_and_of_two_tensor_parallel_ranks(
-    tmp_path: Path,
-) -> None:
+def test_the_runtime_trains_with_megatron_cells_of_one_rank_or_of_tp_or_pp_ranks(tmp_path: Path) -> None:
     from safetensors.numpy import load_file
 
     one = smoke_run(tmp_path / "tp1")
-    two = smoke_run(tmp_path / "tp2", "--set", "trainer.tp_size=2", "--set", "cells.ranks_per_cell=2")
-    for run_dir in (one, two):
-        assert [s["version"] for s in step_events(run_dir)] == [1, 2]
-        assert all(s["micro_steps"] > 0 for s in step_events(run_dir))
-    # Each cell's replica spans both of its ranks (the leader alone cannot compute a TP=2 step),
-    # and the two shapes train the same: same samples, same gradients, same update.
-    for a, b in zip(step_events(one), step_events(two), strict=True):
-        assert a["groups"] == b["groups"]
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    spread = [
+        smoke_run(tmp_path / "tp2", "--set", "trainer.tp_size=2", "--set", "cells.ranks_per_cell=2"),
+        smoke_run(tmp_path / "pp2", "--set", "trainer.pp_size=2", "--set", "cells.ranks_per_cell=2"),
+    ]
     start = load_file(str(resolve_model("tiny-warm") / "model.safetensors"))
     ckpt = "checkpoints/step-000002/model.safetensors"
-    w1, w2 = load_file(str(one / ckpt)), load_file(str(two / ckpt))
+    w1 = load_file(str(one / ckpt))
     d1 = np.concatenate([(w1[k] - start[k]).ravel() for k in start])
-    d2 = np.concatenate([(w2[k] - start[k]).ravel() for k in start])
-    assert np.linalg.norm(d2 - d1) <= 1e-3 * np.linalg.norm(d1)  # measured: 1.4e-4
-    # Resuming gathers and scatters the optimizer shards of both ranks.
-    smoke_run(tmp_path, "--set", "run.steps=3", resume=two)
-    assert [s["version"] for s in step_events(two)][-1] == 3
-    logs = "".join(p.read_text() for p in (two / "logs").glob("rank-*.log"))
+    for run_dir in spread:
+        assert [s["version"] for s in step_events(run_dir)] == [1, 2]
+        assert all(s["micro_steps"] > 0 for s in step_events(run_dir))
+        # Each cell's replica spans both of its ranks (its leader alone cannot compute a step),
+        # and every shape trains the same: same samples, same gradients, same update.
+        for a, b in zip(step_events(one), step_events(run_dir), strict=True):
+            assert a["groups"] == b["groups"]
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        w = load_file(str(run_dir / ckpt))
+        d = np.concatenate([(w[k] - start[k]).ravel() for k in start])
+        assert np.linalg.norm(d - d1) <= 1e-3 * np.linalg.norm(d1)  # measured: 1.4e-4 (tp2), 1.4e-4 (pp2)
+    # Resuming gathers and scatters the optimizer state of every rank of the replica.
+    smoke_run(tmp_path, "--set", "run.steps=3", resume=spread[1])
+    assert [s["version"] for s in step_events(spread[1])][-1] == 3
+    logs = "".join(p.read_text() for p in (spread[1] / "logs").glob("rank-*.log"))
     assert "core: resumed from" in logs and "AdamW starts afresh" not in logs
 
 

@@ -91,3 +91,23 @@ def test_a_cut_that_does_not_divide_the_model_is_refused() -> None:
         Layout(config(tie=False), tp=3)
     with pytest.raises(ValueError, match="pipeline size 3 must divide the 4 layers"):
         Layout(config(tie=False), pp=3)
+
+
+def test_a_tied_embedding_is_copied_to_the_last_stage_as_its_output_layer() -> None:
+    c = config(tie=True)
+    state = hf_state(c)
+    shards = to_megatron(state, Layout(c, tp=2, pp=2))
+    for r in range(2):
+        first, last = shards[0][r], shards[1][r]
+        assert torch.equal(last["output_layer.weight"], first["embedding.word_embeddings.weight"])
+    assert "output_layer.weight" not in to_megatron(state, Layout(c, tp=2))[0][0]  # one stage: shared
+
+
+def test_every_hugging_face_tensor_has_one_stage() -> None:
+    c = config(tie=False)
+    state = hf_state(c)
+    layout = Layout(c, pp=2)
+    shards = to_megatron(state, layout)
+    held = {s: {n for n, _ in megatron_to_hf(lambda n, s=s: [shards[s][0][n]], layout, s)} for s in range(2)}
+    assert all(layout.stage_of(name) == s for s, names in held.items() for name in names)
+    assert held[0] | held[1] == set(state) and not held[0] & held[1]

@@ -58,11 +58,13 @@ def test_megatron_cells_hold_one_replica_over_all_their_ranks() -> None:
     check_runnable(
         EngineConfig(), TrainerConfig(backend="megatron", tp_size=2), CellsConfig(ranks_per_cell=2)
     )
-    assert refusal(ranks=4, backend="megatron", tp_size=2) == (
-        "cells.ranks_per_cell = 4 with trainer.tp_size = 2: a megatron cell holds one replica over all "
-        "its ranks; valid: cells.ranks_per_cell = 2"
+    check_runnable(
+        EngineConfig(), TrainerConfig(backend="megatron", tp_size=2, pp_size=2), CellsConfig(ranks_per_cell=4)
     )
-    assert refusal(ranks=2, backend="megatron", pp_size=2).startswith("trainer.pp_size = 2:")
+    assert refusal(ranks=4, backend="megatron", tp_size=2) == (
+        "cells.ranks_per_cell = 4 with trainer.tp_size × trainer.pp_size = 2 × 1: a megatron cell holds "
+        "one replica over all its ranks; valid: cells.ranks_per_cell = 2"
+    )
 
 
 def test_what_the_runtime_does_not_drive_is_refused_in_one_line() -> None:

@@ -92,16 +92,12 @@ def check_runnable(engine: EngineConfig, trainer: TrainerConfig, cells: CellsCon
             raise RecipeError(
                 "trainer.backend = 'megatron' needs megatron-core: pip install -e '.[megatron]'"
             )
-        if trainer.pp_size != 1:
+        replica = trainer.tp_size * trainer.pp_size
+        if cells.ranks_per_cell != replica:
             raise RecipeError(
-                f"trainer.pp_size = {trainer.pp_size}: the megatron trainer runs tensor-parallel only so "
-                "far; valid: 1"
-            )
-        if cells.ranks_per_cell != trainer.tp_size:
-            raise RecipeError(
-                f"cells.ranks_per_cell = {cells.ranks_per_cell} with trainer.tp_size = {trainer.tp_size}: "
-                "a megatron cell holds one replica over all its ranks; valid: cells.ranks_per_cell = "
-                f"{trainer.tp_size}"
+                f"cells.ranks_per_cell = {cells.ranks_per_cell} with trainer.tp_size × trainer.pp_size = "
+                f"{trainer.tp_size} × {trainer.pp_size}: a megatron cell holds one replica over all its "
+                f"ranks; valid: cells.ranks_per_cell = {replica}"
             )
     elif trainer.tp_size != 1 or trainer.pp_size != 1:
         raise RecipeError(

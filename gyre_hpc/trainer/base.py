@@ -96,21 +96,37 @@ def policy_micro_step(
     """Forward/backward every sequence with the weighted policy loss, whatever the model:
     ``logits_of(ids [1, T])`` gives its logits [1, T, vocab]. Gradients accumulate where
     autograd puts them; the backend moves them to its flat buffer."""
-    loss_sum, tokens, loss_tokens, clipped = 0.0, 0, 0, 0
+    loss_sum, clipped = 0.0, 0
     for s in sequences:
         ids = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))[None].to(device)
-        mask = torch.from_numpy(np.asarray(s.loss_mask, dtype=np.float32)).to(device)
-        behaviour = torch.from_numpy(np.asarray(s.behaviour_logprobs, dtype=np.float32)).to(device)
-        logp = token_logprobs(logits_of(ids)[0], ids[0])
-        adv = torch.full_like(logp, s.advantage)
-        weights = torch.full_like(logp, s.token_weight)
-        loss = weighted_policy_loss(logp, behaviour, adv, weights, mask, clip_low, clip_high)
+        loss, out = sequence_loss(s, logits_of(ids)[0], clip_low, clip_high)
         loss.backward()
-        with torch.no_grad():
-            ratio = torch.exp(logp - behaviour)
-            out = (ratio < 1 - clip_low) | (ratio > 1 + clip_high)
-            clipped += int((out & (mask > 0)).sum())
         loss_sum += float(loss.detach())
-        tokens += len(s)
-        loss_tokens += int(mask.sum())
+        clipped += out
+    return micro_stats(sequences, loss_sum, clipped)
+
+
+def sequence_loss(
+    s: TrainSequence, logits: torch.Tensor, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, int]:
+    """One sequence's weighted policy loss from its logits [T, vocab], and how many of its loss
+    tokens had their importance ratio clipped."""
+    device = logits.device
+    ids = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64)).to(device)
+    mask = torch.from_numpy(np.asarray(s.loss_mask, dtype=np.float32)).to(device)
+    behaviour = torch.from_numpy(np.asarray(s.behaviour_logprobs, dtype=np.float32)).to(device)
+    logp = token_logprobs(logits, ids)
+    adv = torch.full_like(logp, s.advantage)
+    weights = torch.full_like(logp, s.token_weight)
+    loss = weighted_policy_loss(logp, behaviour, adv, weights, mask, clip_low, clip_high)
+    with torch.no_grad():
+        ratio = torch.exp(logp - behaviour)
+        out = (ratio < 1 - clip_low) | (ratio > 1 + clip_high)
+        clipped = int((out & (mask > 0)).sum())
+    return loss, clipped
+
+
+def micro_stats(sequences: list[TrainSequence], loss_sum: float, clipped: int) -> MicroStats:
+    tokens = sum(len(s) for s in sequences)
+    loss_tokens = int(sum(float(np.asarray(s.loss_mask).sum()) for s in sequences))
     return MicroStats(len(sequences), tokens, loss_tokens, loss_sum, clipped)

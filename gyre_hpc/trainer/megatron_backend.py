@@ -10,14 +10,29 @@
 The flat buffers keep the layout every other part uses (``engines.embedded.flat_parameters``):
 engines load snapshots unchanged, cells of either backend sum their gradients alike, and
 checkpoints stay Hugging Face directories. Conversion happens at those boundaries, tensor by
-tensor (``megatron_weights``): a TP rank loads its own shards, and the shards are gathered over
-the tensor-parallel group wherever a whole tensor is needed. Every rank of the group runs each
-micro-step on the same sequences. Pipeline parallelism is not wired yet (PP = 1).
+tensor (``megatron_weights``): a rank loads its own shards of its own stage; shards are gathered
+over the tensor-parallel group, and each stage's tensors are broadcast over the pipeline group,
+wherever a whole tensor is needed. Every rank holds the whole flat buffers.
+
+With pipeline stages, a micro-step runs a GPipe schedule whose micro-batches are its sequences
+(every rank has them all, so each hidden-state shape is known on both ends; no padding):
+
+```
+ stage 0           stage 1  …  last stage
+ fwd s1 ──h──▶     fwd s1 ──▶  fwd s1 → loss
+ fwd s2 ──h──▶     fwd s2 ──▶  fwd s2 → loss
+ bwd s1 ◀──∂h──    bwd s1 ◀──  bwd s1
+ bwd s2 ◀──∂h──    bwd s2 ◀──  bwd s2
+```
+
+A tied embedding is untied across stages: the last stage keeps a copy as its output layer, and
+the two take the summed gradient of both uses, so they stay equal.
 """
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +44,14 @@ from safetensors import safe_open
 
 from gyre_hpc.models.qwen3 import Qwen3Config
 from gyre_hpc.recipe.schema import TrainerConfig
-from gyre_hpc.trainer.base import ApplyStats, MicroStats, flat_slots, policy_micro_step
+from gyre_hpc.trainer.base import (
+    ApplyStats,
+    MicroStats,
+    flat_slots,
+    micro_stats,
+    policy_micro_step,
+    sequence_loss,
+)
 from gyre_hpc.trainer.megatron_cpu import redirect_cuda_to_cpu
 from gyre_hpc.trainer.megatron_weights import Layout, hf_to_megatron, megatron_to_hf
 from gyre_hpc.trajectory.batch import TrainSequence
@@ -63,13 +85,14 @@ def transformer_config(c: Qwen3Config, layout: Layout, dtype: torch.dtype) -> An
         gradient_accumulation_fusion=False,
         use_cpu_initialization=not torch.cuda.is_available(),
         params_dtype=dtype,
+        pipeline_dtype=dtype,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
     )
 
 
-def build_model(c: Qwen3Config, layout: Layout, dtype: torch.dtype) -> Any:
-    """The GPTModel of this rank (model parallel state must be initialised)."""
+def build_model(c: Qwen3Config, layout: Layout, dtype: torch.dtype, stage: int = 0) -> Any:
+    """The GPTModel part of this rank's stage (model parallel state must be initialised)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -80,7 +103,10 @@ def build_model(c: Qwen3Config, layout: Layout, dtype: torch.dtype) -> Any:
         max_sequence_length=c.max_position_embeddings,
         position_embedding_type="rope",
         rotary_base=int(c.rope_theta),
-        share_embeddings_and_output_weights=c.tie_word_embeddings,
+        # Across stages the trainer keeps a tied embedding's two copies equal itself (module doc).
+        share_embeddings_and_output_weights=c.tie_word_embeddings and layout.pp == 1,
+        pre_process=stage == 0,
+        post_process=stage == layout.pp - 1,
         parallel_output=False,  # whole-vocabulary logits on every TP rank: the policy loss needs them
     )
 
@@ -109,7 +135,7 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def init_megatron(world: MegatronWorld, tp: int, seed: int) -> None:
+def init_megatron(world: MegatronWorld, tp: int, pp: int, seed: int) -> None:
     """torch.distributed (gloo on the CPU, nccl on GPUs) and megatron's parallel state, once per process."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -123,7 +149,7 @@ def init_megatron(world: MegatronWorld, tp: int, seed: int) -> None:
         torch.distributed.init_process_group(backend, store=store, rank=world.rank, world_size=world.size)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=1
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
         )
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
@@ -141,21 +167,25 @@ class MegatronTrainer:
     ) -> None:
         from megatron.core import parallel_state
 
-        if config.pp_size != 1:
-            raise ValueError(f"trainer.pp_size = {config.pp_size}: the megatron trainer runs PP = 1 so far")
         self.config = config
         self.model_config = Qwen3Config.load(model_dir)
-        self.layout = Layout(self.model_config, tp=config.tp_size)
-        init_megatron(world or MegatronWorld.alone(), config.tp_size, seed)
+        self.layout = Layout(self.model_config, tp=config.tp_size, pp=config.pp_size)
+        init_megatron(world or MegatronWorld.alone(), config.tp_size, config.pp_size, seed)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.stage = parallel_state.get_pipeline_model_parallel_rank()
+        if self.layout.pp > 1:
+            self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+            self.prev_rank = parallel_state.get_pipeline_model_parallel_prev_rank()
+            self.next_rank = parallel_state.get_pipeline_model_parallel_next_rank()
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
         bf16 = config.dtype == "bfloat16"
-        self.model = build_model(self.model_config, self.layout, torch.bfloat16 if bf16 else torch.float32)
+        self.dtype = torch.bfloat16 if bf16 else torch.float32
+        self.model = build_model(self.model_config, self.layout, self.dtype, self.stage)
         self.model.train()
         self.params = dict(self.model.named_parameters())
         # bfloat16 parameters compute; the core steps fp32 master copies and casts them back.
@@ -207,7 +237,10 @@ class MegatronTrainer:
 
     def micro_step(self, sequences: list[TrainSequence]) -> MicroStats:
         c = self.config
-        stats = policy_micro_step(sequences, self._logits, c.clip_low, c.clip_high, self.device)
+        if self.layout.pp == 1:
+            stats = policy_micro_step(sequences, self._logits, c.clip_low, c.clip_high, self.device)
+        else:
+            stats = self._pipeline_micro_step(sequences)
         # The gradient leaves in the shared layout, where the core (or the transport) reads it,
         # accumulated there in fp32 whatever the parameters' dtype.
         self._to_flat(self.grad, self._whole_grad, add=True)
@@ -216,11 +249,63 @@ class MegatronTrainer:
         return stats
 
     def _logits(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._forward(ids)[..., : self.model_config.vocab_size]
+
+    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """This stage's output: logits [1, T, padded vocab] on the last, hidden states [T, 1, H] before."""
         n = ids.shape[1]
         # True = hidden: every position sees itself and what precedes it.
         causal = torch.triu(torch.ones(1, 1, n, n, dtype=torch.bool, device=ids.device), diagonal=1)
         positions = torch.arange(n, device=ids.device)[None]
-        return self.model(ids, positions, attention_mask=causal)[..., : self.model_config.vocab_size]
+        return self.model(ids, positions, attention_mask=causal)
+
+    def _pipeline_micro_step(self, sequences: list[TrainSequence]) -> MicroStats:
+        """The GPipe schedule of the module doc: every forward, then every backward, in order."""
+        c, dist = self.config, torch.distributed
+        first, last = self.stage == 0, self.stage == self.layout.pp - 1
+        hidden = self.model_config.hidden_size
+        kept = []  # per sequence: (input hidden state or None, output)
+        for s in sequences:
+            x = None
+            if not first:
+                x = torch.empty(len(s), 1, hidden, dtype=self.dtype, device=self.device)
+                dist.recv(x, self.prev_rank)
+                x.requires_grad_()
+            self.model.set_input_tensor(x)
+            ids = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))[None].to(self.device)
+            out = self._forward(ids)
+            if last:
+                out = sequence_loss(s, out[0, :, : self.model_config.vocab_size], c.clip_low, c.clip_high)
+            else:
+                dist.send(out.detach().contiguous(), self.next_rank)
+            kept.append((x, out))
+        loss_sum, clipped = 0.0, 0
+        for x, out in kept:
+            if last:
+                loss, n_clipped = out
+                loss.backward()
+                loss_sum, clipped = loss_sum + float(loss.detach()), clipped + n_clipped
+            else:
+                grad = torch.empty_like(out)
+                dist.recv(grad, self.next_rank)
+                torch.autograd.backward(out, grad)
+            if not first:
+                dist.send(x.grad.contiguous(), self.prev_rank)
+        self._sum_tied_embedding_grads()
+        # The loss is known on the last stage; every rank reports it.
+        totals = torch.tensor([loss_sum, float(clipped)], dtype=torch.float64, device=self.device)
+        dist.broadcast(totals, dist.get_global_rank(self.pp_group, self.layout.pp - 1), group=self.pp_group)
+        return micro_stats(sequences, float(totals[0]), int(totals[1]))
+
+    def _sum_tied_embedding_grads(self) -> None:
+        """A tied embedding's two copies (first stage: embedding, last: output layer) take the sum
+        of both gradients, as megatron's finalize_model_grads does."""
+        from megatron.core import parallel_state
+
+        if not self.model_config.tie_word_embeddings or self.stage not in (0, self.layout.pp - 1):
+            return
+        name = "embedding.word_embeddings.weight" if self.stage == 0 else "output_layer.weight"
+        torch.distributed.all_reduce(self.params[name].grad, group=parallel_state.get_embedding_group())
 
     def _whole_grad(self, name: str) -> torch.Tensor:
         """A parameter's gradient on this rank; q/k norms act on this rank's heads only, so their
@@ -241,7 +326,7 @@ class MegatronTrainer:
             scale *= self.config.grad_clip / (norm + 1e-6)
         stepped = self.master or self.params
         with torch.no_grad():
-            for name, t in hf_to_megatron(self._view(self.grad), self.layout, self.tp_rank, 0):
+            for name, t in hf_to_megatron(self._view(self.grad), self.layout, self.tp_rank, self.stage):
                 # A copy: ``t`` may be a view of the gradient buffer the transport exposes.
                 stepped[name].grad = t.to(stepped[name].device, torch.float32, copy=True).mul_(scale)
         self.optimizer.step()
@@ -270,7 +355,7 @@ class MegatronTrainer:
 
     def _load(self, read) -> None:  # noqa: ANN001 - a reader callback
         with torch.no_grad():
-            for name, t in hf_to_megatron(read, self.layout, self.tp_rank, 0):
+            for name, t in hf_to_megatron(read, self.layout, self.tp_rank, self.stage):
                 self.params[name].copy_(t)
                 if self.master is not None:
                     self.master[name].copy_(t)
@@ -288,7 +373,10 @@ class MegatronTrainer:
         out = torch.from_numpy(flat)
         with torch.no_grad():
             shards = lambda n: self._shards(tensor_of(n))  # noqa: E731
-            for name, t in megatron_to_hf(shards, self.layout, 0):
+            tensors = megatron_to_hf(shards, self.layout, self.stage)
+            if self.layout.pp > 1:
+                tensors = self._across_stages(dict(tensors))
+            for name, t in tensors:
                 if name in self.slots:  # a tied lm_head is the embedding's slot
                     at, shape = self.slots[name]
                     part = out[at : at + _numel(shape)]
@@ -296,6 +384,18 @@ class MegatronTrainer:
                         part.add_(t.reshape(-1).cpu())
                     else:
                         part.copy_(t.reshape(-1))
+
+    def _across_stages(self, own: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every stage's Hugging Face tensors on every rank: each broadcast by the stage that holds it."""
+        for name, (_, shape) in self.slots.items():
+            stage = self.layout.stage_of(name)
+            if stage == self.stage:
+                t = own[name].float().contiguous()
+            else:
+                t = torch.empty(shape, dtype=torch.float32, device=self.device)
+            src = torch.distributed.get_global_rank(self.pp_group, stage)
+            torch.distributed.broadcast(t, src, group=self.pp_group)
+            yield name, t
 
 
 def _numel(shape: torch.Size) -> int:

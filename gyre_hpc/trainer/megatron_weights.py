@@ -14,9 +14,12 @@
  layers.i.mlp.down_proj               ──▶  ….mlp.linear_fc2                             columns r/t
  model.norm                           ──▶  decoder.final_layernorm                      (last stage)
  lm_head (untied only)                ──▶  output_layer                                 rows r/t
+ model.embed_tokens (tied, PP > 1)    ──▶  output_layer (a copy on the last stage)      rows r/t
 ```
 
-Layer i lives on stage s = i // (layers / pp) as local layer j. The conversion reads one source
+Layer i lives on stage s = i // (layers / pp) as local layer j. With tied embeddings and more
+than one stage, Megatron keeps a copy of the embedding as the last stage's output layer; both
+copies take the same (summed) gradient, so they stay equal. The conversion reads one source
 tensor at a time through a callback (e.g. a ``safetensors`` ``safe_open`` handle) and yields
 target tensors as it goes, so a large model never needs two full copies in memory. Nothing here
 imports megatron: the layout is plain tensor algebra, and the round trip is bit-identical.
@@ -66,6 +69,12 @@ class Layout:
         per = self.config.num_hidden_layers // self.pp
         return range(stage * per, (stage + 1) * per)
 
+    def stage_of(self, hf_name: str) -> int:
+        """The PP stage that holds a Hugging Face tensor (a tied embedding: the first)."""
+        if hf_name.startswith("model.layers."):
+            return int(hf_name.split(".")[2]) // (self.config.num_hidden_layers // self.pp)
+        return 0 if hf_name == "model.embed_tokens.weight" else self.pp - 1
+
 
 ReadHF = Callable[[str], torch.Tensor]
 ReadShards = Callable[[str], list[torch.Tensor]]
@@ -99,8 +108,9 @@ def hf_to_megatron(read: ReadHF, layout: Layout, rank: int, stage: int) -> Itera
         yield mg + "mlp.linear_fc2.weight", _cols(read(hf + "mlp.down_proj.weight"), tp, rank)
     if stage == layout.pp - 1:
         yield "decoder.final_layernorm.weight", read("model.norm.weight")
-        if not c.tie_word_embeddings:
-            yield "output_layer.weight", _rows(_pad_vocab(read("lm_head.weight"), layout), tp, rank)
+        if not c.tie_word_embeddings or layout.pp > 1:
+            head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+            yield "output_layer.weight", _rows(_pad_vocab(read(head), layout), tp, rank)
 
 
 def megatron_to_hf(read: ReadShards, layout: Layout, stage: int) -> Iterator[tuple[str, torch.Tensor]]:

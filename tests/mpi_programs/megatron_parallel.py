@@ -1,6 +1,6 @@
-"""A megatron trainer cell of tensor-parallel ranks: one micro-step and one update, recorded.
+"""A megatron trainer over TP × PP ranks: one micro-step and one update, recorded by rank 0.
 
-mpirun -n TP python megatron_tp.py MODEL_DIR OUT_NPZ
+mpirun -n TP·PP python megatron_parallel.py MODEL_DIR OUT_NPZ TP PP
 """
 
 import dataclasses
@@ -21,11 +21,11 @@ from gyre_hpc.trainer.megatron_backend import MegatronTrainer, MegatronWorld  # 
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
-model_dir, out = Path(sys.argv[1]), sys.argv[2]
+model_dir, out, tp, pp = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 port = comm.bcast(MegatronWorld.alone().port if rank == 0 else None, root=0)
 trainer = MegatronTrainer(
     model_dir,
-    dataclasses.replace(CFG, tp_size=size),
+    dataclasses.replace(CFG, tp_size=tp, pp_size=pp),
     core=True,
     world=MegatronWorld(rank, size, "127.0.0.1", port),
 )
@@ -35,5 +35,5 @@ grad = trainer.gradient().copy()
 trainer.apply(3)
 after = trainer.weights().copy()
 if rank == 0:
-    np.savez(out, before=before, grad=grad, after=after, loss=stats.loss_sum, tokens=stats.tokens)
+    np.savez(out, before=before, grad=grad, after=after, loss=stats.loss_sum, clipped=stats.clipped)
 comm.Barrier()

@@ -92,10 +92,12 @@ def test_megatron_micro_step_and_update_match_the_torch_backend(tmp_path: Path, 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize(
-    ("tp", "pp", "kind"), [(2, 1, "tied (tiny)"), (1, 2, "tied (tiny)"), (1, 2, "untied")]
-)
-def test_a_tensor_or_pipeline_parallel_trainer_matches_one_rank(
-    tmp_path: Path, tp: int, pp: int, kind: str
+    ("ranks", "tp", "pp", "kind"),
+    [(2, 2, 1, "tied (tiny)"), (2, 1, 2, "tied (tiny)"), (2, 1, 2, "untied"), (4, 2, 2, "tied (tiny)"),
+     (2, 1, 1, "tied (tiny)")],
+)  # fmt: skip
+def test_a_data_tensor_or_pipeline_parallel_trainer_matches_one_rank(
+    tmp_path: Path, ranks: int, tp: int, pp: int, kind: str
 ) -> None:
     from gyre_hpc.trainer import megatron_backend
 
@@ -103,7 +105,7 @@ def test_a_tensor_or_pipeline_parallel_trainer_matches_one_rank(
     out = tmp_path / "parallel.npz"
     program = HERE / "mpi_programs" / "megatron_parallel.py"
     proc = subprocess.run(
-        ["mpirun", "--oversubscribe", "-n", str(tp * pp),
+        ["mpirun", "--oversubscribe", "-n", str(ranks),
          sys.executable, str(program), str(model_dir), str(out), str(tp), str(pp)],
         capture_output=True, text=True, timeout=240,
         env={**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"},

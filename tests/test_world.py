@@ -53,20 +53,6 @@ def refusal(engine: str = "embedded", ranks: int = 1, **trainer: object) -> str:
     return str(err.value)
 
 
-@pytest.mark.megatron
-def test_megatron_cells_hold_one_replica_over_all_their_ranks() -> None:
-    check_runnable(
-        EngineConfig(), TrainerConfig(backend="megatron", tp_size=2), CellsConfig(ranks_per_cell=2)
-    )
-    check_runnable(
-        EngineConfig(), TrainerConfig(backend="megatron", tp_size=2, pp_size=2), CellsConfig(ranks_per_cell=4)
-    )
-    assert refusal(ranks=4, backend="megatron", tp_size=2) == (
-        "cells.ranks_per_cell = 4 with trainer.tp_size × trainer.pp_size = 2 × 1: a megatron cell holds "
-        "one replica over all its ranks; valid: cells.ranks_per_cell = 2"
-    )
-
-
 def test_what_the_runtime_does_not_drive_is_refused_in_one_line() -> None:
     assert refusal(engine="sglang").startswith("engine.backend = 'sglang' is not driven by the runtime")
     assert refusal(ranks=2, tp_size=2) == (

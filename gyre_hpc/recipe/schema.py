@@ -114,7 +114,7 @@ class TrainerConfig:
     clip_high: float = knob(0.28, "PPO ratio clip above 1.", min=0.0)
     micro_step_tokens: int = knob(8192, "Tokens packed into one micro-step.", min=16)
     tp_size: int = knob(
-        1, "Tensor-parallel size inside a cell (megatron: tp_size × pp_size = cells.ranks_per_cell).", min=1
+        1, "Tensor-parallel size inside a cell (megatron; ranks beyond tp × pp are data-parallel).", min=1
     )
     pp_size: int = knob(1, "Pipeline-parallel size inside a cell (megatron; GPipe over sequences).", min=1)
     checkpoint_every: int = knob(1, "Write a checkpoint every N steps; 0 never.", min=0)

@@ -92,13 +92,6 @@ def check_runnable(engine: EngineConfig, trainer: TrainerConfig, cells: CellsCon
             raise RecipeError(
                 "trainer.backend = 'megatron' needs megatron-core: pip install -e '.[megatron]'"
             )
-        replica = trainer.tp_size * trainer.pp_size
-        if cells.ranks_per_cell != replica:
-            raise RecipeError(
-                f"cells.ranks_per_cell = {cells.ranks_per_cell} with trainer.tp_size × trainer.pp_size = "
-                f"{trainer.tp_size} × {trainer.pp_size}: a megatron cell holds one replica over all its "
-                f"ranks; valid: cells.ranks_per_cell = {replica}"
-            )
     elif trainer.tp_size != 1 or trainer.pp_size != 1:
         raise RecipeError(
             f"trainer.tp_size = {trainer.tp_size}, trainer.pp_size = {trainer.pp_size}: the "

@@ -20,7 +20,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from gyre_hpc.loss.policy import token_logprobs, weighted_policy_loss
+from gyre_hpc.loss.policy import weighted_policy_loss
 from gyre_hpc.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from gyre_hpc.trajectory.batch import TrainSequence
 
@@ -88,18 +88,19 @@ class Trainer(Protocol):
 
 def policy_micro_step(
     sequences: list[TrainSequence],
-    logits_of: Callable[[torch.Tensor], torch.Tensor],
+    logprobs_of: Callable[[torch.Tensor], torch.Tensor],
     clip_low: float,
     clip_high: float,
     device: torch.device | None = None,
 ) -> MicroStats:
     """Forward/backward every sequence with the weighted policy loss, whatever the model:
-    ``logits_of(ids [1, T])`` gives its logits [1, T, vocab]. Gradients accumulate where
-    autograd puts them; the backend moves them to its flat buffer."""
+    ``logprobs_of(ids [1, T])`` gives the log-prob of each token after the first [T] (as
+    ``loss.policy.token_logprobs``). Gradients accumulate where autograd puts them; the backend
+    moves them to its flat buffer."""
     loss_sum, clipped = 0.0, 0
     for s in sequences:
         ids = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))[None].to(device)
-        loss, out = sequence_loss(s, logits_of(ids)[0], clip_low, clip_high)
+        loss, out = sequence_loss(s, logprobs_of(ids), clip_low, clip_high)
         loss.backward()
         loss_sum += float(loss.detach())
         clipped += out
@@ -107,15 +108,13 @@ def policy_micro_step(
 
 
 def sequence_loss(
-    s: TrainSequence, logits: torch.Tensor, clip_low: float, clip_high: float
+    s: TrainSequence, logp: torch.Tensor, clip_low: float, clip_high: float
 ) -> tuple[torch.Tensor, int]:
-    """One sequence's weighted policy loss from its logits [T, vocab], and how many of its loss
-    tokens had their importance ratio clipped."""
-    device = logits.device
-    ids = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64)).to(device)
+    """One sequence's weighted policy loss from its token log-probs [T], and how many of its
+    loss tokens had their importance ratio clipped."""
+    device = logp.device
     mask = torch.from_numpy(np.asarray(s.loss_mask, dtype=np.float32)).to(device)
     behaviour = torch.from_numpy(np.asarray(s.behaviour_logprobs, dtype=np.float32)).to(device)
-    logp = token_logprobs(logits, ids)
     adv = torch.full_like(logp, s.advantage)
     weights = torch.full_like(logp, s.token_weight)
     loss = weighted_policy_loss(logp, behaviour, adv, weights, mask, clip_low, clip_high)

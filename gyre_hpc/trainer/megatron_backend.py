@@ -12,7 +12,8 @@ engines load snapshots unchanged, cells of either backend sum their gradients al
 checkpoints stay Hugging Face directories. Conversion happens at those boundaries, tensor by
 tensor (``megatron_weights``): a rank loads its own shards of its own stage; shards are gathered
 over the tensor-parallel group, and each stage's tensors are broadcast over the pipeline group,
-wherever a whole tensor is needed. Every rank holds the whole flat buffers.
+wherever a whole tensor is needed. Every rank holds the whole flat buffers. Ranks beyond
+tp × pp are data-parallel replicas: they split each micro-step's sequences and sum gradients.
 
 With pipeline stages, a micro-step runs a GPipe schedule whose micro-batches are its sequences
 (every rank has them all, so each hidden-state shape is known on both ends; no padding):
@@ -42,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from gyre_hpc.loss.policy import token_logprobs
 from gyre_hpc.models.qwen3 import Qwen3Config
 from gyre_hpc.recipe.schema import TrainerConfig
 from gyre_hpc.trainer.base import (
@@ -107,7 +109,7 @@ def build_model(c: Qwen3Config, layout: Layout, dtype: torch.dtype, stage: int =
         share_embeddings_and_output_weights=c.tie_word_embeddings and layout.pp == 1,
         pre_process=stage == 0,
         post_process=stage == layout.pp - 1,
-        parallel_output=False,  # whole-vocabulary logits on every TP rank: the policy loss needs them
+        parallel_output=True,  # each TP rank keeps its vocabulary shard: log-probs are vocab-parallel
     )
 
 
@@ -174,6 +176,10 @@ class MegatronTrainer:
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.stage = parallel_state.get_pipeline_model_parallel_rank()
+        # Ranks beyond tp × pp are data-parallel replicas of the model inside the cell.
+        self.dp = parallel_state.get_data_parallel_world_size()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_group = parallel_state.get_data_parallel_group()
         if self.layout.pp > 1:
             self.pp_group = parallel_state.get_pipeline_model_parallel_group()
             self.prev_rank = parallel_state.get_pipeline_model_parallel_prev_rank()
@@ -237,10 +243,14 @@ class MegatronTrainer:
 
     def micro_step(self, sequences: list[TrainSequence]) -> MicroStats:
         c = self.config
+        mine = sequences[self.dp_rank :: self.dp]  # data-parallel replicas inside the cell split them
         if self.layout.pp == 1:
-            stats = policy_micro_step(sequences, self._logits, c.clip_low, c.clip_high, self.device)
+            logprobs = lambda ids: self._token_logprobs(self._forward(ids), ids)  # noqa: E731
+            stats = policy_micro_step(mine, logprobs, c.clip_low, c.clip_high, self.device)
         else:
-            stats = self._pipeline_micro_step(sequences)
+            stats = self._pipeline_micro_step(mine)
+        if self.dp > 1:
+            stats = self._sum_over_replicas(sequences, stats)
         # The gradient leaves in the shared layout, where the core (or the transport) reads it,
         # accumulated there in fp32 whatever the parameters' dtype.
         self._to_flat(self.grad, self._whole_grad, add=True)
@@ -248,11 +258,9 @@ class MegatronTrainer:
             p.grad = None
         return stats
 
-    def _logits(self, ids: torch.Tensor) -> torch.Tensor:
-        return self._forward(ids)[..., : self.model_config.vocab_size]
-
     def _forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """This stage's output: logits [1, T, padded vocab] on the last, hidden states [T, 1, H] before."""
+        """This stage's output: the last stage's logits over this rank's vocabulary shard
+        [1, T, padded vocab / tp]; hidden states [T, 1, H] before it."""
         n = ids.shape[1]
         # True = hidden: every position sees itself and what precedes it.
         causal = torch.triu(torch.ones(1, 1, n, n, dtype=torch.bool, device=ids.device), diagonal=1)
@@ -275,7 +283,7 @@ class MegatronTrainer:
             ids = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))[None].to(self.device)
             out = self._forward(ids)
             if last:
-                out = sequence_loss(s, out[0, :, : self.model_config.vocab_size], c.clip_low, c.clip_high)
+                out = sequence_loss(s, self._token_logprobs(out, ids), c.clip_low, c.clip_high)
             else:
                 dist.send(out.detach().contiguous(), self.next_rank)
             kept.append((x, out))
@@ -295,6 +303,34 @@ class MegatronTrainer:
         # The loss is known on the last stage; every rank reports it.
         totals = torch.tensor([loss_sum, float(clipped)], dtype=torch.float64, device=self.device)
         dist.broadcast(totals, dist.get_global_rank(self.pp_group, self.layout.pp - 1), group=self.pp_group)
+        return micro_stats(sequences, float(totals[0]), int(totals[1]))
+
+    def _token_logprobs(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``loss.policy.token_logprobs`` from this rank's vocabulary shard of the logits: the
+        softmax is reduced over the tensor-parallel group, so no rank holds the whole vocabulary.
+        Padding columns are excluded, as the engines' logits have none."""
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        vocab = self.model_config.vocab_size
+        if self.layout.tp == 1:
+            return token_logprobs(logits[0, :, :vocab], ids[0])
+        shard = logits[0, :-1].float()
+        first = self.tp_rank * shard.shape[-1]
+        padding = torch.arange(first, first + shard.shape[-1], device=shard.device) >= vocab
+        shard = shard.masked_fill(padding, float("-inf"))
+        nll = vocab_parallel_cross_entropy(shard[:, None], ids[0, 1:, None])  # [T-1, 1]
+        return F.pad(-nll[:, 0], (1, 0))
+
+    def _sum_over_replicas(self, sequences: list[TrainSequence], mine: MicroStats) -> MicroStats:
+        """Gradients and loss summed over the data-parallel replicas of the cell (as megatron's
+        DDP does), so every replica holds the micro-step's whole gradient."""
+        dist = torch.distributed
+        for p in self.params.values():
+            if p.grad is None:  # this replica had no sequence
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=self.dp_group)
+        totals = torch.tensor([mine.loss_sum, float(mine.clipped)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(totals, group=self.dp_group)
         return micro_stats(sequences, float(totals[0]), int(totals[1]))
 
     def _sum_tied_embedding_grads(self) -> None:

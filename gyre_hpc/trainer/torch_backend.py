@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from gyre_hpc.engines.embedded import unique_parameters
+from gyre_hpc.loss.policy import token_logprobs
 from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 from gyre_hpc.recipe.schema import TrainerConfig
 from gyre_hpc.trainer.base import ApplyStats, MicroStats, policy_micro_step
@@ -69,7 +70,8 @@ class TorchTrainer:
 
     def micro_step(self, sequences: list[TrainSequence]) -> MicroStats:
         c = self.config
-        return policy_micro_step(sequences, lambda ids: self.model(ids)[0], c.clip_low, c.clip_high)
+        logprobs = lambda ids: token_logprobs(self.model(ids)[0][0], ids[0])  # noqa: E731
+        return policy_micro_step(sequences, logprobs, c.clip_low, c.clip_high)
 
     def apply(self, num_runs: int) -> ApplyStats:
         if self.optimizer is None:

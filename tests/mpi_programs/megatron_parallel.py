@@ -1,6 +1,6 @@
-"""A megatron trainer over TP × PP ranks: one micro-step and one update, recorded by rank 0.
+"""A megatron trainer over DP × TP × PP ranks: one micro-step and one update, recorded by rank 0.
 
-mpirun -n TP·PP python megatron_parallel.py MODEL_DIR OUT_NPZ TP PP
+mpirun -n DP·TP·PP python megatron_parallel.py MODEL_DIR OUT_NPZ TP PP
 """
 
 import dataclasses

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# tools/bench_megatron.py on a lent GPU machine. Its Python (3.12, CUDA torch) has everything the
+# benchmark imports except megatron-core and tomli_w, and it cannot reach PyPI, so the wheels are
+# fetched here and carried there.
+#
+#   here:   bash tools/gpu_bench.sh prepare            # wheels for CPython 3.12 into .whl/ (git-ignored)
+#   there:  bash tools/gpu_bench.sh run [BENCH ARGS]   # the device tool's run, with carry [".whl"];
+#                                                      # the figures land in $OUT/bench_megatron.json
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MEGATRON="megatron-core==0.19.2"  # the release that runs on the GPU machine's torch 2.11
+case "${1:-}" in
+prepare)
+    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 \
+        -d .whl "$MEGATRON" tomli_w
+    ls .whl
+    ;;
+run)
+    shift
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "no GPU"
+    out="${OUT:-/tmp/bench}"  # what comes back from the device
+    mkdir -p "$out"
+    rm -rf /tmp/bench-megatron  # the random model: gigabytes, never sent back
+    PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 python3 tools/bench_megatron.py --dir /tmp/bench-megatron "$@" \
+        2>&1 | tee "$out/bench.log"
+    cp /tmp/bench-megatron/bench_megatron.json "$out/"
+    ;;
+*)
+    echo "usage: bash tools/gpu_bench.sh prepare | run [bench_megatron.py arguments]" >&2
+    exit 2
+    ;;
+esac

@@ -80,3 +80,21 @@ def test_cancel_interrupts_the_job_and_records_it(tmp_path: Path) -> None:
     end = wait_for_event(run, "run_end", timeout=60)
     assert end["status"] == "interrupted"
     wait_for_state(job_id, "CANCELLED")
+
+
+@pytest.mark.megatron
+def test_a_megatron_cell_spans_the_ranks_of_its_node(tmp_path: Path) -> None:
+    """Each cell: 2 tensor-parallel ranks on one emulated node, meeting at their leader's host."""
+    job_id, run = submit(
+        tmp_path,
+        *("trainer.backend=megatron", "trainer.tp_size=2", "cells.ranks_per_cell=2", "run.steps=2"),
+        *("run.model=tiny-warm", "agent.max_calls=6", "tasks.prompts_per_step=2"),  # rewards that differ
+    )
+    end = wait_for_event(run, "run_end", timeout=240)
+    assert end["status"] == "completed", end
+    events = read_events(run.events)
+    assert next(e for e in events if e["event"] == "world_up")["size"] == 5
+    assert [e["version"] for e in events if e["event"] == "step"] == [1, 2]
+    hosts = {r["rank"]: r["host"] for r in run.read_ranks()}
+    assert hosts[1] == hosts[2] != hosts[3] == hosts[4] != hosts[0]
+    wait_for_state(job_id, "COMPLETED")

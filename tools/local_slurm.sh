@@ -8,7 +8,8 @@
 #
 # Settings that matter on one host (DESIGN.md §11): one slurmd per emulated node with its own
 # Port and %n paths, TmpFS per node (else PMIx directories collide and ranks hang in MPI_Init),
-# config_overrides to declare more CPUs than exist, backfill that starts het jobs at once.
+# config_overrides to declare more CPUs than exist, backfill that starts het jobs at once, and a
+# task prolog that keeps Open MPI's shared-memory transport out of the way (see task_prolog).
 # It writes /etc/slurm/slurm.conf only when there is none or the one there is ours.
 set -euo pipefail
 
@@ -50,6 +51,7 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none
 TmpFS=/tmp/slurm-%n
+TaskProlog=$STATE/task-prolog.sh
 SlurmdParameters=config_overrides
 SchedulerType=sched/backfill
 SchedulerParameters=bf_interval=1,bf_hetjob_immediate
@@ -66,6 +68,8 @@ JobCompType=jobcomp/none
 NodeName=node[1-$NODES] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[17001-$((17000 + NODES))] CPUs=$CPUS RealMemory=4000 State=UNKNOWN
 PartitionName=debug Nodes=node[1-$NODES] Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 CONF
+  task_prolog >"$STATE/task-prolog.sh"
+  chmod 755 "$STATE/task-prolog.sh"
   cat >"$dbd" <<CONF
 $MARK
 AuthType=auth/munge
@@ -81,6 +85,13 @@ StoragePass=gyre-local
 StorageLoc=gyre_slurm_acct
 CONF
   chmod 600 "$dbd"
+}
+
+# Emulated nodes share one host. With two tasks on an emulated node, Open MPI's shared-memory
+# transport (vader) gets two views of which ranks are local (PMIx: those of the emulated node;
+# hostnames: every rank) and crashes in MPI_Comm_split. On one host, TCP over loopback does.
+task_prolog() {
+  printf '#!/bin/sh\n%s\necho "export OMPI_MCA_btl=self,tcp"\n' "$MARK"
 }
 
 start_munge() {

@@ -8,9 +8,9 @@
 ```
 
 The leader hosts the engine (an HTTP server the proxy calls) and the trainer; members follow
-role switches. The torch backend computes on the leader; a megatron replica spreads
-tensor-parallel over every rank of its cell, and the members mirror each trainer verb the
-leader calls (``runtime.replica``). Cell 0 — the core — owns the optimizer, publishes every
+role switches. The torch backend computes on the leader; a megatron trainer spans every rank
+of its cell (tensor-, pipeline- and data-parallel), and the members mirror each trainer verb
+the leader calls (``runtime.replica``). Cell 0 — the core — owns the optimizer, publishes every
 version through the transport and writes checkpoints. A cell knows nothing about the schedule.
 """
 

@@ -46,7 +46,12 @@ def step_tasks(tasks: TasksConfig, seed: int, step: int) -> list[Task]:
 
 
 def step_jobs(tasks: Sequence[Task], group_size: int, step: int) -> list[tuple[str, Task]]:
-    return [(f"s{step:04d}-{t.id}-g{g}", t) for t in tasks for g in range(group_size)]
+    return [(run_id(step, t.id, g), t) for t in tasks for g in range(group_size)]
+
+
+def run_id(step: int, task_id: str, g: int) -> str:
+    """The run of the ``g``-th execution of a task's group in ``step``."""
+    return f"s{step:04d}-{task_id}-g{g}"
 
 
 @dataclass
@@ -167,8 +172,9 @@ def by_task(outcomes: Sequence[Outcome]) -> dict[str, list[Outcome]]:
 def group_work(
     group: Sequence[Outcome], trees: Mapping[str, TrajectoryTree], sequences: Sequence[TrainSequence]
 ) -> dict[str, object]:
-    """What one group cost, independent of timing: the tokens each run generated (sampling work)
-    and the length of each sequence it trains (training work). The simulator replays these."""
+    """What one group cost, independent of timing: the tokens each run generated (sampling work),
+    in the order of the sorted run ids, and the length of each sequence it trains (training
+    work). The simulator replays these."""
     runs = sorted(o.execution.run_id for o in group)
     return {
         "task": group[0].execution.task_id,

@@ -22,17 +22,18 @@ from gyre_hpc.errors import GyreError
 from gyre_hpc.observability.events import read_events
 from gyre_hpc.recipe.load import load_recipe
 from gyre_hpc.recipe.schema import Recipe
+from gyre_hpc.runtime.step_data import run_id
 from gyre_hpc.sim.config import SimConfig
 from gyre_hpc.sim.simulate import CellTime, Group, SimResult, Workload, packed
 
 
 def run_tokens(steps: list[dict[str, Any]]) -> dict[str, int]:
-    """Run id → tokens it generated, from the step events' groups."""
+    """Run id → tokens it generated, from the step events' groups (listed by sorted run id)."""
     out = {}
     for s in steps:
         for g in s.get("groups", []):
-            for i, t in enumerate(g["run_tokens"]):
-                out[f"s{s['step']:04d}-{g['task']}-g{i}"] = t
+            runs = sorted(run_id(s["step"], g["task"], i) for i in range(len(g["run_tokens"])))
+            out |= dict(zip(runs, g["run_tokens"], strict=True))
     return out
 
 

@@ -39,8 +39,23 @@ def flat_slots(config: Qwen3Config) -> dict[str, tuple[int, torch.Size]]:
 
 def flat_tensors(flat: np.ndarray, config: Qwen3Config) -> dict[str, torch.Tensor]:
     """The Hugging Face tensors of a flat buffer, as views."""
+    return slot_views(flat, flat_slots(config))
+
+
+def slot_views(flat: np.ndarray, slots: dict[str, tuple[int, torch.Size]]) -> dict[str, torch.Tensor]:
+    """``flat`` cut by ``slots`` (from ``flat_slots``) into named views."""
     t = torch.from_numpy(flat)
-    return {name: t[at : at + shape.numel()].view(shape) for name, (at, shape) in flat_slots(config).items()}
+    return {name: t[at : at + shape.numel()].view(shape) for name, (at, shape) in slots.items()}
+
+
+def mean_gradient_scale(sum_norm: float, num_runs: int, grad_clip: float) -> tuple[float, float]:
+    """The norm of the mean gradient (a sum over ``num_runs`` runs whose norm is ``sum_norm``)
+    and the factor that turns the sum into the clipped mean: one rule for every backend."""
+    runs = max(num_runs, 1)
+    norm, scale = sum_norm / runs, 1.0 / runs
+    if grad_clip and norm > grad_clip:
+        scale *= grad_clip / (norm + 1e-6)
+    return norm, scale
 
 
 @dataclass(frozen=True)
@@ -126,6 +141,7 @@ def sequence_loss(
 
 
 def micro_stats(sequences: list[TrainSequence], loss_sum: float, clipped: int) -> MicroStats:
+    """A micro-step's counts; the loss and clip count come from wherever it was computed."""
     tokens = sum(len(s) for s in sequences)
     loss_tokens = int(sum(float(np.asarray(s.loss_mask).sum()) for s in sequences))
     return MicroStats(len(sequences), tokens, loss_tokens, loss_sum, clipped)

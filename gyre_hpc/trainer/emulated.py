@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import time
 
-from gyre_hpc.trainer.base import MicroStats
+from gyre_hpc.trainer.base import MicroStats, micro_stats
 from gyre_hpc.trainer.torch_backend import TorchTrainer
 from gyre_hpc.trajectory.batch import TrainSequence
 
 
 class EmulatedTrainer(TorchTrainer):
     def micro_step(self, sequences: list[TrainSequence]) -> MicroStats:
-        tokens = sum(len(s) for s in sequences)
-        time.sleep(tokens * self.config.emulated_s_per_token)
-        loss_tokens = int(sum(s.loss_mask.sum() for s in sequences))
-        return MicroStats(len(sequences), tokens, loss_tokens, 0.0, 0)
+        time.sleep(sum(len(s) for s in sequences) * self.config.emulated_s_per_token)
+        return micro_stats(sequences, 0.0, 0)

@@ -50,9 +50,11 @@ from gyre_hpc.trainer.base import (
     ApplyStats,
     MicroStats,
     flat_slots,
+    mean_gradient_scale,
     micro_stats,
     policy_micro_step,
     sequence_loss,
+    slot_views,
 )
 from gyre_hpc.trainer.megatron_cpu import redirect_cuda_to_cpu
 from gyre_hpc.trainer.megatron_weights import Layout, hf_to_megatron, megatron_to_hf
@@ -201,7 +203,7 @@ class MegatronTrainer:
             else None
         )
         self.slots = flat_slots(self.model_config)
-        self.numel = sum(int(np.prod(shape)) for _, shape in self.slots.values())
+        self.numel = sum(shape.numel() for _, shape in self.slots.values())
         # Snapshots leave through host memory: pinned, so a GPU copies at full speed into it.
         self.flat = torch.zeros(self.numel, pin_memory=torch.cuda.is_available()).numpy()
         if grad_buffer is None:
@@ -356,10 +358,8 @@ class MegatronTrainer:
     def apply(self, num_runs: int) -> ApplyStats:
         if self.optimizer is None:
             raise RuntimeError("only the core owns an optimizer")
-        norm = float(np.linalg.norm(self.grad)) / max(num_runs, 1)  # the whole gradient: every rank has it
-        scale = 1.0 / max(num_runs, 1)
-        if self.config.grad_clip and norm > self.config.grad_clip:
-            scale *= self.config.grad_clip / (norm + 1e-6)
+        # The whole gradient: every rank has it.
+        norm, scale = mean_gradient_scale(float(np.linalg.norm(self.grad)), num_runs, self.config.grad_clip)
         stepped = self.master or self.params
         with torch.no_grad():
             for name, t in hf_to_megatron(self._view(self.grad), self.layout, self.tp_rank, self.stage):
@@ -384,10 +384,7 @@ class MegatronTrainer:
     # ---- layout boundaries ---------------------------------------------------------------------
 
     def _view(self, flat: np.ndarray):  # noqa: ANN202 - a reader callback
-        t = torch.from_numpy(flat)
-        return lambda name: t[self.slots[name][0] : self.slots[name][0] + _numel(self.slots[name][1])].view(
-            self.slots[name][1]
-        )
+        return slot_views(flat, self.slots).__getitem__
 
     def _load(self, read) -> None:  # noqa: ANN001 - a reader callback
         with torch.no_grad():
@@ -415,7 +412,7 @@ class MegatronTrainer:
             for name, t in tensors:
                 if name in self.slots:  # a tied lm_head is the embedding's slot
                     at, shape = self.slots[name]
-                    part = out[at : at + _numel(shape)]
+                    part = out[at : at + shape.numel()]
                     if add:
                         part.add_(t.reshape(-1).cpu())
                     else:
@@ -432,10 +429,6 @@ class MegatronTrainer:
             src = torch.distributed.get_global_rank(self.pp_group, stage)
             torch.distributed.broadcast(t, src, group=self.pp_group)
             yield name, t
-
-
-def _numel(shape: torch.Size) -> int:
-    return int(np.prod(shape))
 
 
 def _reader(model_dir: Path):  # noqa: ANN202 - a reader callback

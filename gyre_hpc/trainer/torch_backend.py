@@ -16,7 +16,7 @@ from gyre_hpc.engines.embedded import unique_parameters
 from gyre_hpc.loss.policy import token_logprobs
 from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 from gyre_hpc.recipe.schema import TrainerConfig
-from gyre_hpc.trainer.base import ApplyStats, MicroStats, policy_micro_step
+from gyre_hpc.trainer.base import ApplyStats, MicroStats, mean_gradient_scale, policy_micro_step
 from gyre_hpc.trajectory.batch import TrainSequence
 
 
@@ -77,10 +77,10 @@ class TorchTrainer:
         if self.optimizer is None:
             raise RuntimeError("only the core owns an optimizer")
         with torch.no_grad():
-            self.grad.div_(max(num_runs, 1))
-            norm = float(torch.linalg.vector_norm(self.grad))
-            if self.config.grad_clip and norm > self.config.grad_clip:
-                self.grad.mul_(self.config.grad_clip / (norm + 1e-6))
+            norm, scale = mean_gradient_scale(
+                float(torch.linalg.vector_norm(self.grad)), num_runs, self.config.grad_clip
+            )
+            self.grad.mul_(scale)
         self.optimizer.step()
         self.version += 1
         return ApplyStats(self.version, norm)

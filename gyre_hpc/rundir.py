@@ -5,14 +5,19 @@ runs/<name>-<YYYYmmdd-HHMMSS>/
   recipe.toml     the resolved recipe (every key, documented)
   events.jsonl    what happened, one JSON record per line (observability.events)
   tito.bin        every model call's exact token ids, delta-encoded (trajectory.codec)
+  proxy.secret    signs the per-execution API keys (proxy.keys)
   checkpoints/    step-NNNNNN/: a Hugging Face model directory + optimizer state + state.json
+  metrics.png     reward and pass rate per step (observability.plot)
+  workspaces/     step-NNNN/<run>/: each execution's working directory
+  tasks/          files the tasks' verifiers use
   job.json        how it was launched: local mpirun or the Slurm job id
   logs/           mpirun.log or slurm-<job>.out, rank-<N>.log
   ranks/          rank-<N>.json: pid, host, role of every rank (written when it starts);
                   rank-<N>.exit: its exit code (written as it ends)
 ```
 
-``status`` and later ``bench`` and plots read only this directory, never a live process.
+``status``, ``bench`` and plots read only this directory, never a live process; every module
+reaches these files through ``RunDir``, so their names are written once, here.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gyre_hpc.observability.events import Event, read_events
 from gyre_hpc.recipe import Recipe, load_recipe, to_toml
 
 
@@ -61,10 +67,45 @@ class RunDir:
         """Every model call of every execution, as checksummed encoded records (trajectory.codec)."""
         return self.path / "tito.bin"
 
+    def tito_bytes(self) -> int:
+        """Size of the TITO log: every call answered so far is in it (written before the reply)."""
+        return self.tito_log.stat().st_size if self.tito_log.exists() else 0
+
+    @property
+    def proxy_secret(self) -> Path:
+        """The key the proxy signs per-execution API keys with (mode 600)."""
+        return self.path / "proxy.secret"
+
     @property
     def checkpoints(self) -> Path:
         """``step-NNNNNN/`` directories the core writes (trainer.checkpoint)."""
         return self.path / "checkpoints"
+
+    @property
+    def metrics_plot(self) -> Path:
+        return self.path / "metrics.png"
+
+    @property
+    def workspaces(self) -> Path:
+        return self.path / "workspaces"
+
+    def step_workspaces(self, step: int) -> Path:
+        """The workspaces of one step's executions (and of its held-out evaluation)."""
+        return self.workspaces / f"step-{step:04d}"
+
+    @property
+    def task_files(self) -> Path:
+        return self.path / "tasks"
+
+    @property
+    def executions(self) -> Path:
+        """``gyre-hpc eval``: every execution and its score, one JSON object per line."""
+        return self.path / "executions.jsonl"
+
+    @property
+    def eval_summary(self) -> Path:
+        """``gyre-hpc eval``: the summary it printed."""
+        return self.path / "eval.json"
 
     @property
     def logs(self) -> Path:
@@ -83,6 +124,9 @@ class RunDir:
 
     def read_recipe(self) -> Recipe:
         return load_recipe(self.recipe_path)
+
+    def read_events(self) -> list[Event]:
+        return read_events(self.events)
 
     def write_job(self, **info: Any) -> None:
         self.job_path.write_text(json.dumps(info, indent=1) + "\n")

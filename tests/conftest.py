@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 CAPABILITIES = ("mpi", "slurm", "gpu", "rdma", "megatron")
@@ -43,8 +44,6 @@ def why_missing(capability: str) -> str | None:
             return "megatron-core not installed (pip install -e '.[megatron]')"
         return None
     if capability == "gpu":
-        import torch
-
         return None if torch.cuda.is_available() else "no CUDA GPU"
     if capability == "rdma":
         try:
@@ -77,3 +76,9 @@ def gyre(*args: str, cwd: Path | None = None, timeout: float = 120, **kw) -> sub
         timeout=timeout,
         **kw,
     )
+
+
+def flat_of(model: torch.nn.Module) -> torch.Tensor:
+    """The model's parameters in registration order, tied ones once: the flat layout, derived
+    here independently of ``models.flat``."""
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])

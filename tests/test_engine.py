@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from aiohttp import web
-from conftest import REPO
+from conftest import REPO, flat_of
 
 from gyre_hpc.engines.client import EngineClient, EngineError
-from gyre_hpc.engines.embedded import Engine, flat_parameters
+from gyre_hpc.engines.embedded import Engine
 from gyre_hpc.engines.server import make_app
 from gyre_hpc.engines.sglang import sglang_command
 from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
@@ -192,7 +192,7 @@ def test_weights_from_disk_and_from_a_flat_buffer(tiny: Path, tmp_path: Path) ->
             reply = await client.update_weights_from_disk(str(other), "v1")
             assert reply["success"]
             after = await client.generate(ids, greedy)
-            served.engine.load_flat(flat_parameters(Qwen3ForCausalLM.from_pretrained(tiny)), "v2")
+            served.engine.load_flat(flat_of(Qwen3ForCausalLM.from_pretrained(tiny)), "v2")
             again = logprobs(await client.generate(ids, greedy))
             return before, logprobs(after), after["meta_info"]["weight_version"], again
 

@@ -29,7 +29,7 @@ def only_run(runs: Path) -> RunDir:
 
 
 def kinds(run: RunDir) -> list[str]:
-    return [e["event"] for e in read_events(run.events)]
+    return [e.kind for e in read_events(run.events)]
 
 
 def processes_of(run: RunDir) -> list[int]:
@@ -59,13 +59,13 @@ def test_smoke_run_brings_up_the_world_and_exits_0(tmp_path: Path) -> None:
     assert "run completed" in proc.stderr
     run = only_run(tmp_path)
     events = read_events(run.events)
-    world = next(e for e in events if e["event"] == "world_up")
-    assert (world["size"], world["launcher"]) == (3, "mpirun")
-    assert sorted(e["cell"] for e in events if e["event"] == "hello") == [0, 1]
-    first_roles = [(e["cell"], e["role"]) for e in events if e["event"] == "role_switched"][:2]
+    world = next(e for e in events if e.kind == "world_up")
+    assert (world.size, world.launcher) == (3, "mpirun")
+    assert sorted(e.cell for e in events if e.kind == "hello") == [0, 1]
+    first_roles = [(e.cell, e.role) for e in events if e.kind == "role_switched"][:2]
     assert sorted(first_roles) == [(0, "sampling"), (1, "sampling")]  # colocate starts sampling
-    assert [e["step"] for e in events if e["event"] == "step"] == [1, 2, 3]
-    assert kinds(run)[-2:] == ["shutdown", "run_end"] and events[-1]["status"] == "completed"
+    assert [e.step for e in events if e.kind == "step"] == [1, 2, 3]
+    assert kinds(run)[-2:] == ["shutdown", "run_end"] and events[-1].status == "completed"
     assert [r["rank"] for r in run.read_ranks()] == [0, 1, 2]
     assert load_recipe(run.recipe_path) == load_recipe(SMOKE, sets)
     assert processes_of(run) == []
@@ -91,10 +91,10 @@ def test_multi_rank_cells_pool_and_async_roles(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     run = only_run(tmp_path)
     events = read_events(run.events)
-    assert next(e for e in events if e["event"] == "world_up")["size"] == 6
-    hellos = {e["cell"]: (e["rank"], e["standalone"]) for e in events if e["event"] == "hello"}
+    assert next(e for e in events if e.kind == "world_up").size == 6
+    hellos = {e.cell: (e.rank, e.standalone) for e in events if e.kind == "hello"}
     assert hellos == {0: (1, False), 1: (3, False), 2: (5, True)}  # leaders only
-    switched = {e["cell"]: e["role"] for e in events if e["event"] == "role_switched"}
+    switched = {e.cell: e.role for e in events if e.kind == "role_switched"}
     assert switched == {0: "training", 1: "sampling", 2: "sampling"}
     assert sorted((r["rank"], r["cell"]) for r in run.read_ranks()) == [
         (0, None),
@@ -140,7 +140,7 @@ def test_killing_a_cell_rank_fails_the_run_cleanly(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert "run failed: rank 2 (cell 1) died:" in err and "exited on signal 9" in err
     end = read_events(run.events)[-1]
-    assert (end["event"], end["status"]) == ("run_end", "failed")
+    assert (end.kind, end.status) == ("run_end", "failed")
     assert processes_of(run) == []
 
 
@@ -153,7 +153,7 @@ def test_interrupt_stops_every_rank_and_is_recorded(tmp_path: Path, signum: int)
     assert time.monotonic() - started < 10
     assert proc.returncode == 130 and "run interrupted" in err
     end = read_events(run.events)[-1]
-    assert (end["event"], end["status"]) == ("run_end", "interrupted")
+    assert (end.kind, end.status) == ("run_end", "interrupted")
     assert processes_of(run) == []
 
 
@@ -183,8 +183,8 @@ def test_wrong_world_size_is_an_error_not_a_hang(
     )
     assert proc.returncode != 0
     assert message in proc.stderr
-    failed = [e for e in read_events(run.events) if e["event"] == "rank_failed"]
-    assert len(failed) == 1 and message in failed[0]["error"]
+    failed = [e for e in read_events(run.events) if e.kind == "rank_failed"]
+    assert len(failed) == 1 and message in failed[0].error
 
 
 def test_backends_the_runtime_does_not_drive_yet_are_refused_in_one_line(tmp_path: Path) -> None:

@@ -13,9 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import gyre
+from conftest import flat_of, gyre
 
-from gyre_hpc.engines.embedded import flat_parameters
 from gyre_hpc.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from gyre_hpc.models.registry import resolve_model
 from gyre_hpc.models.tiny import init_tiny, save_weights
@@ -131,7 +130,7 @@ def test_checkpoints_are_hugging_face_directories_whatever_the_backend(tmp_path:
     mega.apply(3)
     saved = checkpoint.save(tmp_path / "ckpt", 1, mega, model_dir)
     # The engines' own loader reads it, and a torch trainer resumes from it, exactly.
-    assert np.array_equal(flat_parameters(Qwen3ForCausalLM.from_pretrained(saved)).numpy(), mega.weights())
+    assert np.array_equal(flat_of(Qwen3ForCausalLM.from_pretrained(saved)).numpy(), mega.weights())
     ours = TorchTrainer(model_dir, CFG, core=True)
     checkpoint.restore(saved, ours)
     assert ours.version == 1 and np.array_equal(ours.weights(), mega.weights())
@@ -160,7 +159,7 @@ def smoke_run(runs_dir: Path, *sets: str, resume: Path | None = None) -> Path:
 
 
 def step_events(run_dir: Path) -> list[dict]:
-    return [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "step"]
+    return [e for e in read_events(run_dir / "events.jsonl") if e.kind == "step"]
 
 
 @pytest.mark.mpi
@@ -172,13 +171,13 @@ def test_the_runtime_trains_with_megatron_cells_of_one_rank_or_of_several(tmp_pa
 
     one = smoke_run(tmp_path / "tp1")
     pp2 = smoke_run(tmp_path / "pp2", "--set", "trainer.pp_size=2", "--set", "cells.ranks_per_cell=2")
-    assert [s["version"] for s in step_events(pp2)] == [1, 2]
-    assert all(s["micro_steps"] > 0 for s in step_events(pp2))
+    assert [s.version for s in step_events(pp2)] == [1, 2]
+    assert all(s.micro_steps > 0 for s in step_events(pp2))
     # Each cell's replica spans both of its ranks (its leader alone cannot compute a step), and
     # both shapes train the same: same samples, same gradients, same update.
     for a, b in zip(step_events(one), step_events(pp2), strict=True):
-        assert a["groups"] == b["groups"]
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert a.groups == b.groups
+        assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-4)
     start = load_file(str(resolve_model("tiny-warm") / "model.safetensors"))
     ckpt = "checkpoints/step-000002/model.safetensors"
     w1, w2 = load_file(str(one / ckpt)), load_file(str(pp2 / ckpt))
@@ -187,7 +186,7 @@ def test_the_runtime_trains_with_megatron_cells_of_one_rank_or_of_several(tmp_pa
     assert np.linalg.norm(d2 - d1) <= 1e-3 * np.linalg.norm(d1)  # measured: 1.4e-4
     # Resuming gathers and scatters the optimizer state of every rank of the replica.
     smoke_run(tmp_path, "--set", "run.steps=3", resume=pp2)
-    assert [s["version"] for s in step_events(pp2)][-1] == 3
+    assert [s.version for s in step_events(pp2)][-1] == 3
     logs = "".join(p.read_text() for p in (pp2 / "logs").glob("rank-*.log"))
     assert "core: resumed from" in logs and "AdamW starts afresh" not in logs
 

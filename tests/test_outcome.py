@@ -5,20 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from gyre_hpc.launch.outcome import conclude, diagnose
-from gyre_hpc.observability.events import EventLog, read_events
+from gyre_hpc.observability import events as ev
 from gyre_hpc.rundir import RunDir
 
 
 def test_rank_failure_event_names_rank_and_cell(tmp_path: Path) -> None:
     run = RunDir.create(tmp_path, "t")
-    with EventLog(run.events) as log:
-        log.emit("rank_failed", rank=2, task=2, cell=1, host="node3", error="ProtocolError: no Hello")
+    with ev.EventLog(run.events) as log:
+        log.emit(ev.RankFailed(rank=2, task=2, cell=1, host="node3", error="ProtocolError: no Hello"))
     out = diagnose(run, 1, False, None)
-    assert out == {
-        "status": "failed",
-        "returncode": 1,
-        "reason": "rank 2 (cell 1 on node3) failed: ProtocolError: no Hello",
-    }
+    assert out == ev.RunEnd(
+        status="failed", returncode=1, reason="rank 2 (cell 1 on node3) failed: ProtocolError: no Hello"
+    )
 
 
 def test_killed_rank_found_in_mpirun_log(tmp_path: Path) -> None:
@@ -28,7 +26,7 @@ def test_killed_rank_found_in_mpirun_log(tmp_path: Path) -> None:
     log.write_text(
         "----\nmpirun noticed that process rank 1 with PID 99 on node vm exited on signal 9 (Killed).\n"
     )
-    reason = diagnose(run, 137, False, log)["reason"]
+    reason = diagnose(run, 137, False, log).reason
     assert reason == "rank 1 (cell 0) died: process rank 1 with PID 99 on node vm exited on signal 9 (Killed)"
 
 
@@ -36,11 +34,11 @@ def test_srun_task_death(tmp_path: Path) -> None:
     run = RunDir.create(tmp_path, "t")
     log = run.logs / "slurm.out"
     log.write_text("srun: error: node2: task 1: Killed\n")
-    assert diagnose(run, 137, False, log)["reason"] == "a rank died: node2: task 1: Killed"
+    assert diagnose(run, 137, False, log).reason == "a rank died: node2: task 1: Killed"
 
 
 def test_interrupted_and_completed_are_recorded(tmp_path: Path) -> None:
     run = RunDir.create(tmp_path, "t")
-    assert conclude(run, 143, True, None)["status"] == "interrupted"
-    assert conclude(run, 0, False, None)["status"] == "completed"
-    assert [e["status"] for e in read_events(run.events)] == ["interrupted", "completed"]
+    assert conclude(run, 143, True, None).status == "interrupted"
+    assert conclude(run, 0, False, None).status == "completed"
+    assert [e.status for e in run.read_events() if isinstance(e, ev.RunEnd)] == ["interrupted", "completed"]

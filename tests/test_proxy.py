@@ -21,6 +21,7 @@ from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.proxy.keys import KeyRing
 from gyre_hpc.proxy.tito_log import TitoLog
 from gyre_hpc.recipe.schema import ProxyConfig
+from gyre_hpc.rundir import RunDir
 from gyre_hpc.trajectory.codec import by_run, read_records
 from gyre_hpc.trajectory.tree import TrajectoryTree
 
@@ -36,7 +37,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def records_of(run_dir: Path, run: str) -> list:
-    runs = dict(by_run(read_records(run_dir / "tito.bin").records))
+    runs = dict(by_run(read_records(RunDir(run_dir).tito_log).records))
     return list(TrajectoryTree.from_encoded(runs[run]).records())
 
 
@@ -338,5 +339,5 @@ def test_proxy_key_cli_mints_keys_the_proxy_accepts(tmp_path: Path) -> None:
         text=True,
     )
     assert proc.returncode == 0
-    assert KeyRing.for_run_dir(tmp_path).verify(proc.stdout.strip()) == ("t1", "sub-agent")
-    assert KeyRing.for_run_dir(tmp_path).verify(proc.stdout.strip()[:-2] + "xx") is None
+    assert KeyRing.load(RunDir(tmp_path).proxy_secret).verify(proc.stdout.strip()) == ("t1", "sub-agent")
+    assert KeyRing.load(RunDir(tmp_path).proxy_secret).verify(proc.stdout.strip()[:-2] + "xx") is None

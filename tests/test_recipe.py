@@ -135,6 +135,8 @@ def test_cross_section_rules() -> None:
         load_recipe(None, ["cells.ranks_per_cell=3", "slurm.nodes_per_cell=2"])
     with pytest.raises(RecipeError, match="leaves no cell sampling"):
         load_recipe(None, ["scheduler.mode=async", "scheduler.async_train_cells=2", "cells.count=2"])
+    with pytest.raises(RecipeError, match=r"bench.async_splits = \[0, 4\]: .* valid splits are 1 … 3"):
+        load_recipe(None, ["cells.count=4", "bench.async_splits=[1, 0, 4]"])
 
 
 def test_cli_errors_are_one_line_and_exit_2(tmp_path: Path) -> None:
@@ -158,3 +160,19 @@ def test_cli_check_and_show() -> None:
     assert proc.returncode == 0
     assert "[cells]\ncount = 5\nranks_per_cell = 1" in proc.stdout
     assert "[bench]" in proc.stdout  # every section, defaults filled in
+
+
+def test_check_run_and_submit_agree_about_what_is_runnable(tmp_path: Path) -> None:
+    """A recipe that loads but that run/submit would refuse is not "ok" for check either."""
+    flagship = "recipes/qwen3-8b-8cells.toml"
+    check = gyre("recipe", "check", flagship)
+    run = gyre("run", flagship, "--set", f"run.runs_dir={tmp_path}")
+    submit = gyre("submit", flagship, "--set", f"run.runs_dir={tmp_path}")
+    reason = "engine.backend = 'sglang' is not driven by the runtime yet"
+    assert check.returncode == run.returncode == submit.returncode == 2
+    assert check.stderr.startswith(f"error: {flagship}: valid, but not runnable: {reason}")
+    assert reason in run.stderr and reason in submit.stderr and "ok" not in check.stdout
+    assert not any(tmp_path.iterdir())
+    runnable = gyre("recipe", "check", flagship, "--set", "engine.backend=embedded", "--set", "trainer.backend=torch",
+                    "--set", "trainer.tp_size=1")  # fmt: skip
+    assert runnable.returncode == 0 and ": ok — elastic" in runnable.stdout

@@ -36,24 +36,30 @@ def run(tmp_path: Path, policy: Path, *sets: str, resume: Path | None = None) ->
 
 
 def steps(run_dir: RunDir) -> list[dict]:
-    return [e for e in read_events(run_dir.events) if e["event"] == "step"]
+    return [e for e in read_events(run_dir.events) if e.kind == "step"]
 
 
 def test_colocate_steps_train_on_every_cell_and_checkpoint(tmp_path: Path, policy: Path) -> None:
     rd = run(tmp_path, policy, "run.steps=2", "tasks.eval_every=1", "tasks.eval_n=3")
     done = steps(rd)
-    assert [e["step"] for e in done] == [1, 2]
-    trained = [e for e in done if not e.get("skipped")]
+    assert [e.step for e in done] == [1, 2]
+    trained = [e for e in done if not e.skipped]
     assert trained, "no step had a reward spread to learn from"
-    assert [e["version"] for e in done] == sorted(e["version"] for e in done) and done[-1]["version"] >= 1
+    assert [e.version for e in done] == sorted(e.version for e in done) and done[-1].version >= 1
     for e in trained:
-        assert set(e["claims"]) == {"0", "1"} and sum(e["claims"].values()) == e["micro_steps"]
-        assert e["roles"] == {"0": "training", "1": "training"} and e["staleness"] == {"0": e["calls"]}
+        assert set(e.claims) == {"0", "1"} and sum(e.claims.values()) == e.micro_steps
+        went = [(sw["cell"], sw["direction"]) for sw in e.switches]
+        # Both train once the burst is over, both sample again once the step is applied.
+        assert went == [(0, "sampling→training"), (1, "sampling→training")] + [
+            (0, "training→sampling"),
+            (1, "training→sampling"),
+        ]
+        assert e.roles == {"0": "sampling", "1": "sampling"} and e.staleness == {"0": e.calls}
     events = read_events(rd.events)
-    evals = [e for e in events if e["event"] == "eval"]
-    assert [e["step"] for e in evals] == [1, 2] and all(e["statuses"] == {"finished": 3} for e in evals)
-    loaded = [e["version"] for e in events if e["event"] == "weights_loaded"]
-    assert loaded == [0, *(e["version"] for e in done)]  # every engine serves the newest version
+    evals = [e for e in events if e.kind == "eval"]
+    assert [e.step for e in evals] == [1, 2] and all(e.statuses == {"finished": 3} for e in evals)
+    loaded = [e.version for e in events if e.kind == "weights_loaded"]
+    assert loaded == [0, *(e.version for e in done)]  # every engine serves the newest version
     # A checkpoint is a plain model directory the engines load, holding the trained weights.
     ck = rd.path / "checkpoints" / "step-000002"
     trained_model = Qwen3ForCausalLM.from_pretrained(ck)
@@ -69,14 +75,14 @@ def test_colocate_steps_train_on_every_cell_and_checkpoint(tmp_path: Path, polic
 def test_async_keeps_its_split_and_records_staleness(tmp_path: Path, policy: Path) -> None:
     rd = run(tmp_path, policy, "run.steps=3", "scheduler.mode=async")
     events = read_events(rd.events)
-    switched = [(e["cell"], e["role"]) for e in events if e["event"] == "role_switched"]
+    switched = [(e.cell, e.role) for e in events if e.kind == "role_switched"]
     assert sorted(switched) == [(0, "training"), (1, "sampling")]  # set once, never changed
     done = steps(rd)
-    assert [e["step"] for e in done] == [1, 2, 3]
-    stale = {k for e in done for k, n in e["staleness"].items() if n}
+    assert [e.step for e in done] == [1, 2, 3]
+    stale = {k for e in done for k, n in e.staleness.items() if n}
     assert stale <= {"0", "1"}, "staleness is bounded by one version"
     assert "1" in stale, "later steps train on calls served one version behind"
-    assert all(e.get("skipped") or e["claims"] == {"0": e["micro_steps"]} for e in done)
+    assert all(e.skipped or e.claims == {"0": e.micro_steps} for e in done)
 
 
 def test_resume_continues_with_the_same_next_step(tmp_path: Path, policy: Path) -> None:
@@ -91,13 +97,13 @@ def test_resume_continues_with_the_same_next_step(tmp_path: Path, policy: Path) 
     straight = run(tmp_path / "a", policy, "run.steps=2", *exact)
     first = run(tmp_path / "b", policy, "run.steps=1", *exact)
     resumed = run(tmp_path / "b", policy, "run.steps=2", resume=first.path)
-    assert [e["step"] for e in steps(resumed)] == [1, 2]
-    assert any(e["event"] == "resumed" and e["step"] == 2 for e in read_events(resumed.events))
+    assert [e.step for e in steps(resumed)] == [1, 2]
+    assert any(e.kind == "resumed" and e.step == 2 for e in read_events(resumed.events))
     a = load_file(straight.path / "checkpoints" / "step-000002" / "model.safetensors")
     b = load_file(resumed.path / "checkpoints" / "step-000002" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert steps(straight)[-1]["version"] == steps(resumed)[-1]["version"]
-    assert steps(straight)[-1].get("reward_mean") == steps(resumed)[-1].get("reward_mean")
+    assert steps(straight)[-1].version == steps(resumed)[-1].version
+    assert steps(straight)[-1].reward_mean == steps(resumed)[-1].reward_mean
 
 
 def test_elastic_cells_switch_during_the_burst_and_no_execution_fails(tmp_path: Path, policy: Path) -> None:
@@ -105,15 +111,13 @@ def test_elastic_cells_switch_during_the_burst_and_no_execution_fails(tmp_path: 
     rd = run(tmp_path, policy, *sets)
     events = read_events(rd.events)
     done = steps(rd)
-    assert [e["step"] for e in done] == [1, 2]
-    assert all(e["statuses"] == {"finished": e["executions"]} for e in done), "a switch failed an execution"
-    to_training = [e for e in events if e["event"] == "switch" and e["kind"] == "sampling→training"]
-    assert to_training[0]["cell"] == 0, "the core switches first"
-    assert any(e["w"] > 0 for e in to_training), "a cell switched while executions were running"
-    assert any((e["train_before_burst_end_s"] or 0) > 0 for e in done), (
-        "training began before the burst ended"
-    )
-    back = [e for e in events if e["event"] == "switch" and e["kind"] == "training→sampling"]
-    assert back and all(e["load_s"] >= 0 for e in back)
+    assert [e.step for e in done] == [1, 2]
+    assert all(e.statuses == {"finished": e.executions} for e in done), "a switch failed an execution"
+    to_training = [e for e in events if e.kind == "switch" and e.direction == "sampling→training"]
+    assert to_training[0].cell == 0, "the core switches first"
+    assert any(e.w > 0 for e in to_training), "a cell switched while executions were running"
+    assert any((e.train_before_burst_end_s or 0) > 0 for e in done), "training began before the burst ended"
+    back = [e for e in events if e.kind == "switch" and e.direction == "training→sampling"]
+    assert back and all(e.load_s >= 0 for e in back)
     for e in done:
-        assert sum(e["claims"].values()) == e["micro_steps"]  # every micro-step trained exactly once
+        assert sum(e.claims.values()) == e.micro_steps  # every micro-step trained exactly once

@@ -12,8 +12,8 @@ import pytest
 from conftest import REPO, gyre
 
 from gyre_hpc.launch.sbatch import render_sbatch
+from gyre_hpc.layout import Layout
 from gyre_hpc.recipe import load_recipe
-from gyre_hpc.runtime.world import Layout
 
 GOLDEN = Path(__file__).parent / "golden"
 FIXED = ["--set", "run.runs_dir=/shared/runs", "--set", "slurm.python=/opt/gyre/bin/python"]
@@ -90,7 +90,7 @@ def test_script_stops_an_srun_that_outlives_every_rank(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert time.monotonic() - started < 30
     assert "srun outlived every rank" in proc.stderr
-    assert read_events(events)[-1]["status"] == "completed"
+    assert read_events(events)[-1].status == "completed"
 
 
 def test_srun_crashing_after_every_rank_ended_does_not_fail_the_run(tmp_path: Path) -> None:
@@ -100,4 +100,4 @@ def test_srun_crashing_after_every_rank_ended_does_not_fail_the_run(tmp_path: Pa
     proc, events = run_script_with_fake_srun(tmp_path, "kill -ABRT $$")
     assert proc.returncode == 0, proc.stderr
     assert "srun exited 134 after every rank had ended (0)" in proc.stderr
-    assert read_events(events)[-1]["status"] == "completed"
+    assert read_events(events)[-1].status == "completed"

@@ -7,8 +7,17 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gyre_hpc.runtime.protocol import Role
-from gyre_hpc.scheduler.policy import SchedState, carries_tail, decide, initial_roles
+from gyre_hpc.recipe.schema import SchedulerConfig
+from gyre_hpc.scheduler.policy import (
+    Role,
+    SchedState,
+    StepCounters,
+    carries_tail,
+    decide,
+    initial_roles,
+    sched_state,
+    writes_checkpoint,
+)
 
 S, T = Role.SAMPLING, Role.TRAINING
 
@@ -50,9 +59,40 @@ def test_idle_trainers_return_after_the_step_and_one_engine_always_serves() -> N
 def test_async_and_colocate() -> None:
     assert [(s.cell, s.role) for s in decide(state(mode="async"))] == [(0, T)]
     assert initial_roles("async", 3, 2) == [T, T, S]
-    assert decide(state(mode="colocate", finished=11, queued=5)) == []  # one execution still runs
-    assert {s.role for s in decide(state(mode="colocate", finished=12, queued=5))} == {T}
+    colocate = dict(mode="colocate", step_open=True)
+    assert decide(state(**colocate, finished=11, queued=5)) == []  # one execution still runs
+    assert {s.role for s in decide(state(**colocate, finished=12, queued=5))} == {T}
+    assert decide(state(**colocate, finished=12, roles=(T, T, T), queued=0)) == []  # training it out
+    closed = state(mode="colocate", roles=(T, T, T), finished=12, step_open=False)
+    assert [(s.cell, s.role) for s in decide(closed)] == [(0, S), (1, S), (2, S)]  # all back at once
     assert {s.role for s in decide(state(mode="colocate", roles=(T, T, T), finished=0))} == {S}
+
+
+def test_the_counters_become_the_policy_s_view_by_the_boundary_rules() -> None:
+    sched = SchedulerConfig(mode="elastic", min_queued_microsteps=2)
+    roles, caps = (T, S, S), (4, 4, 4)
+    open_ = StepCounters(dispatched=12, finished=10, packed=7, claimed=3, open=True)
+    s = sched_state(sched, roles, caps, 0, open_)
+    assert (s.water, s.queued, s.step_open, s.min_queued) == (2, 4, True, 2)
+    claimed_ahead = StepCounters(12, 10, packed=3, claimed=4, open=True)  # a waiting trainer's claim
+    assert sched_state(sched, roles, caps, 0, claimed_ahead).queued == 0
+    stopped = StepCounters(12, 12, packed=7, claimed=3, open=True, stopped=True)  # carry_tail
+    assert sched_state(sched, roles, caps, 0, stopped).queued == 0
+    closed = sched_state(sched, roles, caps, 0, open_.closed())
+    assert (closed.queued, closed.step_open) == (0, False)
+    assert [(x.cell, x.role) for x in decide(closed)] == [(0, S)]  # a closed step sends trainers back
+
+
+def test_after_the_burst_any_queued_work_is_trained_whatever_min_queued() -> None:
+    # Fewer micro-steps than min_queued once every execution has ended: waiting would never end.
+    (sw,) = decide(state(finished=12, queued=1, step_open=True, min_queued=4))
+    assert (sw.cell, sw.role) == (0, T)
+    assert decide(state(finished=8, queued=1, step_open=True, min_queued=4)) == []  # the burst runs
+
+
+def test_checkpoint_steps() -> None:
+    assert [s for s in range(1, 8) if writes_checkpoint(s, 3, last_step=7)] == [3, 6, 7]
+    assert not any(writes_checkpoint(s, 0, last_step=7) for s in range(1, 8))
 
 
 events = st.lists(

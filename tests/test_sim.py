@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from conftest import gyre
 
-from gyre_hpc.sim.config import CONFIGS, SimConfig, ablations
+from gyre_hpc.scheduler.policy import Role
+from gyre_hpc.sim.config import CONFIGS, SimConfig, ablations, variants
 from gyre_hpc.sim.simulate import Simulation, simulate
 
 LONG_TAIL = SimConfig(cells=4, capacity=8, prompts=8, group_size=4, steps=5, duration_sigma=1.0)
@@ -32,17 +33,38 @@ def test_modes_behave_as_their_rules_say() -> None:
     assert elastic.total_s < colocate.total_s  # training overlaps the burst's long tail
 
 
-def test_paper_regime_ratios_stay_near_the_paper() -> None:
-    cfg = CONFIGS["paper-2.4t"].with_(steps=12)
-    r = {m: simulate(cfg, m).total_s for m in ("elastic", "async", "colocate")}
-    assert 1.78 * 0.85 <= r["async"] / r["elastic"] <= 1.78 * 1.15
-    assert 1.21 * 0.85 <= r["colocate"] / r["elastic"] <= 1.21 * 1.15
+@pytest.mark.parametrize("name", ["paper-2.4t", "paper-122b"])
+def test_elastic_is_at_least_as_fast_as_the_best_async_split_and_faster_than_colocate(name: str) -> None:
+    cfg = CONFIGS[name].with_(steps=12)
+    times = {n: simulate(c, mode).total_s for n, (mode, c) in variants(cfg).items()}
+    best = min(t for n, t in times.items() if n.startswith("async"))
+    assert len([n for n in times if n.startswith("async")]) == cfg.cells - 1  # every split was run
+    assert times["elastic"] <= best * 1.02  # against the best-tuned baseline, within noise
+    assert times["elastic"] < times["colocate"]
+
+
+def test_steps_follow_the_boundary_rules() -> None:
+    """Trainers join in switch order while a step runs and leave last first once it has closed,
+    before the next burst: every step starts and ends with every cell sampling."""
+    sim = Simulation(LONG_TAIL, "elastic")
+    result = sim.run()
+    for step in range(1, LONG_TAIL.steps + 1):
+        log = [(cell, role) for s, cell, role in result.switch_log if s == step]
+        k = len(log) // 2
+        assert log[:k] == [(c, "training") for c in range(k)] and log[k:] == [
+            (c, "sampling") for c in reversed(range(k))
+        ]
+    assert sim.roles == [Role.SAMPLING] * LONG_TAIL.cells
+    colocate = simulate(LONG_TAIL, "colocate")
+    for step in range(1, LONG_TAIL.steps + 1):
+        roles = [role for s, _, role in colocate.switch_log if s == step]
+        assert roles == ["training"] * LONG_TAIL.cells + ["sampling"] * LONG_TAIL.cells
 
 
 def test_bench_sim_prints_ratios_and_plots(tmp_path: Path) -> None:
     proc = gyre("bench", "sim", "--config", "smoke", "--set", "steps=3", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
-    assert "elastic speed-up:" in proc.stdout
+    assert "vs the best async (async " in proc.stdout and "vs colocate" in proc.stdout
     assert {p.name for p in tmp_path.iterdir()} >= {"step_times.png", "gantt_elastic.png", "time_split.png"}
     bad = gyre("bench", "sim", "--set", "cels=3")
     assert bad.returncode == 2 and "unknown simulator key; valid: cells" in bad.stderr

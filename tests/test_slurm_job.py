@@ -32,7 +32,7 @@ def submit(tmp_path: Path, *sets: str) -> tuple[str, RunDir]:
 def wait_for_event(run: RunDir, kind: str, timeout: float = 120) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = [e for e in read_events(run.events) if e["event"] == kind]
+        found = [e for e in read_events(run.events) if e.kind == kind]
         if found:
             return found[-1]
         time.sleep(0.25)
@@ -54,15 +54,15 @@ def test_submit_runs_one_het_world_to_completed(tmp_path: Path) -> None:
     job_id, run = submit(tmp_path)
     assert run.read_job()["job_id"] == job_id
     end = wait_for_event(run, "run_end")
-    assert end["status"] == "completed", end
+    assert end.status == "completed", end
     events = read_events(run.events)
-    world = next(e for e in events if e["event"] == "world_up")
-    assert (world["size"], world["launcher"], world["job_id"]) == (3, "slurm", job_id)
+    world = next(e for e in events if e.kind == "world_up")
+    assert (world.size, world.launcher, world.job_id) == (3, "slurm", job_id)
     ranks = {r["rank"]: r for r in run.read_ranks()}
-    hello_hosts = {e["cell"]: e["host"] for e in events if e["event"] == "hello"}
+    hello_hosts = {e.cell: e.host for e in events if e.kind == "hello"}
     # One MPI_COMM_WORLD spans the components: the controller and each cell on its own emulated node.
     assert len({ranks[0]["host"], *hello_hosts.values()}) == 3
-    first_roles = [(e["cell"], e["role"]) for e in events if e["event"] == "role_switched"][:2]
+    first_roles = [(e.cell, e.role) for e in events if e.kind == "role_switched"][:2]
     assert sorted(first_roles) == [(0, "sampling"), (1, "sampling")]
     state = wait_for_state(job_id, "COMPLETED")
     assert state.components == {f"{job_id}+0": "COMPLETED", f"{job_id}+1": "COMPLETED"}
@@ -78,7 +78,7 @@ def test_cancel_interrupts_the_job_and_records_it(tmp_path: Path) -> None:
     proc = gyre("cancel", str(run.path))
     assert proc.returncode == 0 and f"cancelled job {job_id}" in proc.stdout
     end = wait_for_event(run, "run_end", timeout=60)
-    assert end["status"] == "interrupted"
+    assert end.status == "interrupted"
     wait_for_state(job_id, "CANCELLED")
 
 
@@ -91,10 +91,10 @@ def test_a_megatron_cell_spans_the_ranks_of_its_node(tmp_path: Path) -> None:
         *("run.model=tiny-warm", "agent.max_calls=6", "tasks.prompts_per_step=2"),  # rewards that differ
     )
     end = wait_for_event(run, "run_end", timeout=240)
-    assert end["status"] == "completed", end
+    assert end.status == "completed", end
     events = read_events(run.events)
-    assert next(e for e in events if e["event"] == "world_up")["size"] == 5
-    assert [e["version"] for e in events if e["event"] == "step"] == [1, 2]
+    assert next(e for e in events if e.kind == "world_up").size == 5
+    assert [e.version for e in events if e.kind == "step"] == [1, 2]
     hosts = {r["rank"]: r["host"] for r in run.read_ranks()}
     assert hosts[1] == hosts[2] != hosts[3] == hosts[4] != hosts[0]
     wait_for_state(job_id, "COMPLETED")

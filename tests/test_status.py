@@ -8,6 +8,7 @@ from pathlib import Path
 
 from conftest import gyre
 
+from gyre_hpc.observability import events as ev
 from gyre_hpc.recipe import load_recipe
 from gyre_hpc.rundir import RunDir
 
@@ -18,33 +19,36 @@ WIDE = {**os.environ, "COLUMNS": "160"}
 def recorded_run(tmp_path: Path, finished: bool) -> RunDir:
     rd = RunDir.create(tmp_path, "rec")
     rd.write_recipe(load_recipe(Path("recipes/smoke.toml"), ["run.steps=2", "cells.count=3"]))
-    events = [
-        {"event": "run_start", "launcher": "mpirun"},
-        *({"event": "hello", "cell": c, "rank": c + 1, "host": "n1", "capacity": 8} for c in range(3)),
-        *({"event": "role_switched", "cell": c, "role": "sampling", "seq": c} for c in range(3)),
-        {"event": "weights_loaded", "version": 0, "units": [0, 1, 2], "seconds": 0.01},
-        {"event": "dispatched", "run": "r1", "d": 32, "p": 32, "f": 0},
-        {"event": "finished", "run": "r1", "d": 32, "p": 32, "f": 20},
-        {"event": "role_switched", "cell": 0, "role": "training", "seq": 4},
-        {"event": "switch", "step": 1, "cell": 0, "kind": "sampling→training", "reason": "w", "seconds": 0.1},
-        {
-            "event": "step",
-            "step": 1,
-            "version": 1,
-            "seconds": 11.0,
-            "sample_seconds": 9.5,
-            "reward_mean": 0.41,
-            "pass_rate": 0.40,
-            "micro_steps": 34,
-            "claims": {"0": 21, "1": 13},
-        },
-        {"event": "eval", "step": 1, "pass_rate": 0.5, "n": 32},
+    events: list[ev.Event] = [
+        ev.RunStart(launcher="mpirun"),
+        *(
+            ev.Hello(cell=c, rank=c + 1, host="n1", pid=100 + c, address=f"http://n1:{c}", capacity=8)
+            for c in range(3)
+        ),
+        *(ev.RoleSwitched(cell=c, role="sampling", seq=c, seconds=0.01) for c in range(3)),
+        ev.WeightsLoaded(version=0, units=[0, 1, 2], seconds=0.01),
+        ev.Dispatched(run="r1", d=32, p=32, f=0),
+        ev.Finished(run="r1", d=32, p=32, f=20),
+        ev.RoleSwitched(cell=0, role="training", seq=4, seconds=0.05),
+        ev.Switch(step=1, cell=0, direction="sampling→training", reason="w", seconds=0.1),
+        ev.Step(
+            step=1,
+            version=1,
+            seconds=11.0,
+            sample_seconds=9.5,
+            roles={"0": "training", "1": "sampling", "2": "sampling"},
+            reward_mean=0.41,
+            pass_rate=0.40,
+            micro_steps=34,
+            claims={"0": 21, "1": 13},
+        ),
+        ev.Eval(step=1, version=1, n=32, statuses={"finished": 32}, pass_rate=0.5, mean_score=0.5),
     ]
     if finished:
-        events.append({"event": "run_end", "status": "completed", "reason": ""})
-    with rd.events.open("w") as fh:
+        events.append(ev.RunEnd(status="completed"))
+    with rd.events.open("w") as fh:  # the schema as written on disk
         for i, e in enumerate(events):
-            fh.write(json.dumps({"t": T0 + i, **e}) + "\n")
+            fh.write(json.dumps({"t": T0 + i, "event": e.kind, **e.fields()}) + "\n")
     return rd
 
 

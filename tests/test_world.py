@@ -6,8 +6,10 @@ import pytest
 
 from gyre_hpc.errors import RecipeError
 from gyre_hpc.launch.env import JobEnvironment
-from gyre_hpc.recipe.schema import CellsConfig, EngineConfig, TrainerConfig
-from gyre_hpc.runtime.world import Layout, WorldError, check_runnable, check_world_size
+from gyre_hpc.layout import Layout
+from gyre_hpc.recipe.schema import EngineConfig, TrainerConfig
+from gyre_hpc.runtime.runnable import check_runnable
+from gyre_hpc.runtime.world import WorldError, check_world_size
 
 
 def test_layout_assigns_ranks_to_cells_then_pool() -> None:
@@ -45,17 +47,15 @@ def test_world_must_match_the_recipe() -> None:
     )
 
 
-def refusal(engine: str = "embedded", ranks: int = 1, **trainer: object) -> str:
+def refusal(engine: str = "embedded", **trainer: object) -> str:
     with pytest.raises(RecipeError) as err:
-        check_runnable(
-            EngineConfig(backend=engine), TrainerConfig(**trainer), CellsConfig(ranks_per_cell=ranks)
-        )
+        check_runnable(EngineConfig(backend=engine), TrainerConfig(**trainer))
     return str(err.value)
 
 
 def test_what_the_runtime_does_not_drive_is_refused_in_one_line() -> None:
     assert refusal(engine="sglang").startswith("engine.backend = 'sglang' is not driven by the runtime")
-    assert refusal(ranks=2, tp_size=2) == (
+    assert refusal(tp_size=2) == (
         "trainer.tp_size = 2, trainer.pp_size = 1: the torch trainer computes on one rank; valid with it: "
         "1 and 1"
     )

@@ -25,11 +25,11 @@ from safetensors.torch import save_file
 
 warnings.filterwarnings("ignore")
 
+from gyre_hpc.models.flat import FlatLayout  # noqa: E402
 from gyre_hpc.models.qwen3 import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 from gyre_hpc.models.tiny import tiny_config  # noqa: E402
 from gyre_hpc.recipe.schema import TrainerConfig  # noqa: E402
 from gyre_hpc.trainer import megatron_backend  # noqa: E402
-from gyre_hpc.trainer.base import flat_tensors  # noqa: E402
 from gyre_hpc.trainer.megatron_backend import MegatronTrainer  # noqa: E402
 from gyre_hpc.trainer.megatron_weights import megatron_to_hf  # noqa: E402
 from gyre_hpc.trajectory.batch import TrainSequence  # noqa: E402
@@ -114,7 +114,7 @@ def main() -> None:
         3,
     )
     apply_s, _ = timed(lambda: trainer.apply(1))
-    flat_tensors(trainer.weights(), c)  # the snapshot is readable as HF tensors
+    FlatLayout.of(c).views(trainer.weights())  # the snapshot is readable as HF tensors
 
     figures = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

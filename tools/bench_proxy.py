@@ -37,6 +37,7 @@ from rich.table import Table
 from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.models.tokenizer import ChatTokenizer
 from gyre_hpc.proxy.keys import KeyRing
+from gyre_hpc.rundir import RunDir
 
 REPLY = "I will run the tests now.<|im_end|>"
 
@@ -132,7 +133,7 @@ async def bench(args: argparse.Namespace, model: Path, run_dir: Path) -> list[tu
         stderr=subprocess.DEVNULL,
     )
     proxy_url = f"http://127.0.0.1:{proxy_port}"
-    keys = KeyRing.for_run_dir(run_dir)
+    keys = KeyRing.load(RunDir(run_dir).proxy_secret)
     rows = []
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:

@@ -6,7 +6,7 @@
 #   tools/local_slurm.sh stop    # stops only what `start` started
 #   tools/local_slurm.sh status
 #
-# Settings that matter on one host (DESIGN.md §11): one slurmd per emulated node with its own
+# Settings that matter on one host (docs/ARCHITECTURE.md, §10): one slurmd per emulated node with its own
 # Port and %n paths, TmpFS per node (else PMIx directories collide and ranks hang in MPI_Init),
 # config_overrides to declare more CPUs than exist, backfill that starts het jobs at once, and a
 # task prolog that keeps Open MPI's shared-memory transport out of the way (see task_prolog).

@@ -16,7 +16,7 @@ from gyre_hpc.agents.dispatch import Dispatcher, Outcome
 from gyre_hpc.agents.harness import Harness
 from gyre_hpc.cli.recipe import RecipeArg, SetOption, load
 from gyre_hpc.models.registry import resolve_model
-from gyre_hpc.observability.events import EventLog
+from gyre_hpc.observability import events as ev
 from gyre_hpc.proxy.local import LocalServing
 from gyre_hpc.recipe.schema import Recipe
 from gyre_hpc.rundir import RunDir
@@ -51,8 +51,8 @@ def evaluate(
     model = resolve_model(r.run.model)
     outcomes = asyncio.run(_run(r, model, tasks, run_dir, console))
     summary = summarize(outcomes)
-    (run_dir.path / "executions.jsonl").write_text("".join(json.dumps(o.to_json()) + "\n" for o in outcomes))
-    (run_dir.path / "eval.json").write_text(json.dumps(summary, indent=1) + "\n")
+    run_dir.executions.write_text("".join(json.dumps(o.to_json()) + "\n" for o in outcomes))
+    run_dir.eval_summary.write_text(json.dumps(summary, indent=1) + "\n")
     table = Table(title=f"{summary['tasks']} tasks, {r.run.model}")
     for key, value in summary.items():
         table.add_row(key.replace("_", " "), f"{value:.3f}" if isinstance(value, float) else str(value))
@@ -68,7 +68,8 @@ async def _run(r: Recipe, model: Path, tasks: list[Task], run_dir: RunDir, conso
     }
     runners = ScoringRunners(r.scoring)
 
-    events = EventLog(run_dir.events)
+    events = ev.EventLog(run_dir.events)
+    counters = {"dispatched": 0, "started": 0, "finished": 0}
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -79,8 +80,12 @@ async def _run(r: Recipe, model: Path, tasks: list[Task], run_dir: RunDir, conso
         bar = progress.add_task("executions", total=len(tasks))
 
         def on_event(kind: str, run_id: str) -> None:
-            events.emit(kind, run=run_id)
-            if kind == "finished":
+            counters[kind] += 1
+            d, p, f = counters.values()
+            if kind == "dispatched":
+                events.emit(ev.Dispatched(run=run_id, d=d, p=p, f=f))
+            elif kind == "finished":
+                events.emit(ev.Finished(run=run_id, d=d, p=p, f=f))
                 progress.advance(bar)
 
         async with LocalServing(model, run_dir.path, r.cells.count, r.proxy, r.cells.capacity) as serving:
@@ -88,8 +93,8 @@ async def _run(r: Recipe, model: Path, tasks: list[Task], run_dir: RunDir, conso
             dispatcher = Dispatcher(
                 harness,
                 lambda task: runners.get(task.scorer),
-                run_dir.path / "workspaces",
-                run_dir.path / "tasks",
+                run_dir.workspaces,
+                run_dir.task_files,
                 r.cells.count * r.cells.capacity,
                 on_event,
             )

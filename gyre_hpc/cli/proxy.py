@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from gyre_hpc.errors import GyreError
+from gyre_hpc.rundir import RunDir
 
 app = typer.Typer(help="Run the TITO proxy in front of engines.", no_args_is_help=True)
 
@@ -49,7 +50,7 @@ def serve(
         except Exception as err:
             raise GyreError(f"cannot ask {engine[0]} for its model ({err}); pass --model DIR") from None
     proxy = Proxy(run_dir, model, engine, ProxyConfig(host=host, port=port))
-    typer.echo(f"proxy on http://{host}:{port}/v1 → {', '.join(engine)}; TITO log {run_dir / 'tito.bin'}")
+    typer.echo(f"proxy on http://{host}:{port}/v1 → {', '.join(engine)}; TITO log {RunDir(run_dir).tito_log}")
     try:  # a faster event loop where available: the proxy is on every model call's path
         import uvloop
 
@@ -75,4 +76,4 @@ def key(
 
     if not run_dir.is_dir():
         raise GyreError(f"{run_dir} is not a directory; use the proxy's --run-dir")
-    typer.echo(KeyRing.for_run_dir(run_dir).mint(run, role))
+    typer.echo(KeyRing.load(RunDir(run_dir).proxy_secret).mint(run, role))

@@ -9,8 +9,10 @@ import typer
 from rich.console import Console
 from rich.syntax import Syntax
 
+from gyre_hpc.errors import RecipeError
 from gyre_hpc.recipe import Recipe, load_recipe, to_toml
 from gyre_hpc.recipe.load import schema_lines
+from gyre_hpc.runtime.runnable import check_runnable
 
 RecipeArg = Annotated[Path, typer.Argument(help="Recipe TOML file.", show_default=False)]
 SetOption = Annotated[
@@ -27,11 +29,16 @@ def load(path: Path, sets: list[str] | None) -> Recipe:
 
 @app.command()
 def check(recipe: RecipeArg, set_: SetOption = None) -> None:
-    """Validate a recipe; prints one line, exit code 2 on the first error.
+    """Validate a recipe and say whether `run` and `submit` can run it; one line, exit code 2
+    on the first error or when it is not runnable.
 
     Example: `gyre-hpc recipe check recipes/smoke.toml --set cells.count=4`
     """
     r = load(recipe, set_)
+    try:
+        check_runnable(r.engine, r.trainer)
+    except RecipeError as err:
+        raise RecipeError(f"{recipe}: valid, but not runnable: {err}") from None
     cells = r.cells
     typer.echo(
         f"{recipe}: ok — {r.scheduler.mode}, {cells.count} cells × {cells.ranks_per_cell} ranks, "

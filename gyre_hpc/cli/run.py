@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -19,10 +19,12 @@ from rich.progress import (
 from gyre_hpc.cli.recipe import SetOption, load
 from gyre_hpc.errors import GyreError
 from gyre_hpc.launch.local import LocalRun
+from gyre_hpc.layout import Layout
 from gyre_hpc.models.registry import resolve_model
+from gyre_hpc.observability import events as ev
 from gyre_hpc.recipe import load_recipe
 from gyre_hpc.rundir import RunDir
-from gyre_hpc.runtime.world import Layout, check_runnable
+from gyre_hpc.runtime.runnable import check_runnable
 
 EXIT = {"completed": 0, "failed": 1, "interrupted": 130}
 
@@ -53,10 +55,10 @@ def run(
         if not run_dir.recipe_path.exists():
             raise GyreError(f"--resume {resume}: not a run directory (no recipe.toml)")
         r = load_recipe(run_dir.recipe_path, set_ or [])
-        check_runnable(r.engine, r.trainer, r.cells)
+        check_runnable(r.engine, r.trainer)
     else:
         r = load(recipe, set_)  # type: ignore[arg-type]
-        check_runnable(r.engine, r.trainer, r.cells)
+        check_runnable(r.engine, r.trainer)
         run_dir = RunDir.create(r.run.runs_dir, r.run.name)
     run_dir.write_recipe(r)
     layout = Layout.from_config(r.cells)
@@ -78,22 +80,21 @@ def run(
         steps = progress.add_task("steps", total=r.run.steps)
         executions = progress.add_task("executions (all steps)", total=None)
 
-        def show(events: list[dict[str, Any]]) -> None:
+        def show(events: list[ev.Event]) -> None:
             for e in events:
-                if e["event"] == "hello":
+                if isinstance(e, ev.Hello):
                     progress.advance(cells)
-                elif e["event"] == "finished":
-                    progress.update(executions, completed=e.get("f", 0))
-                elif e["event"] == "step":
-                    progress.update(steps, completed=e["step"])
-                    if "reward_mean" in e:
-                        progress.console.print(
-                            f"step {e['step']:>3}  reward {e['reward_mean']:.3f}  pass {e['pass_rate']:.3f}"
-                            f"  v{e['version']}  {e['seconds']:.1f} s"
-                        )
+                elif isinstance(e, ev.Finished):
+                    progress.update(executions, completed=e.f)
+                elif isinstance(e, ev.Step):
+                    progress.update(steps, completed=e.step)
+                    progress.console.print(
+                        f"step {e.step:>3}  reward {e.reward_mean:.3f}  pass {e.pass_rate:.3f}"
+                        f"  v{e.version}  {e.seconds:.1f} s"
+                    )
 
         end = LocalRun(run_dir, layout).launch(show)
-    style = {"completed": "green", "failed": "bold red"}.get(end["status"], "yellow")
-    reason = f": {end['reason']}" if end["reason"] else ""
-    console.print(f"[{style}]run {end['status']}[/]{reason}\nrun directory: {run_dir.path}")
-    raise typer.Exit(EXIT.get(end["status"], 1))
+    style = {"completed": "green", "failed": "bold red"}.get(end.status, "yellow")
+    reason = f": {end.reason}" if end.reason else ""
+    console.print(f"[{style}]run {end.status}[/]{reason}\nrun directory: {run_dir.path}")
+    raise typer.Exit(EXIT.get(end.status, 1))

@@ -14,10 +14,11 @@ from gyre_hpc.cli.status import TargetArg, resolve
 from gyre_hpc.errors import LaunchError
 from gyre_hpc.launch import slurm
 from gyre_hpc.launch.sbatch import render_sbatch
+from gyre_hpc.layout import Layout
 from gyre_hpc.models.registry import resolve_model
-from gyre_hpc.observability.events import EventLog
+from gyre_hpc.observability import events as ev
 from gyre_hpc.rundir import RunDir
-from gyre_hpc.runtime.world import Layout, check_runnable
+from gyre_hpc.runtime.runnable import check_runnable
 
 
 def submit(
@@ -44,7 +45,7 @@ def submit(
             render_sbatch(r.slurm, layout, job_name=r.run.name, run_dir=where, python=python), nl=False
         )
         return
-    check_runnable(r.engine, r.trainer, r.cells)
+    check_runnable(r.engine, r.trainer)
     resolve_model(r.run.model)  # a built-in model is built here once, not by every rank
     run_dir = RunDir.create(r.run.runs_dir, r.run.name)
     run_dir.write_recipe(r)
@@ -54,8 +55,8 @@ def submit(
     )
     job_id = slurm.submit(str(script))
     run_dir.write_job(launcher="slurm", job_id=job_id, script=str(script))
-    with EventLog(run_dir.events) as events:
-        events.emit("run_start", launcher="slurm", job_id=job_id)
+    with ev.EventLog(run_dir.events) as events:
+        events.emit(ev.RunStart(launcher="slurm", job_id=job_id))
     typer.echo(f"submitted job {job_id}\nrun directory: {run_dir.path}")
 
 

@@ -36,6 +36,7 @@ from safetensors.torch import load_file
 
 from gyre_hpc.engines import kv_transfer
 from gyre_hpc.engines.sampling import BadRequest, SamplingParams, sample
+from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 from gyre_hpc.models.tokenizer import ChatTokenizer
 
@@ -128,6 +129,7 @@ class Engine:
         self.model_dir = Path(model_dir)
         self.model = Qwen3ForCausalLM.from_pretrained(self.model_dir, dtype)
         self.config = self.model.config
+        self.flat_layout = FlatLayout.of(self.config)
         self.tokenizer = ChatTokenizer(self.model_dir)
         self.max_running = max_running
         self.cache = PrefixCache(cache_tokens)
@@ -236,15 +238,12 @@ class Engine:
             self.weight_version = version
 
     def load_flat(self, buffer: torch.Tensor, version: str) -> None:
-        """Weights from one flat buffer laid out as ``flat_parameters`` returns them."""
-        with self.lock, torch.no_grad():
-            at = 0
-            for p in unique_parameters(self.model):
-                n = p.numel()
-                p.copy_(buffer[at : at + n].view_as(p))
-                at += n
-            if at != buffer.numel():
-                raise BadRequest(f"flat buffer holds {buffer.numel()} values, the model {at}")
+        """Weights from one flat buffer in the shared layout (``models.flat``)."""
+        with self.lock:
+            try:
+                self.flat_layout.load(self.model, buffer)
+            except ValueError as err:
+                raise BadRequest(str(err)) from None
             self.cache.clear()
             self.weight_version = version
 
@@ -419,12 +418,3 @@ class Engine:
                 "e2e_latency": time.monotonic() - seq.started,
             },
         }
-
-
-def unique_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """Parameters in a fixed order, tied ones once: the layout of a flat weight buffer."""
-    return list(dict.fromkeys(model.parameters()))
-
-
-def flat_parameters(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in unique_parameters(model)])

@@ -1,4 +1,4 @@
-"""The embedded engine behind the SGLang-native HTTP API (DESIGN.md §7), on aiohttp.
+"""The embedded engine behind the SGLang-native HTTP API, on aiohttp.
 
 Endpoints: ``/generate`` (token ids or text, single or batch, optional SSE streaming),
 ``/abort_request``, ``/pause_generation``, ``/continue_generation``, ``/flush_cache``,

@@ -21,9 +21,9 @@ from types import FrameType
 from typing import Any
 
 from gyre_hpc.launch.outcome import conclude
-from gyre_hpc.observability.events import EventLog, EventTail
+from gyre_hpc.layout import Layout
+from gyre_hpc.observability import events as ev
 from gyre_hpc.rundir import RunDir
-from gyre_hpc.runtime.world import Layout
 
 # Ranks outnumber cores on a laptop: busy-polling MPI would starve the controller.
 MPI_ENV = {
@@ -59,12 +59,12 @@ class LocalRun:
     grace_s: float = 5.0
     python: str = sys.executable
 
-    def launch(self, on_events: Callable[[list[dict[str, Any]]], None] = lambda _: None) -> dict[str, Any]:
+    def launch(self, on_events: Callable[[list[ev.Event]], None] = lambda _: None) -> ev.RunEnd:
         """Run to the end; ``on_events`` sees new events as they come. Returns ``run_end``."""
         log_path = self.run_dir.logs / "mpirun.log"
         cmd = mpirun_command(self.layout, self.python, self.run_dir.path, os.geteuid() == 0)
-        with EventLog(self.run_dir.events) as events:
-            events.emit("run_start", launcher="mpirun", command=cmd, pid=os.getpid())
+        with ev.EventLog(self.run_dir.events) as events:
+            events.emit(ev.RunStart(launcher="mpirun", command=cmd, pid=os.getpid()))
         self.run_dir.write_job(launcher="mpirun", pid=os.getpid(), command=cmd)
         interrupted_at: list[float] = []
         with log_path.open("wb") as log:
@@ -79,7 +79,7 @@ class LocalRun:
             )
             previous = _trap_signals(lambda: (interrupted_at.append(time.monotonic()), _signal_group(proc)))
             try:
-                tail = EventTail(self.run_dir.events)
+                tail = ev.EventTail(self.run_dir.events)
                 while proc.poll() is None:
                     on_events(tail.new())
                     if interrupted_at and time.monotonic() - interrupted_at[0] > self.grace_s:

@@ -11,9 +11,8 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
-from typing import Any
 
-from gyre_hpc.observability.events import EventLog, read_events
+from gyre_hpc.observability import events as ev
 from gyre_hpc.rundir import RunDir
 
 # mpirun: "mpirun noticed that process rank 1 with PID 123 on node vm exited on signal 9 (Killed)."
@@ -25,29 +24,25 @@ _LAUNCHER_DEATH = re.compile(
 )
 
 
-def diagnose(
-    run_dir: RunDir, returncode: int, interrupted: bool, launcher_log: Path | None
-) -> dict[str, Any]:
-    """``{"status": ..., "reason": ..., "returncode": ...}`` for a launch that has ended."""
+def diagnose(run_dir: RunDir, returncode: int, interrupted: bool, launcher_log: Path | None) -> ev.RunEnd:
+    """The ``run_end`` record of a launch that has ended."""
     if interrupted:
-        return {"status": "interrupted", "reason": "stopped by a signal", "returncode": returncode}
-    failed = any(e.get("event") == "rank_failed" for e in read_events(run_dir.events))
+        return ev.RunEnd(status="interrupted", reason="stopped by a signal", returncode=returncode)
+    failed = any(isinstance(e, ev.RankFailed) for e in run_dir.read_events())
     if returncode == 0 and not failed:
-        return {"status": "completed", "reason": "", "returncode": 0}
-    return {
-        "status": "failed",
-        "reason": failure_reason(run_dir, returncode, launcher_log),
-        "returncode": returncode,
-    }
+        return ev.RunEnd(status="completed")
+    return ev.RunEnd(
+        status="failed", reason=failure_reason(run_dir, returncode, launcher_log), returncode=returncode
+    )
 
 
 def failure_reason(run_dir: RunDir, returncode: int, launcher_log: Path | None) -> str:
-    for event in read_events(run_dir.events):
-        if event.get("event") == "rank_failed":
-            where = f"cell {event['cell']}" if event.get("cell") is not None else "controller"
-            if event.get("rank") == 0 and event.get("task", 0) != 0:
-                where = f"task {event['task']}"
-            return f"rank {event['rank']} ({where} on {event.get('host')}) failed: {event['error']}"
+    for e in run_dir.read_events():
+        if isinstance(e, ev.RankFailed):
+            where = f"cell {e.cell}" if e.cell is not None else "controller"
+            if e.rank == 0 and e.task != 0:
+                where = f"task {e.task}"
+            return f"rank {e.rank} ({where} on {e.host}) failed: {e.error}"
     text = launcher_log.read_text(errors="replace") if launcher_log and launcher_log.exists() else ""
     if match := _LAUNCHER_DEATH.search(text):
         return _name_cell(run_dir, match.group(1) or match.group(2))
@@ -64,13 +59,12 @@ def _name_cell(run_dir: RunDir, line: str) -> str:
     return f"a rank died: {line}"
 
 
-def conclude(
-    run_dir: RunDir, returncode: int, interrupted: bool, launcher_log: Path | None
-) -> dict[str, Any]:
+def conclude(run_dir: RunDir, returncode: int, interrupted: bool, launcher_log: Path | None) -> ev.RunEnd:
     """Record ``run_end`` and return it."""
-    outcome = diagnose(run_dir, returncode, interrupted, launcher_log)
-    with EventLog(run_dir.events) as events:
-        return events.emit("run_end", **outcome)
+    with ev.EventLog(run_dir.events) as events:
+        end = events.emit(diagnose(run_dir, returncode, interrupted, launcher_log))
+    assert isinstance(end, ev.RunEnd)
+    return end
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     interrupted = len(args) > 2 and args[2] == "interrupted"
     log = Path(args[3]) if len(args) > 3 else None
     end = conclude(run_dir, rc, interrupted, log)
-    print(f"gyre-hpc: run {end['status']}" + (f": {end['reason']}" if end["reason"] else ""), flush=True)
+    print(f"gyre-hpc: run {end.status}" + (f": {end.reason}" if end.reason else ""), flush=True)
     return 0
 
 

@@ -8,7 +8,7 @@
 ```
 
 ``srun --mpi=pmix --het-group=0,1[,2]`` then starts one MPI world across the components, in
-that order, which is exactly the rank order ``runtime.world.Layout`` expects. Output goes to
+that order, which is exactly the rank order ``layout.Layout`` expects. Output goes to
 ``<run_dir>/logs/slurm.out``: never ``%j`` in a path shared by components, it expands per component.
 """
 
@@ -19,8 +19,8 @@ import string
 from pathlib import Path
 
 from gyre_hpc.errors import LaunchError
+from gyre_hpc.layout import Layout
 from gyre_hpc.recipe.schema import SlurmConfig
-from gyre_hpc.runtime.world import Layout
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "sbatch" / "hetjob.sh"
 SRUN_GRACE_S = 10  # how long srun may outlive every rank before the script stops it

@@ -1,18 +1,317 @@
-"""Events: JSON records appended to ``<run_dir>/events.jsonl``, the run's history.
+"""Events: the run's history, a typed public schema appended to ``<run_dir>/events.jsonl``.
 
-Writers are the launcher (``run_start``, ``run_end``), the controller (everything between) and a
-rank that fails (``rank_failed``). Each record is one ``os.write`` on an ``O_APPEND`` descriptor,
-so writers in several processes never interleave inside a line; a reader drops a torn last line
-left by a writer that was killed mid-write. Readers: ``status``, benchmarks, plots.
+```
+ writers                                   events.jsonl                    readers
+ launcher (run, sbatch epilogue) ─┐   {"t": …, "event": "step", …}   ┌─▶ status TUI, metrics plot
+ controller (rank 0) ─────────────┼─▶ one JSON object per line ──────┼─▶ sim replay, bench
+ a failing rank ──────────────────┘   (O_APPEND, one write each)     └─▶ outcome, run's progress
+```
+
+Every kind of record is one frozen dataclass below; writers emit instances and readers get
+instances back (``read_events``), so a field is named once, here. On disk a record is its
+fields plus ``t`` (seconds since the epoch) and ``event`` (its ``kind``). Each record is one
+``os.write`` on an ``O_APPEND`` descriptor, so writers in several processes never interleave
+inside a line; a reader drops a torn last line left by a writer that was killed mid-write, and
+keeps a record of a kind it does not know as ``Other``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    kind: ClassVar[str] = ""
+    t: float = 0.0
+    """When it was written (seconds since the epoch); set by ``EventLog.emit``."""
+
+    def fields(self) -> dict[str, Any]:
+        """The record's own fields (without ``t``), as written."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "t"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunStart(Event):
+    kind: ClassVar[str] = "run_start"
+    launcher: str
+    """mpirun or slurm."""
+    command: list[str] = field(default_factory=list)
+    pid: int = 0
+    job_id: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorldUp(Event):
+    kind: ClassVar[str] = "world_up"
+    size: int
+    layout: str
+    launcher: str
+    job_id: str | None = None
+    transport: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProxyUp(Event):
+    kind: ClassVar[str] = "proxy_up"
+    url: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hello(Event):
+    """A cell (or standalone engine) is up."""
+
+    kind: ClassVar[str] = "hello"
+    cell: int
+    rank: int
+    host: str
+    pid: int
+    address: str
+    capacity: int
+    standalone: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resumed(Event):
+    kind: ClassVar[str] = "resumed"
+    step: int
+    version: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwitchRole(Event):
+    """The controller told a cell to take a role."""
+
+    kind: ClassVar[str] = "switch_role"
+    cell: int
+    role: str
+    seq: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoleSwitched(Event):
+    """The cell has taken it."""
+
+    kind: ClassVar[str] = "role_switched"
+    cell: int
+    role: str
+    seq: int
+    seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightsLoaded(Event):
+    kind: ClassVar[str] = "weights_loaded"
+    version: int
+    units: list[int]
+    seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Dispatched(Event):
+    """An execution was handed to the harness; ``d``/``p``/``f`` are the run's counters after it."""
+
+    kind: ClassVar[str] = "dispatched"
+    run: str
+    d: int
+    p: int
+    f: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finished(Event):
+    """An execution ended (done, failed or timed out) and was scored."""
+
+    kind: ClassVar[str] = "finished"
+    run: str
+    d: int
+    p: int
+    f: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class BurstEnd(Event):
+    """The step's last execution ended: its queue is complete (``stop``: applied now, carry_tail)."""
+
+    kind: ClassVar[str] = "burst_end"
+    step: int
+    micro_steps: int
+    trainers: list[int]
+    stop: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Switch(Event):
+    """A role switch the policy decided, carried out, with the time of each phase."""
+
+    kind: ClassVar[str] = "switch"
+    step: int
+    cell: int
+    direction: str
+    """sampling→training or training→sampling."""
+    reason: str
+    seconds: float
+    """All phases together."""
+    drain_s: float = 0.0
+    """Moving the cell's calls to the other engines (to training)."""
+    switch_s: float = 0.0
+    """The role switch itself, acknowledged by every rank of the cell."""
+    load_s: float = 0.0
+    """Loading the new version into its engine (to sampling)."""
+    admit_s: float = 0.0
+    """Admitting calls on it again (to sampling)."""
+    w: int | None = None
+    """The water level when it was decided (to training)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Step(Event):
+    """One optimizer step, whatever the mode (built by ``runtime.steps.step_event``)."""
+
+    kind: ClassVar[str] = "step"
+    step: int
+    version: int
+    """The version the step published (unchanged when it learned nothing)."""
+    seconds: float
+    sample_seconds: float
+    """From the step's start to its burst's end."""
+    roles: dict[str, str]
+    """Each cell's role when the step closed."""
+    executions: int = 0
+    reward_mean: float = 0.0
+    pass_rate: float = 0.0
+    dropped: int = 0
+    trained_runs: int = 0
+    sequences: int = 0
+    micro_steps: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    calls: int = 0
+    statuses: dict[str, int] = field(default_factory=dict)
+    groups: list[dict[str, Any]] = field(default_factory=list)
+    """Each prompt group's work: ``task``, ``run_tokens`` (by sorted run id), ``sequence_tokens``."""
+    staleness: dict[str, int] = field(default_factory=dict)
+    """Calls by versions between the one trained from and the one that served them."""
+    loss: float = 0.0
+    grad_norm: float = 0.0
+    clipped_tokens: int = 0
+    claims: dict[str, int] = field(default_factory=dict)
+    """Micro-steps each training cell claimed."""
+    train_seconds: float = 0.0
+    """The longest training cell's time in this step."""
+    apply_seconds: float = 0.0
+    checkpoint: str = ""
+    skipped: bool = False
+    """No gradient (every group had equal rewards): the version stays."""
+    carried_in: int = 0
+    carried_out: int = 0
+    train_before_burst_end_s: float | None = None
+    """How long training overlapped the burst (elastic)."""
+    switches: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Eval(Event):
+    kind: ClassVar[str] = "eval"
+    step: int
+    version: int
+    n: int
+    statuses: dict[str, int]
+    pass_rate: float
+    mean_score: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shutdown(Event):
+    kind: ClassVar[str] = "shutdown"
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Interrupted(Event):
+    kind: ClassVar[str] = "interrupted"
+    rank: int
+    signal: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankFailed(Event):
+    kind: ClassVar[str] = "rank_failed"
+    rank: int
+    task: int
+    cell: int | None
+    host: str
+    error: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunEnd(Event):
+    kind: ClassVar[str] = "run_end"
+    status: str
+    """completed, failed or interrupted."""
+    reason: str = ""
+    returncode: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Other(Event):
+    """A record of a kind this version does not know (kept, not dropped)."""
+
+    name: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def fields(self) -> dict[str, Any]:
+        return dict(self.data)
+
+
+KINDS: dict[str, type[Event]] = {
+    cls.kind: cls
+    for cls in (
+        RunStart,
+        WorldUp,
+        ProxyUp,
+        Hello,
+        Resumed,
+        SwitchRole,
+        RoleSwitched,
+        WeightsLoaded,
+        Dispatched,
+        Finished,
+        BurstEnd,
+        Switch,
+        Step,
+        Eval,
+        Shutdown,
+        Interrupted,
+        RankFailed,
+        RunEnd,
+    )
+}
+
+
+def kind_of(event: Event) -> str:
+    return event.name if isinstance(event, Other) else event.kind
+
+
+def parse(record: dict[str, Any]) -> Event:
+    """One record as read from disk; unknown keys are ignored, unknown kinds become ``Other``."""
+    name = record.get("event", "")
+    t = float(record.get("t", 0.0))
+    cls = KINDS.get(name)
+    data = {k: v for k, v in record.items() if k not in ("t", "event")}
+    if cls is None:
+        return Other(t=t, name=name, data=data)
+    known = {f.name for f in dataclasses.fields(cls)}
+    try:
+        return cls(t=t, **{k: v for k, v in data.items() if k in known})
+    except TypeError:  # a required field is missing: written by a version that lacked it
+        return Other(t=t, name=name, data=data)
 
 
 class EventLog:
@@ -22,10 +321,12 @@ class EventLog:
         self.path = Path(path)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
-    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
-        record = {"t": round(time.time(), 6), "event": event, **fields}
+    def emit(self, event: Event) -> Event:
+        """Write ``event`` now; returns it with its time."""
+        event = dataclasses.replace(event, t=round(time.time(), 6))
+        record = {"t": event.t, "event": kind_of(event), **event.fields()}
         os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
-        return record
+        return event
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -39,7 +340,7 @@ class EventLog:
         self.close()
 
 
-def read_events(path: str | Path) -> list[dict[str, Any]]:
+def read_events(path: str | Path) -> list[Event]:
     """All complete records; a torn last line or a garbled line is skipped."""
     return EventTail(path).new()
 
@@ -51,7 +352,7 @@ class EventTail:
         self.path = Path(path)
         self._offset = 0
 
-    def new(self) -> list[dict[str, Any]]:
+    def new(self) -> list[Event]:
         try:
             with self.path.open("rb") as fh:
                 fh.seek(self._offset)
@@ -63,7 +364,9 @@ class EventTail:
         out = []
         for line in data[:end].splitlines():
             try:
-                out.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if isinstance(record, dict):
+                out.append(parse(record))
         return out

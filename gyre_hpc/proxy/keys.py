@@ -29,8 +29,8 @@ class KeyRing:
         self.secret = secret
 
     @classmethod
-    def for_run_dir(cls, run_dir: str | Path) -> KeyRing:
-        path = Path(run_dir) / "proxy.secret"
+    def load(cls, path: Path) -> KeyRing:
+        """The secret in ``path`` (the run directory's ``proxy.secret``), made on first use."""
         if not path.exists():
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "wb") as fh:

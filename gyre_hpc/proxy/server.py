@@ -30,6 +30,7 @@ from gyre_hpc.proxy.keys import KeyRing
 from gyre_hpc.proxy.router import EngineSlot, NoEngine, Router
 from gyre_hpc.proxy.tito_log import TitoLog
 from gyre_hpc.recipe.schema import ProxyConfig
+from gyre_hpc.rundir import RunDir
 from gyre_hpc.trajectory.records import CallMeta, TitoRecord
 
 PROXY = web.AppKey("proxy", object)
@@ -49,8 +50,9 @@ class Proxy:
         self.config = config
         self.tokenizer = ChatTokenizer(model_dir)
         self.model_name = Path(model_dir).name
-        self.keys = KeyRing.for_run_dir(self.run_dir)
-        self.tito = TitoLog(self.run_dir / "tito.bin")
+        files = RunDir(self.run_dir)
+        self.keys = KeyRing.load(files.proxy_secret)
+        self.tito = TitoLog(files.tito_log)
         limit = config.admission_limit or capacity
         self.router = Router(
             [EngineSlot(url, limit, rank=i) for i, url in enumerate(engines)],

@@ -79,7 +79,6 @@ class EngineConfig:
     backend: Literal["embedded", "sglang", "emulated"] = knob(
         "embedded", "embedded (CPU/torch), sglang (GPU) or emulated (decoding is a clock; benchmarks)."
     )
-    base_port: int = knob(30000, "First HTTP port; engine i listens on base_port + i.", min=1024, max=65000)
     tp_size: int = knob(1, "Tensor-parallel size of one engine.", min=1)
     mem_fraction_static: float = knob(0.8, "GPU memory fraction for weights and KV cache.", min=0.05, max=1.0)
     enable_memory_saver: bool = knob(True, "Release and resume GPU memory on role switches.")
@@ -225,6 +224,9 @@ class BenchConfig:
     modes: list[Mode] = knob(
         ["elastic", "async", "colocate"], "Modes `gyre-hpc bench modes` runs, on the same workload and seed."
     )
+    async_splits: list[int] = knob(
+        [], "async: the splits (cells that train) `bench modes` runs; empty: every split, the best compared."
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -256,6 +258,12 @@ class Recipe:
             raise RecipeError(
                 f"cells.ranks_per_cell = {cells.ranks_per_cell} must be a multiple of "
                 f"trainer.tp_size * trainer.pp_size = {trainer.tp_size * trainer.pp_size}"
+            )
+        splits = range(1, cells.count + (cells.rollout_pool > 0))
+        if bad := [k for k in self.bench.async_splits if k not in splits]:
+            raise RecipeError(
+                f"bench.async_splits = {bad}: with cells.count = {cells.count} valid splits are "
+                f"{splits.start} … {splits.stop - 1} (async needs a cell or a rollout pool sampling)"
             )
         if sched.mode == "async" and sched.async_train_cells >= cells.count + (cells.rollout_pool > 0):
             raise RecipeError(

@@ -31,6 +31,7 @@ from aiohttp import web
 from gyre_hpc.engines.embedded import Engine
 from gyre_hpc.engines.emulated import EmulatedEngine
 from gyre_hpc.engines.server import make_app
+from gyre_hpc.layout import CONTROLLER
 from gyre_hpc.recipe.schema import CellsConfig, EngineConfig, TrainerConfig
 from gyre_hpc.runtime.protocol import (
     POLL_INTERVAL_S,
@@ -43,7 +44,6 @@ from gyre_hpc.runtime.protocol import (
     MicroSteps,
     Mirror,
     ProtocolError,
-    Role,
     RoleSwitched,
     Shutdown,
     StepApplied,
@@ -54,7 +54,8 @@ from gyre_hpc.runtime.protocol import (
     wait_barrier,
 )
 from gyre_hpc.runtime.replica import MirroredTrainer, mirror
-from gyre_hpc.runtime.world import CONTROLLER, World
+from gyre_hpc.runtime.world import World
+from gyre_hpc.scheduler.policy import Role
 from gyre_hpc.trainer import checkpoint
 from gyre_hpc.trainer.base import ApplyStats
 from gyre_hpc.trainer.data_parallel import Claims, apply_on_core, pull_snapshot, work_once

@@ -11,20 +11,26 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
 from gyre_hpc.launch.env import JobEnvironment
+from gyre_hpc.layout import CONTROLLER, Layout
+from gyre_hpc.models.flat import FlatLayout
+from gyre_hpc.models.qwen3 import Qwen3Config
 from gyre_hpc.models.registry import resolve_model
+from gyre_hpc.observability import events as ev
 from gyre_hpc.observability.events import EventLog
 from gyre_hpc.recipe.schema import Recipe
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.runtime.cell import Cell, CellSetup
 from gyre_hpc.runtime.controller import Controller
+from gyre_hpc.runtime.fleet import MpiFleet
 from gyre_hpc.runtime.serving import Serving
-from gyre_hpc.runtime.world import CONTROLLER, Layout, World
+from gyre_hpc.runtime.world import World
 from gyre_hpc.trainer import checkpoint
-from gyre_hpc.transport import TransportPlan, make_transport
+from gyre_hpc.transport import Transport, TransportPlan, make_transport
 
 log = logging.getLogger("gyre_hpc.runtime")
 
@@ -81,14 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as sig:
         log.warning("rank %d interrupted by %s", rank, sig)
         if world is not None and world.is_controller:
-            events.emit("interrupted", rank=rank, signal=str(sig))
+            events.emit(ev.Interrupted(rank=rank, signal=str(sig)))
         run_dir.write_exit(rank, 128 + sig.signum)
         return 128 + sig.signum
     except Exception as err:
         log.exception("rank %d failed", rank)
         cell = world.unit if world is not None else None
         error = f"{type(err).__name__}: {err}"
-        events.emit("rank_failed", rank=rank, task=env.rank, cell=cell, host=env.node_name, error=error)
+        events.emit(ev.RankFailed(rank=rank, task=env.rank, cell=cell, host=env.node_name, error=error))
         print(f"gyre-hpc: rank {rank} failed: {err}", file=sys.stderr, flush=True)
         run_dir.write_exit(rank, 1)
         comm.Abort(1)
@@ -98,31 +104,34 @@ def main(argv: list[str] | None = None) -> int:
 
 def transport_plan(layout: Layout, model_dir: Path) -> TransportPlan:
     """Same on every rank: sizes come from the model's config, without building the model."""
-    import torch
-
-    from gyre_hpc.engines.embedded import unique_parameters
-    from gyre_hpc.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
-
-    with torch.device("meta"):
-        params = sum(p.numel() for p in unique_parameters(Qwen3ForCausalLM(Qwen3Config.load(model_dir))))
+    params = FlatLayout.of(Qwen3Config.load(model_dir)).numel
     satellites = tuple(layout.leader(c) for c in range(1, layout.cells))
     return TransportPlan(params, core=layout.leader(0), counter=CONTROLLER, grad_ranks=satellites)
 
 
 def controller(
-    world: World, recipe: Recipe, run_dir: RunDir, events: EventLog, model_dir: Path, transport: object
+    world: World, recipe: Recipe, run_dir: RunDir, events: EventLog, model_dir: Path, transport: Transport
 ) -> Controller:
     """Rank 0: resumes from the newest checkpoint if the run directory has one."""
+    events.emit(
+        ev.WorldUp(
+            size=world.layout.world_size,
+            layout=world.layout.describe(),
+            launcher=world.env.launcher,
+            job_id=world.env.job_id,
+            transport=transport.name,
+        )
+    )
     last = checkpoint.latest(run_dir.checkpoints)
-    resume = checkpoint.read_state(last) if last is not None else None
-    if resume is not None and run_dir.tito_log.exists():
+    resume = checkpoint.read_state(last) if last is not None else {}
+    if resume and run_dir.tito_log.exists():
         # Calls after the checkpointed step's data belong to steps that will be sampled again.
         with run_dir.tito_log.open("r+b") as fh:
             fh.truncate(int(resume.get("tito_bytes", fh.seek(0, 2))))
 
-    def make_serving(engines: list[str], on_event) -> Serving:  # type: ignore[no-untyped-def]
+    def make_serving(engines: list[str], on_event: Callable[[str, str], None]) -> Serving:
         return Serving(
-            run_dir.path,
+            run_dir,
             model_dir,
             engines,
             proxy=recipe.proxy,
@@ -134,17 +143,9 @@ def controller(
             on_event=on_event,
         )
 
+    fleet = MpiFleet(world.comm, world.layout, recipe.cells, transport, events, int(resume.get("version", 0)))
+    r = recipe
     return Controller(
-        world,
-        recipe.run,
-        recipe.cells,
-        recipe.scheduler,
-        recipe.tasks,
-        recipe.trajectory,
-        recipe.trainer,
-        events,
-        run_dir.path,
-        transport,  # type: ignore[arg-type]
-        make_serving,
-        resume,
-    )
+        fleet, make_serving, events, run_dir, r.run, r.scheduler, r.tasks, r.trajectory, r.trainer,
+        first_step=int(resume.get("step", 0)) + 1,
+    )  # fmt: skip

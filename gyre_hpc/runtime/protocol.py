@@ -24,20 +24,14 @@ step's micro-step queue (token ids, masks, log-probs) rides in ``TrainStep``.
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from gyre_hpc.scheduler.policy import Role
+
 CONTROL_TAG = 17
 POLL_INTERVAL_S = 0.002  # between probes: ranks outnumber cores on a laptop, so never spin
-
-
-class Role(enum.StrEnum):
-    IDLE = "idle"
-    SAMPLING = "sampling"
-    DRAINING = "draining"
-    TRAINING = "training"
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ from gyre_hpc.agents.dispatch import Dispatcher, Outcome
 from gyre_hpc.agents.harness import Harness
 from gyre_hpc.proxy.server import Proxy
 from gyre_hpc.recipe.schema import AgentConfig, EngineConfig, ProxyConfig, ScoringConfig
+from gyre_hpc.rundir import RunDir
 from gyre_hpc.scoring import ScoringRunners
 from gyre_hpc.tasks.task import Task
 from gyre_hpc.trajectory.tree import TrajectoryTree
@@ -36,7 +37,7 @@ T = TypeVar("T")
 class Serving:
     def __init__(
         self,
-        run_dir: Path,
+        run_dir: RunDir,
         model_dir: Path,
         engines: list[str],
         *,
@@ -61,7 +62,7 @@ class Serving:
         return self.call(self._start())
 
     async def _start(self) -> str:
-        self.proxy = Proxy(self.run_dir, self.model_dir, self.engine_urls, self.proxy_cfg, self.capacity)
+        self.proxy = Proxy(self.run_dir.path, self.model_dir, self.engine_urls, self.proxy_cfg, self.capacity)
         self._runner = web.AppRunner(self.proxy.app())
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.proxy_cfg.host, self.proxy_cfg.port)
@@ -88,7 +89,7 @@ class Serving:
             self.harness,
             lambda task: self.scoring.get(task.scorer),
             workspaces,
-            self.run_dir / "tasks",
+            self.run_dir.task_files,
             max(len(jobs), 1),  # the proxy's admission limits pace the engines
             self.on_event,
             on_outcome,
@@ -112,11 +113,6 @@ class Serving:
                     await self.proxy.router.drain(url, self.proxy_cfg.drain_mode)
 
         self.call(apply())
-
-    def tito_bytes(self) -> int:
-        """Size of the TITO log: every call answered so far is in it (written before the reply)."""
-        path = self.run_dir / "tito.bin"
-        return path.stat().st_size if path.exists() else 0
 
     def stop(self) -> None:
         if self._thread.is_alive():

@@ -1,4 +1,4 @@
-"""The scoring rules around any scorer (DESIGN.md §8, partial scoring).
+"""The scoring rules around any scorer (partial scoring).
 
 ```
  workspace missing / NoArtifact ──────────────▶ placeholder: reward 0, counts in its group, no tokens

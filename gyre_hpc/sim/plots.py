@@ -44,7 +44,7 @@ def plot_all(results: dict[str, SimResult], out: Path, title: str, unit: str = "
         handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
         ax.legend(handles, list(COLORS), loc="upper right", ncol=4, fontsize=7)
         fig.tight_layout()
-        paths.append(_save(fig, out / f"gantt_{mode}.png"))
+        paths.append(_save(fig, out / f"gantt_{mode.replace('/', 'of').replace(' ', '-')}.png"))
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     bottom = [0.0] * len(results)
     for what, color in COLORS.items():

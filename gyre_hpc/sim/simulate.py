@@ -3,11 +3,14 @@
 ```
  events (time-ordered): execution ends · micro-step ends · switch ends · publication ends
    after each: start waiting executions on free slots; idle trainers take the next micro-step;
-               decide(SchedState) — the runtime's policy — and start the switches it returns
+               decide(sched_state(counters)) — the runtime's policy on the runtime's view of
+               the counters — and start the switches it returns
+   a step closes at its publication; elastic and colocate then return their trainers and
+   dispatch the next burst once the policy switches nothing more (the policy's boundary rules)
 ```
 
-Nothing here decides a role: ``scheduler.policy.decide`` does, exactly as in the runtime.
-Time only moves between events; there is no compute.
+Nothing here decides a role: ``scheduler.policy.decide`` does, exactly as in the runtime, on a
+state built by the same ``sched_state``. Time only moves between events; there is no compute.
 
 The workload is a function from a step to its prompt groups: each group's execution durations
 and the micro-steps it yields. ``sampled`` draws it from the config's distributions;
@@ -22,9 +25,17 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gyre_hpc.recipe.schema import Mode
-from gyre_hpc.runtime.protocol import Role
-from gyre_hpc.scheduler.policy import SchedState, carries_tail, decide, initial_roles
+from gyre_hpc.recipe.schema import Mode, SchedulerConfig
+from gyre_hpc.scheduler.policy import (
+    Role,
+    SchedState,
+    StepCounters,
+    carries_tail,
+    decide,
+    initial_roles,
+    sched_state,
+    writes_checkpoint,
+)
 from gyre_hpc.sim.config import SimConfig
 from gyre_hpc.trajectory.batch import pack_micro_steps
 
@@ -87,9 +98,14 @@ class SimResult:
     step_ends: list[float]
     total_s: float
     cells: list[CellTime]
-    switches: int
+    switch_log: list[tuple[int, int, str]]
+    """(step, cell, role it switched to), in the order the switches began."""
     timeline: list[tuple[int, float, float, str]] = field(default_factory=list)
     """(cell, start, end, what) for a Gantt chart."""
+
+    @property
+    def switches(self) -> int:
+        return len(self.switch_log)
 
     @property
     def step_times(self) -> list[float]:
@@ -99,6 +115,12 @@ class SimResult:
 class Simulation:
     def __init__(self, cfg: SimConfig, mode: Mode, workload: Workload | None = None) -> None:
         self.cfg, self.mode = cfg, mode
+        self.sched = SchedulerConfig(
+            mode=mode,
+            async_train_cells=cfg.async_train_cells,
+            min_queued_microsteps=cfg.min_queued,
+            carry_tail=cfg.carry_tail,
+        )
         self.workload = workload or sampled(cfg)
         self.streaming = cfg.streaming == "all" or (cfg.streaming == "elastic" and mode == "elastic")
         self.now = 0.0
@@ -111,28 +133,31 @@ class Simulation:
         self.state_of = ["sampling" if r == Role.SAMPLING else "training" for r in self.roles]
         self.cells = [CellTime() for _ in range(cfg.cells)]
         self.timeline: list[tuple[int, float, float, str]] = []
-        self.switches = 0
+        self.switch_log: list[tuple[int, int, str]] = []
         self.step_ends: list[float] = []
-        # burst bookkeeping
-        self.burst = 0
+        # bursts
+        self.burst = 0  # the newest dispatched step
         self.d = self.f = 0
         self.waiting: list[int] = []  # execution ids waiting for a slot
         self.running = 0
         self.remaining: dict[int, float] = {}
         self.group_left: dict[int, int] = {}
         self.groups: dict[int, Group] = {}
-        self.queue: list[float] = []  # claimable micro-steps (their training times)
-        self.training_step = 0  # step whose micro-steps are queued / trained (0: none)
-        self.step_work: dict[int, int] = {}  # step -> micro-steps released and not yet trained
-        self.closed: set[int] = set()
-        self.publishing = False
         self.next_exec = 0
         self.exec_group: dict[int, int] = {}  # execution -> its group
+        self.closed: set[int] = set()  # steps whose burst has ended
+        # training
+        self.training_step = 1  # the oldest step not yet published: its micro-steps are claimable
+        self.queue: list[float] = []  # claimable micro-steps (their training times)
         self.pending_release: dict[int, list[float]] = {}  # step -> micro-steps not yet claimable
+        self.released: dict[int, int] = {}  # step -> micro-steps packed for it
+        self.step_work: dict[int, int] = {}  # step -> micro-steps released and not yet trained
+        self.started: dict[int, int] = {}  # step -> micro-steps trainers have taken (claims)
+        self.publishing = False
+        self.boundary = False  # a step has closed; its trainers return before the next burst
         self.carried: list[float] = []  # carry_tail: micro-steps left for the next step
         self.stopping: set[int] = set()  # steps applied at their burst's end (carry_tail)
         self.carried_in: dict[int, int] = {}  # step -> micro-steps carried into it
-        self.started: dict[int, int] = {}  # step -> micro-steps trainers have taken
 
     # ---- events -----------------------------------------------------------------------------
 
@@ -150,16 +175,13 @@ class Simulation:
             self.react()
         for c in range(self.cfg.cells):
             self.mark(c, self.state_of[c])
-        return SimResult(self.mode, self.step_ends, self.now, self.cells, self.switches, self.timeline)
+        return SimResult(self.mode, self.step_ends, self.now, self.cells, self.switch_log, self.timeline)
 
     def mark(self, cell: int, what: str) -> None:
         """Close the cell's current segment and open ``what``."""
         start, span = self.since[cell], self.now - self.since[cell]
         prev = self.state_of[cell]
-        slot = {"sampling": "sampling", "training": "training", "idle": "idle", "switching": "switching"}[
-            prev
-        ]
-        setattr(self.cells[cell], slot, getattr(self.cells[cell], slot) + span)
+        setattr(self.cells[cell], prev, getattr(self.cells[cell], prev) + span)
         if span > 0:
             self.timeline.append((cell, start, self.now, prev))
         self.since[cell], self.state_of[cell] = self.now, what
@@ -167,11 +189,12 @@ class Simulation:
     # ---- sampling ---------------------------------------------------------------------------
 
     def dispatch(self) -> None:
-        """A new burst: the workload's groups for the next step."""
+        """A new burst: the workload's groups for the next step (and what the last one carried)."""
         self.burst += 1
-        self.step_work[self.burst] = 0
-        for g, group in enumerate(self.workload(self.burst)):
-            gid = self.burst * 10_000 + g
+        step = self.burst
+        self.released[step] = self.step_work[step] = 0
+        for g, group in enumerate(self.workload(step)):
+            gid = step * 10_000 + g
             self.groups[gid] = group
             self.group_left[gid] = len(group.durations)
             self.d += len(group.durations)
@@ -181,6 +204,10 @@ class Simulation:
                 self.remaining[e] = duration + self.cfg.exec_overhead_s
                 self.exec_group[e] = gid
                 self.waiting.append(e)
+        if self.carried:
+            self.carried_in[step] = len(self.carried)
+            self.release(step, self.carried)
+            self.carried = []
 
     def slots(self) -> int:
         return self.cfg.pool_capacity + sum(
@@ -209,9 +236,9 @@ class Simulation:
             self.closed.add(step)
             trainers = sum(r == Role.TRAINING for r in self.roles)
             stale_left = max(self.carried_in.get(step, 0) - self.started.get(step, 0), 0)
-            if carries_tail(
-                self.mode, self.cfg.carry_tail, trainers, step == self.cfg.steps, False, stale_left
-            ):
+            checkpoint = writes_checkpoint(step, self.cfg.checkpoint_every, self.cfg.steps)
+            ends_run = step == self.cfg.steps
+            if carries_tail(self.mode, self.cfg.carry_tail, trainers, ends_run, checkpoint, stale_left):
                 self.stopping.add(step)
 
     def whole_step(self, step: int) -> list[float]:
@@ -225,8 +252,7 @@ class Simulation:
         return all(left == 0 for gid, left in self.group_left.items() if gid // 10_000 == step)
 
     def release(self, step: int, micro_steps: list[float]) -> None:
-        if self.training_step in (0, step):
-            self.training_step = step
+        self.released[step] += len(micro_steps)
         self.step_work[step] += len(micro_steps)
         self.pending_release.setdefault(step, []).extend(micro_steps)
 
@@ -239,14 +265,12 @@ class Simulation:
 
     def feed_trainers(self) -> None:
         step = self.training_step
-        if step and step in self.pending_release:  # micro-steps of the step in training become claimable
+        if step in self.pending_release:  # micro-steps of the step in training become claimable
             self.queue += self.pending_release.pop(step)
-        carrying = step in self.stopping
-        # Trainers going back to serve (executions exceed the sampling capacity) take no more work.
-        going_back = self.mode == "elastic" and self.d - self.f > self.slots()
+        stopping = step in self.stopping
         for c, r in enumerate(self.roles):
             if r == Role.TRAINING and c not in self.switching and not self.busy[c]:
-                if self.queue and not carrying and not going_back:
+                if self.queue and not stopping:
                     seconds = self.queue.pop(0)
                     self.started[step] = self.started.get(step, 0) + 1
                     self.busy[c] = True
@@ -255,36 +279,48 @@ class Simulation:
                     self.at(self.now + seconds, "micro_end", c)
                 elif self.state_of[c] != "idle":
                     self.mark(c, "idle")
-        if carrying and not self.publishing and not any(self.busy.values()) and self.queue:
+        idle = not self.publishing and not any(self.busy.values())
+        if stopping and idle and self.queue:
             self.carried, self.queue = self.queue, []  # trained in the next step, one version stale
             self.step_work[step] = 0
-        if step and step in self.closed and self.step_work.get(step) == 0 and not self.publishing:
-            if not any(self.busy.values()):
-                self.publishing = True
-                self.at(self.now + self.cfg.publish_s, "published", step)
+        if step in self.closed and self.step_work[step] == 0 and idle:
+            self.publishing = True
+            self.at(self.now + self.cfg.publish_s, "published", step)
 
     def on_published(self, step: int) -> None:
         self.publishing = False
-        self.step_ends.append(self.now)
-        self.training_step = 0
-        later = [s for s in self.pending_release if s > step]
-        if later:
-            self.training_step = min(later)
-        if self.burst == step and self.burst < self.cfg.steps:
-            self.dispatch()
-            if self.carried:
-                self.carried_in[self.burst] = len(self.carried)
-                self.release(self.burst, self.carried)
-                self.carried = []
+        self.training_step = step + 1
+        if self.mode == "async":
+            self.step_ends.append(self.now)
+        else:
+            self.boundary = True
 
-    # ---- switches -----------------------------------------------------------------------------
+    # ---- the policy ---------------------------------------------------------------------------
+
+    def counters(self) -> StepCounters:
+        step = self.training_step if not self.boundary else self.burst
+        counters = StepCounters(
+            self.d,
+            self.f,
+            self.released.get(step, 0),
+            self.started.get(step, 0),
+            open=step <= self.burst,
+            stopped=step in self.stopping,
+        )
+        return counters.closed() if self.boundary else counters
+
+    def state(self) -> SchedState:
+        caps = [self.cfg.capacity] * self.cfg.cells
+        return sched_state(
+            self.sched, self.roles, caps, self.cfg.pool_capacity, self.counters(), bool(self.switching)
+        )
 
     def on_switch_end(self, cell: int) -> None:
         del self.switching[cell]
         self.mark(cell, "sampling" if self.roles[cell] == Role.SAMPLING else "idle")
 
     def react(self) -> None:
-        """After every event: serve, train, and let the policy decide (serial switches)."""
+        """After every event: serve, train, let the policy decide, and close a step's boundary."""
         if (
             self.mode == "async"
             and self.burst == len(self.step_ends) + 1
@@ -294,30 +330,22 @@ class Simulation:
             self.dispatch()  # sampling never waits: burst k+1 while step k trains (staleness 1)
         self.start_waiting()
         self.feed_trainers()
-        state = SchedState(
-            mode=self.mode,
-            roles=tuple(self.roles),
-            capacity=(self.cfg.capacity,) * self.cfg.cells,
-            pool_capacity=self.cfg.pool_capacity,
-            dispatched=self.d,
-            finished=self.f,
-            queued=0
-            if self.training_step in self.stopping
-            else len(self.queue) + len(self.pending_release.get(self.training_step, [])),
-            step_open=self.training_step != 0,
-            min_queued=self.cfg.min_queued,
-            async_train_cells=self.cfg.async_train_cells,
-            switching=bool(self.switching),
-        )
-        for sw in decide(state):
+        switches = decide(self.state())
+        for sw in switches:
             if sw.role == Role.SAMPLING and self.busy[sw.cell]:
                 continue  # it finishes its micro-step first
             cost = self.cfg.switch_to_train_s if sw.role == Role.TRAINING else self.cfg.switch_to_sample_s
             self.roles[sw.cell] = sw.role
             self.switching[sw.cell] = self.now + cost
-            self.switches += 1
+            self.switch_log.append((self.burst, sw.cell, str(sw.role)))
             self.mark(sw.cell, "switching")
             self.at(self.now + cost, "switch_end", sw.cell)
+        if self.boundary and not switches and not self.switching:
+            self.boundary = False  # every trainer is back: the step ends, the next burst starts
+            self.step_ends.append(self.now)
+            if self.burst < self.cfg.steps:
+                self.dispatch()
+                self.react()
 
 
 def simulate(cfg: SimConfig, mode: Mode, workload: Workload | None = None) -> SimResult:

@@ -16,29 +16,28 @@ from __future__ import annotations
 
 from pathlib import Path
 from statistics import median
-from typing import Any
 
 from gyre_hpc.errors import GyreError
-from gyre_hpc.observability.events import read_events
-from gyre_hpc.recipe.load import load_recipe
+from gyre_hpc.observability import events as ev
 from gyre_hpc.recipe.schema import Recipe
-from gyre_hpc.runtime.step_data import run_id
+from gyre_hpc.rundir import RunDir
 from gyre_hpc.sim.config import SimConfig
 from gyre_hpc.sim.simulate import CellTime, Group, SimResult, Workload, packed
+from gyre_hpc.step_data import run_id
 
 
-def run_tokens(steps: list[dict[str, Any]]) -> dict[str, int]:
+def run_tokens(steps: list[ev.Step]) -> dict[str, int]:
     """Run id → tokens it generated, from the step events' groups (listed by sorted run id)."""
     out = {}
     for s in steps:
-        for g in s.get("groups", []):
-            runs = sorted(run_id(s["step"], g["task"], i) for i in range(len(g["run_tokens"])))
+        for g in s.groups:
+            runs = sorted(run_id(s.step, g["task"], i) for i in range(len(g["run_tokens"])))
             out |= dict(zip(runs, g["run_tokens"], strict=True))
     return out
 
 
-def workload(cfg: SimConfig, steps: list[dict[str, Any]], decode_s: float) -> Workload:
-    by_step = {s["step"]: s.get("groups", []) for s in steps}
+def workload(cfg: SimConfig, steps: list[ev.Step], decode_s: float) -> Workload:
+    by_step = {s.step: s.groups for s in steps}
 
     def groups(step: int) -> list[Group]:
         if step not in by_step:
@@ -55,41 +54,41 @@ def workload(cfg: SimConfig, steps: list[dict[str, Any]], decode_s: float) -> Wo
     return groups
 
 
-def measured_costs(events: list[dict[str, Any]], decode_s: float) -> dict[str, float]:
+def measured_costs(events: list[ev.Event], decode_s: float) -> dict[str, float]:
     """The runtime's own costs: switches, version publication, and per-execution overhead."""
-    steps = [e for e in events if e["event"] == "step"]
+    steps = [e for e in events if isinstance(e, ev.Step)]
     tokens = run_tokens(steps)
-    start = {e["run"]: e["t"] for e in events if e["event"] == "dispatched"}
+    start = {e.run: e.t for e in events if isinstance(e, ev.Dispatched)}
     overhead = [
-        e["t"] - start[e["run"]] - tokens[e["run"]] * decode_s
+        e.t - start[e.run] - tokens[e.run] * decode_s
         for e in events
-        if e["event"] == "finished" and e["run"] in start and e["run"] in tokens
+        if isinstance(e, ev.Finished) and e.run in start and e.run in tokens
     ]
-    to_train = [e["seconds"] for e in events if e["event"] == "switch" and e["kind"] == "sampling→training"]
-    to_sample = [e["seconds"] for e in events if e["event"] == "switch" and e["kind"] == "training→sampling"]
+    switches = [e for e in events if isinstance(e, ev.Switch)]
+    to_train = [e.seconds for e in switches if e.direction == "sampling→training"]
+    to_sample = [e.seconds for e in switches if e.direction == "training→sampling"]
     costs = {"exec_overhead_s": max(median(overhead), 0.0) if overhead else 0.0}
     if to_train and to_sample:
         costs |= {"switch_to_train_s": median(to_train), "switch_to_sample_s": median(to_sample)}
-    applied = [e["apply_seconds"] for e in steps if "apply_seconds" in e]
-    if applied:
-        costs["publish_s"] = median(applied)
+    if steps:
+        costs["publish_s"] = median(e.apply_seconds for e in steps)
     return costs
 
 
 def replay(run_dir: Path, costs: dict[str, float] | None = None) -> tuple[SimConfig, Workload]:
     """The simulator's config and workload for a recorded emulated run. ``costs`` (e.g. measured
     in another mode's run) replace the ones measured in this run."""
-    recipe_path, events_path = run_dir / "recipe.toml", run_dir / "events.jsonl"
-    if not recipe_path.exists() or not events_path.exists():
+    rd = RunDir(run_dir)
+    if not rd.recipe_path.exists() or not rd.events.exists():
         raise GyreError(f"{run_dir} is not a run directory (no recipe.toml or events.jsonl)")
-    r = load_recipe(recipe_path)
+    r = rd.read_recipe()
     if r.engine.backend != "emulated" or r.trainer.backend != "emulated":
         raise GyreError(
             f"{run_dir}: only emulated runs can be replayed (engine.backend and trainer.backend = "
             f"'emulated'); this one has {r.engine.backend!r} and {r.trainer.backend!r}"
         )
-    events = read_events(events_path)
-    steps = [e for e in events if e["event"] == "step"]
+    events = rd.read_events()
+    steps = [e for e in events if isinstance(e, ev.Step)]
     cfg = config_of(r, len(steps)).with_(**(costs or measured_costs(events, r.engine.emulated_decode_s)))
     return cfg, workload(cfg, steps, r.engine.emulated_decode_s)
 
@@ -108,26 +107,28 @@ def config_of(r: Recipe, steps: int) -> SimConfig:
         async_train_cells=r.scheduler.async_train_cells,
         min_queued=r.scheduler.min_queued_microsteps,
         carry_tail=r.scheduler.carry_tail,
+        checkpoint_every=r.trainer.checkpoint_every,
         seed=r.run.seed,
     )
 
 
 def observed(run_dir: Path) -> SimResult:
-    """What a real run did, in the simulator's terms (step ends, role timeline, time split), so
-    both are tabulated and drawn alike. Times are seconds from the first dispatch; a training
-    cell waiting for micro-steps counts as training (the runtime does not record it apart)."""
-    events = read_events(run_dir / "events.jsonl")
-    t0 = min(e["t"] for e in events if e["event"] == "dispatched")
-    end = max(e["t"] for e in events if e["event"] == "step")
-    roles = {int(c): r for c, r in next(e for e in events if e["event"] == "step")["roles"].items()}
-    first = [e for e in events if e["event"] == "switch_role" and e["t"] <= t0]
-    state = {c: "sampling" for c in roles}
-    for e in first:  # roles taken before the first burst (async's fixed split)
-        state[e["cell"]] = e["role"].lower()
+    """What a real run did, in the simulator's terms (step ends, switches, role timeline, time
+    split), so both are tabulated, drawn and compared alike. Times are seconds from the first
+    dispatch; a training cell waiting for micro-steps counts as training (the runtime does not
+    record it apart)."""
+    rd = RunDir(run_dir)
+    events = rd.read_events()
+    t0 = min(e.t for e in events if isinstance(e, ev.Dispatched))
+    end = max(e.t for e in events if isinstance(e, ev.Step))
+    roles = next(e for e in events if isinstance(e, ev.Step)).roles
+    state = {int(c): "sampling" for c in roles}
+    for e in events:  # roles taken before the first burst (async's fixed split)
+        if isinstance(e, ev.SwitchRole) and e.t <= t0 and e.cell in state:
+            state[e.cell] = e.role
     since = dict.fromkeys(state, 0.0)
     cells = {c: CellTime() for c in state}
     timeline: list[tuple[int, float, float, str]] = []
-    switches = 0
 
     def close(cell: int, now: float, what: str) -> None:
         if now > since[cell]:
@@ -136,16 +137,13 @@ def observed(run_dir: Path) -> SimResult:
         state[cell], since[cell] = what, now
 
     for e in events:
-        now = min(e["t"], end) - t0
-        if now < 0 or e["event"] not in ("switch_role", "role_switched") or e["cell"] not in state:
+        now = min(e.t, end) - t0
+        if now < 0 or not isinstance(e, ev.SwitchRole | ev.RoleSwitched) or e.cell not in state:
             continue
-        if e["event"] == "switch_role":
-            switches += 1
-            close(e["cell"], now, "switching")
-        else:
-            close(e["cell"], now, e["role"].lower())
+        close(e.cell, now, "switching" if isinstance(e, ev.SwitchRole) else e.role)
     for c in state:
         close(c, end - t0, state[c])
-    steps = [e["t"] - t0 for e in events if e["event"] == "step"]
-    mode = load_recipe(run_dir / "recipe.toml").scheduler.mode
-    return SimResult(mode, steps, end - t0, [cells[c] for c in sorted(cells)], switches, timeline)
+    steps = [e.t - t0 for e in events if isinstance(e, ev.Step)]
+    log = [(e.step, e.cell, e.direction.split("→")[1]) for e in events if isinstance(e, ev.Switch)]
+    mode = rd.read_recipe().scheduler.mode
+    return SimResult(mode, steps, end - t0, [cells[c] for c in sorted(cells)], log, timeline)

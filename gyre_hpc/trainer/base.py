@@ -6,9 +6,8 @@
 ```
 
 A trainer knows nothing about MPI, cells or the schedule: it owns a model replica whose
-parameters and gradients live in two flat float32 buffers laid out like
-``engines.embedded.flat_parameters`` (unique parameters, in order), so snapshots and gradients
-move as one contiguous block.
+parameters and gradients live in two flat float32 buffers in the shared layout
+(``models.flat.FlatLayout``), so snapshots and gradients move as one contiguous block.
 """
 
 from __future__ import annotations
@@ -21,31 +20,7 @@ import numpy as np
 import torch
 
 from gyre_hpc.loss.policy import weighted_policy_loss
-from gyre_hpc.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from gyre_hpc.trajectory.batch import TrainSequence
-
-
-def flat_slots(config: Qwen3Config) -> dict[str, tuple[int, torch.Size]]:
-    """Hugging Face tensor name → (offset, shape) in a flat buffer: unique parameters, in order
-    (a tied ``lm_head`` is the embedding's slot and is not listed)."""
-    with torch.device("meta"):
-        model = Qwen3ForCausalLM(config)
-    slots, at = {}, 0
-    for name, p in model.named_parameters():
-        slots[name] = (at, p.shape)
-        at += p.numel()
-    return slots
-
-
-def flat_tensors(flat: np.ndarray, config: Qwen3Config) -> dict[str, torch.Tensor]:
-    """The Hugging Face tensors of a flat buffer, as views."""
-    return slot_views(flat, flat_slots(config))
-
-
-def slot_views(flat: np.ndarray, slots: dict[str, tuple[int, torch.Size]]) -> dict[str, torch.Tensor]:
-    """``flat`` cut by ``slots`` (from ``flat_slots``) into named views."""
-    t = torch.from_numpy(flat)
-    return {name: t[at : at + shape.numel()].view(shape) for name, (at, shape) in slots.items()}
 
 
 def mean_gradient_scale(sum_norm: float, num_runs: int, grad_clip: float) -> tuple[float, float]:

@@ -23,8 +23,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.qwen3 import Qwen3Config
-from gyre_hpc.trainer.base import Trainer, flat_tensors
+from gyre_hpc.trainer.base import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def save(root: Path, step: int, trainer: Trainer, model_dir: Path, **state: Any)
     for name in MODEL_FILES:
         if (model_dir / name).exists():
             shutil.copy2(model_dir / name, tmp / name)
-    tensors = flat_tensors(trainer.weights(), Qwen3Config.load(model_dir))  # any backend: its flat buffer
+    tensors = FlatLayout.of(Qwen3Config.load(model_dir)).views(trainer.weights())  # any backend
     save_file(
         {k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"), {"format": "pt"}
     )
@@ -74,7 +75,7 @@ def restore(path: Path, trainer: Trainer) -> dict[str, Any]:
     """Weights and optimizer state into ``trainer`` (through its flat buffer, any backend)."""
     state = load_file(str(path / "model.safetensors"))
     flat = np.empty(trainer.numel, dtype=np.float32)
-    for name, view in flat_tensors(flat, Qwen3Config.load(path)).items():
+    for name, view in FlatLayout.of(Qwen3Config.load(path)).views(flat).items():
         view.copy_(state[name])
     info = read_state(path)
     trainer.load_snapshot(flat, int(info["version"]))

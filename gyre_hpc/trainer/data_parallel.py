@@ -16,7 +16,7 @@ counter hands it out once. Gradients are pulled and summed by the core (no remot
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -77,20 +77,6 @@ def work_once(claims: Claims, trainer: Trainer, transport: Transport) -> str:
     if claims.closed and i >= claims.total:
         return "done"
     return "waiting"
-
-
-def train_claimed(
-    trainer: Trainer,
-    transport: Transport,
-    queue: Sequence[list[TrainSequence]],
-    before_each: Callable[[], None] = lambda: None,
-) -> Claims:
-    """A complete queue, claimed until exhausted (gradients accumulate in the trainer)."""
-    claims = Claims.of(queue)
-    while True:
-        before_each()
-        if work_once(claims, trainer, transport) == "done":
-            return claims
 
 
 def pull_snapshot(trainer: Trainer, transport: Transport, expected: int, scratch: np.ndarray) -> None:

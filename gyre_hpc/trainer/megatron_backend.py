@@ -7,7 +7,7 @@
  core: apply(R): summed HF gradient ──▶ Megatron grads → /R → clip → AdamW → weights() in HF layout
 ```
 
-The flat buffers keep the layout every other part uses (``engines.embedded.flat_parameters``):
+The flat buffers keep the layout every other part uses (``models.flat``):
 engines load snapshots unchanged, cells of either backend sum their gradients alike, and
 checkpoints stay Hugging Face directories. Conversion happens at those boundaries, tensor by
 tensor (``megatron_weights``): a rank loads its own shards of its own stage; shards are gathered
@@ -44,17 +44,16 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from gyre_hpc.loss.policy import token_logprobs
+from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.qwen3 import Qwen3Config
 from gyre_hpc.recipe.schema import TrainerConfig
 from gyre_hpc.trainer.base import (
     ApplyStats,
     MicroStats,
-    flat_slots,
     mean_gradient_scale,
     micro_stats,
     policy_micro_step,
     sequence_loss,
-    slot_views,
 )
 from gyre_hpc.trainer.megatron_cpu import redirect_cuda_to_cpu
 from gyre_hpc.trainer.megatron_weights import Layout, hf_to_megatron, megatron_to_hf
@@ -202,8 +201,9 @@ class MegatronTrainer:
             if bf16 and core
             else None
         )
-        self.slots = flat_slots(self.model_config)
-        self.numel = sum(shape.numel() for _, shape in self.slots.values())
+        self.flat_layout = FlatLayout.of(self.model_config)
+        self.slots = self.flat_layout.slots
+        self.numel = self.flat_layout.numel
         # Snapshots leave through host memory: pinned, so a GPU copies at full speed into it.
         self.flat = torch.zeros(self.numel, pin_memory=torch.cuda.is_available()).numpy()
         if grad_buffer is None:
@@ -384,7 +384,7 @@ class MegatronTrainer:
     # ---- layout boundaries ---------------------------------------------------------------------
 
     def _view(self, flat: np.ndarray):  # noqa: ANN202 - a reader callback
-        return slot_views(flat, self.slots).__getitem__
+        return self.flat_layout.views(flat).__getitem__
 
     def _load(self, read) -> None:  # noqa: ANN001 - a reader callback
         with torch.no_grad():

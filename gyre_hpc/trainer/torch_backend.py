@@ -1,8 +1,8 @@
 """The ``torch`` trainer: plain PyTorch, CPU or one GPU, AdamW on the core.
 
-Parameters and gradients are views into two flat buffers; the gradient buffer may be memory the
-transport exposes (pass ``grad_buffer``), so a finished cell's gradient is readable by the core
-without a copy.
+Parameters and gradients are views into two flat buffers (``models.flat``); the gradient buffer
+may be memory the transport exposes (pass ``grad_buffer``), so a finished cell's gradient is
+readable by the core without a copy.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gyre_hpc.engines.embedded import unique_parameters
 from gyre_hpc.loss.policy import token_logprobs
+from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 from gyre_hpc.recipe.schema import TrainerConfig
 from gyre_hpc.trainer.base import ApplyStats, MicroStats, mean_gradient_scale, policy_micro_step
@@ -31,24 +31,18 @@ class TorchTrainer:
     ) -> None:
         self.config = config
         self.model = Qwen3ForCausalLM.from_pretrained(model_dir).train()
-        params = unique_parameters(self.model)
-        self.numel = sum(p.numel() for p in params)
+        layout = FlatLayout.of(self.model.config)
+        self.numel = layout.numel
         self.flat = torch.empty(self.numel, dtype=torch.float32)
         if grad_buffer is None:
             grad_buffer = np.zeros(self.numel, dtype=np.float32)
         if grad_buffer.shape != (self.numel,) or grad_buffer.dtype != np.float32:
             raise ValueError(f"gradient buffer must be float32[{self.numel}]")
         self.grad = torch.from_numpy(grad_buffer)
-        at = 0
-        for p in params:
-            n = p.numel()
-            self.flat[at : at + n].copy_(p.detach().reshape(-1))
-            p.data = self.flat[at : at + n].view_as(p)
-            p.grad = self.grad[at : at + n].view_as(p)
-            at += n
+        layout.bind(self.model, self.flat, self.grad)
         self.grad.zero_()
-        self.params = params
         self.version = 0
+        params = list(self.model.parameters())  # tied ones once
         self.optimizer = (
             torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, foreach=False)
             if core

@@ -10,7 +10,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from gyre_hpc.runtime.protocol import Channel, Heartbeat, MicroSteps, Role
+from gyre_hpc.runtime.protocol import Channel, Heartbeat, MicroSteps
+from gyre_hpc.scheduler.policy import Role
 
 BUSY_S = 2.0
 

@@ -13,7 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 from gyre_hpc.recipe.schema import TrainerConfig
-from gyre_hpc.trainer.data_parallel import apply_on_core, pull_snapshot, train_claimed
+from gyre_hpc.trainer.data_parallel import Claims, apply_on_core, pull_snapshot, work_once
 from gyre_hpc.trainer.torch_backend import TorchTrainer
 from gyre_hpc.trajectory.batch import TrainSequence
 from gyre_hpc.transport.base import TransportPlan
@@ -78,7 +78,12 @@ if rank >= 1:
     if rank == 2:
         time.sleep(0.5)  # joins after the others have started
     pace = {1: 0.1, 2: 0.1, 3: 0.4}[rank]  # rank 3 is a slow cell
-    claimed = train_claimed(trainer, transport, queue, before_each=lambda: time.sleep(pace)).claimed
+    claims = Claims.of(queue)  # a complete queue, claimed until exhausted, as a cell does
+    while True:
+        time.sleep(pace)
+        if work_once(claims, trainer, transport) == "done":
+            break
+    claimed = claims.claimed
 all_claimed = comm.gather(claimed, root=0)
 comm.Barrier()  # every satellite has reported: its gradient is final
 

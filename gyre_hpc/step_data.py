@@ -1,7 +1,8 @@
 """What one optimizer step trains on: its prompts, its executions, and the batch made of them.
 
 Pure and deterministic for (seed, step), so a resumed run takes the same data order, and the
-same functions serve the runtime and tests.
+same functions serve the runtime, the simulator's replay (``run_id``) and tests. It knows
+nothing about cells, MPI or the schedule.
 
 ```
  step k ─▶ step_tasks: prompts_per_step tasks ─▶ step_jobs: × group_size executions (run ids)
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gyre_hpc.agents.dispatch import Outcome
@@ -60,6 +61,8 @@ class StepBatch:
     """Micro-steps, each a list of sequences."""
     num_runs: int
     stats: dict[str, object] = field(default_factory=dict)
+    trees: Mapping[str, TrajectoryTree] = field(default_factory=dict)
+    """The trees of the step's runs."""
 
 
 def group_sequences(
@@ -108,7 +111,7 @@ def step_batch(
         runs += n
         work.append(group_work(group, trees, seqs))
     queue = pack(sequences, micro_step_tokens)
-    return StepBatch(queue, runs, step_stats(outcomes, queue, runs, work))
+    return StepBatch(queue, runs, step_stats(outcomes, queue, runs, work), trees)
 
 
 class StreamingBatch:
@@ -208,3 +211,10 @@ def step_stats(
         "statuses": dict(sorted(Counter(o.execution.status for o in outcomes).items())),
         "groups": list(work),
     }
+
+
+def staleness(trees: Iterable[TrajectoryTree], trained_from: int) -> dict[str, int]:
+    """Calls by how many versions lie between the one a step trains from and the one that
+    served them (0: on-policy)."""
+    count = Counter(trained_from - r.policy_version for tree in trees for r in tree.records())
+    return {str(k): v for k, v in sorted(count.items())}

@@ -1,0 +1,278 @@
+"""The fleet: everything the controller does *to cells*, behind one small interface.
+
+```
+ step kinds (runtime.steps) ──▶ Fleet ──┬─ MpiFleet: control messages to cell leaders (runtime.protocol)
+ controller (start, shutdown)           └─ tests: an in-process fake on a scripted clock
+   start()            every cell's Hello (address, capacity)
+   switch(roles)      SwitchRole → every RoleSwitched           (several cells switch in parallel)
+   load_weights(v)    LoadWeights → every WeightsLoaded         (engines pull snapshot v)
+   train / extend / close_queue                                 (a step's micro-step queue)
+   receive()          the one wait: books heartbeats, checks liveness, returns the next TrainDone
+   apply(step, …)     ApplyStep to the core → StepApplied        (version v+1)
+   shutdown(reason)
+```
+
+A fleet knows the cells' roles and the version the core has published; it knows nothing about
+the schedule (which cell switches when: ``scheduler.policy``), executions or micro-step contents.
+Messages that arrive while the fleet waits for something else are kept for ``receive``, never
+dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+from gyre_hpc.layout import Layout
+from gyre_hpc.observability import events as ev
+from gyre_hpc.recipe.schema import CellsConfig
+from gyre_hpc.runtime.protocol import (
+    POLL_INTERVAL_S,
+    ApplyStep,
+    Channel,
+    CloseQueue,
+    Heartbeat,
+    Hello,
+    LoadWeights,
+    Message,
+    MicroSteps,
+    ProtocolError,
+    RoleSwitched,
+    Shutdown,
+    StepApplied,
+    SwitchRole,
+    TrainDone,
+    TrainStep,
+    WeightsLoaded,
+    wait_barrier,
+)
+from gyre_hpc.scheduler.policy import Role
+from gyre_hpc.transport.base import Transport
+
+
+class CellLost(RuntimeError):
+    """A cell stopped reporting."""
+
+
+class Fleet(Protocol):
+    units: dict[int, Hello]
+    """Every cell and standalone engine, by unit number, once ``start`` returned."""
+    cells: int
+    """Units 0 … cells-1 are cells (cell 0 the core); the rest are standalone engines."""
+    roles: dict[int, Role]
+    version: int
+    """The version the core has published."""
+
+    def start(self) -> None:
+        """Wait for every unit's Hello."""
+
+    def switch(self, roles: dict[int, Role]) -> dict[int, float]:
+        """Give cells new roles at once and wait until every rank of each has taken its role;
+        seconds per switched cell (a cell already in its role is left alone)."""
+
+    def load_weights(self, units: list[int]) -> float:
+        """Every listed engine loads the current version; the slowest one's seconds."""
+
+    def train(self, cells: list[int], step: int, queue: list, closed: bool) -> None:
+        """Cells join ``step`` from the current version and claim from ``queue`` (more may follow
+        with ``extend`` until ``close_queue`` unless ``closed``)."""
+
+    def extend(self, cells: list[int], step: int, items: list) -> None: ...
+
+    def close_queue(self, cells: list[int], step: int, total: int, stop: bool) -> None: ...
+
+    def reset_claims(self) -> None:
+        """The claim counter back to 0, while nobody claims (between steps)."""
+
+    def claimed(self) -> int:
+        """Claims handed out from the current queue."""
+
+    def receive(self) -> TrainDone | None:
+        """The next TrainDone, or None after a short wait; a silent cell raises ``CellLost``."""
+
+    def apply(
+        self, step: int, done: dict[int, TrainDone], num_runs: int, checkpoint: bool, state: dict
+    ) -> StepApplied:
+        """The core sums the gradients of the cells in ``done``, steps (unless ``num_runs`` is 0),
+        publishes the next version and checkpoints if asked; ``version`` follows."""
+
+    def shutdown(self, reason: str) -> None: ...
+
+
+class MpiFleet:
+    """The fleet over MPI: rank 0 talks to each unit's leader with ``runtime.protocol`` messages."""
+
+    def __init__(
+        self,
+        comm: object,
+        layout: Layout,
+        cells: CellsConfig,
+        transport: Transport,
+        events: ev.EventLog,
+        version: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.comm, self.layout, self.config = comm, layout, cells
+        self.transport, self.events, self.version, self.clock = transport, events, version, clock
+        self.channel = Channel(comm)
+        self.cells = layout.cells
+        self.units: dict[int, Hello] = {}
+        self.roles: dict[int, Role] = {}
+        self.last_seen: dict[int, float] = {}
+        self.inbox: deque[Message] = deque()
+        self._seq = 0
+
+    # ---- the one wait ---------------------------------------------------------------------------
+
+    def _next(self) -> Message | None:
+        """One poll: a kept message first, else the channel; heartbeats are booked, never returned."""
+        if self.inbox:
+            return self.inbox.popleft()
+        now = self.clock()
+        for unit, seen in self.last_seen.items():
+            if now - seen > self.config.heartbeat_timeout_s:
+                hello = self.units[unit]
+                raise CellLost(
+                    f"cell {unit} (rank {hello.rank} on {hello.host}) silent for {now - seen:.0f} s"
+                )
+        got = self.channel.poll()
+        if got is None:
+            time.sleep(POLL_INTERVAL_S)
+            return None
+        if isinstance(got[1], Heartbeat):
+            self.last_seen[got[1].cell] = now
+            return None
+        return got[1]
+
+    def receive(self) -> TrainDone | None:
+        msg = self._next()
+        if msg is not None and not isinstance(msg, TrainDone):
+            raise ProtocolError(f"controller: unexpected {msg!r}")
+        return msg
+
+    def _await(self, want: Callable[[Message], bool], timeout: float, what: str) -> Message:
+        """The next message ``want`` accepts; others are kept for ``receive``."""
+        deadline = self.clock() + timeout
+        kept: list[Message] = []
+        try:
+            while True:
+                msg = self._next()
+                if msg is not None:
+                    if want(msg):
+                        return msg
+                    kept.append(msg)
+                elif self.clock() > deadline:
+                    raise ProtocolError(f"controller: no {what} within {timeout:g} s")
+        finally:
+            self.inbox.extend(kept)
+
+    # ---- verbs ----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        missing = set(range(self.layout.units))
+        while missing:
+            msg = self._await(
+                lambda m: isinstance(m, Hello), self.config.hello_timeout_s, f"Hello from {sorted(missing)}"
+            )
+            assert isinstance(msg, Hello)
+            self.units[msg.cell] = msg
+            self.roles[msg.cell] = Role.IDLE
+            self.last_seen[msg.cell] = self.clock()
+            missing.discard(msg.cell)
+            self.events.emit(
+                ev.Hello(
+                    cell=msg.cell,
+                    rank=msg.rank,
+                    host=msg.host,
+                    pid=msg.pid,
+                    address=msg.address,
+                    capacity=msg.capacity,
+                    standalone=msg.standalone,
+                )
+            )
+
+    def switch(self, roles: dict[int, Role]) -> dict[int, float]:
+        pending: dict[int, int] = {}
+        for cell, role in roles.items():
+            if self.roles.get(cell) == role:
+                continue
+            self._seq += 1
+            pending[cell] = self._seq
+            self.channel.send(SwitchRole(cell, role, self._seq), self.layout.leader(cell))
+            self.events.emit(ev.SwitchRole(cell=cell, role=str(role), seq=self._seq))
+        seconds = {}
+        while pending:
+            msg = self._await(
+                lambda m: isinstance(m, RoleSwitched) and pending.get(m.cell) == m.seq,
+                self.config.heartbeat_timeout_s,
+                f"RoleSwitched from cells {sorted(pending)}",
+            )
+            assert isinstance(msg, RoleSwitched)
+            del pending[msg.cell]
+            self.roles[msg.cell] = msg.role
+            seconds[msg.cell] = msg.seconds
+            self.events.emit(
+                ev.RoleSwitched(cell=msg.cell, role=str(msg.role), seq=msg.seq, seconds=round(msg.seconds, 6))
+            )
+        return seconds
+
+    def load_weights(self, units: list[int]) -> float:
+        if not units:
+            return 0.0
+        version = self.version
+        for unit in units:
+            self.channel.send(LoadWeights(unit, version), self.layout.leader(unit))
+        pending, slowest = set(units), 0.0
+        while pending:
+            msg = self._await(
+                lambda m: isinstance(m, WeightsLoaded) and m.version == version and m.cell in pending,
+                self.config.heartbeat_timeout_s,
+                f"WeightsLoaded from {sorted(pending)}",
+            )
+            assert isinstance(msg, WeightsLoaded)
+            pending.discard(msg.cell)
+            slowest = max(slowest, msg.seconds)
+        self.events.emit(ev.WeightsLoaded(version=version, units=units, seconds=round(slowest, 4)))
+        return slowest
+
+    def train(self, cells: list[int], step: int, queue: list, closed: bool) -> None:
+        for cell in cells:
+            self.channel.send(TrainStep(step, self.version, list(queue), closed), self.layout.leader(cell))
+
+    def extend(self, cells: list[int], step: int, items: list) -> None:
+        for cell in cells:
+            self.channel.send(MicroSteps(step, items), self.layout.leader(cell))
+
+    def close_queue(self, cells: list[int], step: int, total: int, stop: bool) -> None:
+        for cell in cells:
+            self.channel.send(CloseQueue(step, total, stop), self.layout.leader(cell))
+
+    def reset_claims(self) -> None:
+        self.transport.reset_counter()
+
+    def claimed(self) -> int:
+        return self.transport.claimed()
+
+    def apply(
+        self, step: int, done: dict[int, TrainDone], num_runs: int, checkpoint: bool, state: dict
+    ) -> StepApplied:
+        contributors = [self.layout.leader(c) for c, d in done.items() if c != 0 and d.claimed]
+        self.channel.send(ApplyStep(step, contributors, num_runs, checkpoint, state), self.layout.leader(0))
+        # Summing, stepping and checkpointing take longer than a heartbeat round.
+        msg = self._await(
+            lambda m: isinstance(m, StepApplied) and m.step == step,
+            self.config.heartbeat_timeout_s * 4,
+            "StepApplied",
+        )
+        assert isinstance(msg, StepApplied)
+        self.version = msg.version
+        return msg
+
+    def shutdown(self, reason: str) -> None:
+        for unit in range(self.layout.units):
+            self.channel.send(Shutdown(reason), self.layout.leader(unit))
+        self.events.emit(ev.Shutdown(reason=reason))
+        self.channel.flush(self.config.heartbeat_timeout_s)
+        wait_barrier(self.comm, self.config.heartbeat_timeout_s)

@@ -1,0 +1,32 @@
+"""What the runtime drives today: a recipe it cannot run is refused before launch, in one line.
+
+``gyre-hpc recipe check``, ``run`` and ``submit`` all ask this one function, so they agree.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from gyre_hpc.errors import RecipeError
+from gyre_hpc.recipe.schema import EngineConfig, TrainerConfig
+
+
+def check_runnable(engine: EngineConfig, trainer: TrainerConfig) -> None:
+    """The backends and shapes this runtime drives today; anything else is refused before launch,
+    in one line."""
+    if engine.backend not in ("embedded", "emulated"):
+        raise RecipeError(
+            f"engine.backend = {engine.backend!r} is not driven by the runtime yet (the SGLang client and "
+            "launcher exist, the cell does not start it); valid for gyre-hpc run/submit today: "
+            "embedded, emulated"
+        )
+    if trainer.backend == "megatron":
+        if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+            raise RecipeError(
+                "trainer.backend = 'megatron' needs megatron-core: pip install -e '.[megatron]'"
+            )
+    elif trainer.tp_size != 1 or trainer.pp_size != 1:
+        raise RecipeError(
+            f"trainer.tp_size = {trainer.tp_size}, trainer.pp_size = {trainer.pp_size}: the "
+            f"{trainer.backend} trainer computes on one rank; valid with it: 1 and 1"
+        )

@@ -1,0 +1,410 @@
+"""The three step kinds: one optimizer step each, carried out through the fleet as the policy says.
+
+```
+           colocate                   async                         elastic
+ dispatch  burst k on every cell      burst k+1 once burst k ended  burst k on every cell
+ sample    wait for the whole burst   (sampling never waits)        poll: a group ends → micro-steps
+ train     decide: all cells train    the fixed split trains k      decide each poll: next cell trains;
+                                                                    burst over: CloseQueue (or stop)
+ apply     the core sums the cells' gradients, steps, publishes v+1 (checkpoint when due)
+ close     decide: all back, load v+1 samplers load v+1             decide: back one by one, last first
+```
+
+Every role switch is one the policy (``scheduler.policy.decide``) returned for the state built by
+``sched_state`` from the step's counters; the step-boundary rules are the policy module's. A step
+kind talks to cells only through its ``Fleet`` and to executions only through its ``Sampler``, so
+it runs unchanged against the MPI fleet and against an in-process fake. It knows nothing about
+MPI, HTTP, models or files beyond the run directory's TITO size.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from gyre_hpc.agents.dispatch import Outcome
+from gyre_hpc.observability import events as ev
+from gyre_hpc.recipe.schema import RunConfig, SchedulerConfig, TasksConfig, TrainerConfig, TrajectoryConfig
+from gyre_hpc.rundir import RunDir
+from gyre_hpc.runtime.fleet import Fleet
+from gyre_hpc.runtime.protocol import ProtocolError, StepApplied, TrainDone
+from gyre_hpc.scheduler.policy import (
+    Role,
+    SchedState,
+    StepCounters,
+    Switch,
+    carries_tail,
+    decide,
+    sched_state,
+    writes_checkpoint,
+)
+from gyre_hpc.step_data import StepBatch, StreamingBatch, staleness, step_batch, step_jobs, step_tasks
+from gyre_hpc.tasks.task import Task
+from gyre_hpc.trajectory.batch import TrainSequence
+from gyre_hpc.trajectory.tree import TrajectoryTree
+
+T = TypeVar("T")
+
+
+class Sampler(Protocol):
+    """Executions through the proxy (``runtime.serving.Serving``, or a fake in tests)."""
+
+    def dispatch(
+        self, jobs: list[tuple[str, Task]], workspaces: Path, on_outcome: Callable[[Outcome], None]
+    ) -> concurrent.futures.Future[list[Outcome]]: ...
+
+    def trees(self, run_ids: list[str]) -> dict[str, TrajectoryTree]: ...
+
+    def set_sampling(self, urls: set[str]) -> None:
+        """Admit new calls only on these engines; drain the others (their calls move)."""
+
+
+@dataclass
+class StepContext:
+    """What a step kind works with: its collaborators and the config sections it reads."""
+
+    fleet: Fleet
+    sampler: Sampler
+    events: ev.EventLog
+    run_dir: RunDir
+    run: RunConfig
+    scheduler: SchedulerConfig
+    tasks: TasksConfig
+    trajectory: TrajectoryConfig
+    trainer: TrainerConfig
+    clock: Callable[[], float] = time.monotonic
+
+
+@dataclass
+class StepRecord:
+    """What one step did, whatever its kind; ``step_event`` turns it into the ``step`` event."""
+
+    step: int
+    started: float
+    sampled: float
+    """When its burst ended."""
+    stats: dict[str, Any]
+    """``step_data.step_stats`` of its batch."""
+    loss_runs: int
+    """The runs the loss is averaged over."""
+    done: dict[int, TrainDone]
+    applied: StepApplied
+    skipped: bool
+    staleness: dict[str, int]
+    switches: list[dict[str, Any]]
+    carried_in: int = 0
+    carried_out: int = 0
+    train_before_burst_end_s: float | None = None
+
+
+def step_event(r: StepRecord, now: float, roles: dict[int, Role]) -> ev.Step:
+    """The one builder of the ``step`` event, for every mode."""
+    done = r.done.values()
+    return ev.Step(
+        step=r.step,
+        version=r.applied.version,
+        seconds=round(now - r.started, 3),
+        sample_seconds=round(r.sampled - r.started, 3),
+        roles={str(c): str(role) for c, role in sorted(roles.items())},
+        **r.stats,
+        staleness=r.staleness,
+        loss=sum(d.loss_sum for d in done) / max(r.loss_runs, 1),
+        grad_norm=round(r.applied.grad_norm, 6),
+        clipped_tokens=sum(d.clipped for d in done),
+        claims={str(c): len(d.claimed) for c, d in sorted(r.done.items())},
+        train_seconds=round(max((d.seconds for d in done), default=0.0), 3),
+        apply_seconds=round(r.applied.seconds, 3),
+        checkpoint=r.applied.checkpoint,
+        skipped=r.skipped,
+        carried_in=r.carried_in,
+        carried_out=r.carried_out,
+        train_before_burst_end_s=r.train_before_burst_end_s,
+        switches=r.switches,
+    )
+
+
+def wait_for(fleet: Fleet, future: concurrent.futures.Future[T]) -> T:
+    """The future's result; meanwhile the fleet books heartbeats (no cell trains while we wait)."""
+    while not future.done():
+        if (msg := fleet.receive()) is not None:
+            raise ProtocolError(f"controller: unexpected {msg!r} while sampling")
+    return future.result()
+
+
+class StepKind:
+    """What every step kind shares: dispatch, the policy's view, switches both ways, training a
+    queue out, applying, and the step boundary."""
+
+    def __init__(self, ctx: StepContext) -> None:
+        self.ctx = ctx
+        self.switches: list[dict[str, Any]] = []
+
+    def run(self, step: int) -> StepRecord:
+        raise NotImplementedError
+
+    # ---- sampling -------------------------------------------------------------------------------
+
+    def dispatch(
+        self, step: int, on_outcome: Callable[[Outcome], None] = lambda o: None
+    ) -> concurrent.futures.Future[list[Outcome]]:
+        c = self.ctx
+        jobs = step_jobs(step_tasks(c.tasks, c.run.seed, step), c.tasks.group_size, step)
+        return c.sampler.dispatch(jobs, c.run_dir.step_workspaces(step), on_outcome)
+
+    def batch(self, step: int, outcomes: list[Outcome]) -> StepBatch:
+        """The whole step's batch at once (colocate, async)."""
+        c = self.ctx
+        trees = c.sampler.trees([o.execution.run_id for o in outcomes])
+        return step_batch(outcomes, trees, c.trajectory, c.trainer.micro_step_tokens, c.run.seed, step)
+
+    def sampling_urls(self, leaving: Sequence[int] = ()) -> set[str]:
+        f = self.ctx.fleet
+        return {f.units[u].address for u, r in f.roles.items() if r == Role.SAMPLING and u not in leaving}
+
+    # ---- the policy -----------------------------------------------------------------------------
+
+    def state(self, counters: StepCounters) -> SchedState:
+        f = self.ctx.fleet
+        cells = range(f.cells)
+        pool = sum(h.capacity for u, h in f.units.items() if u >= f.cells)
+        capacity = [f.units[c].capacity for c in cells]
+        return sched_state(self.ctx.scheduler, [f.roles[c] for c in cells], capacity, pool, counters)
+
+    def to_training(
+        self, step: int, switches: list[Switch], queue: list, closed: bool, water: int
+    ) -> list[int]:
+        """Drain the cells (their calls continue elsewhere), switch them, hand them the queue."""
+        c, f = self.ctx, self.ctx.fleet
+        cells = [s.cell for s in switches]
+        t0 = c.clock()
+        c.sampler.set_sampling(self.sampling_urls(leaving=cells))
+        t1 = c.clock()
+        f.switch(dict.fromkeys(cells, Role.TRAINING))
+        t2 = c.clock()
+        f.train(cells, step, queue, closed)
+        for s in switches:
+            self.record(step, s, "sampling→training", drain_s=t1 - t0, switch_s=t2 - t1, w=water)
+        return cells
+
+    def to_sampling(self, step: int, switches: list[Switch]) -> None:
+        """Switch the cells back, load the current version into their engines, admit calls."""
+        c, f = self.ctx, self.ctx.fleet
+        cells = [s.cell for s in switches]
+        t0 = c.clock()
+        f.switch(dict.fromkeys(cells, Role.SAMPLING))
+        t1 = c.clock()
+        f.load_weights(cells)
+        t2 = c.clock()
+        c.sampler.set_sampling(self.sampling_urls())
+        for s in switches:
+            self.record(
+                step, s, "training→sampling", switch_s=t1 - t0, load_s=t2 - t1, admit_s=c.clock() - t2
+            )
+
+    def record(self, step: int, s: Switch, direction: str, w: int | None = None, **phases: float) -> None:
+        event = ev.Switch(
+            step=step,
+            cell=s.cell,
+            direction=direction,
+            reason=s.reason,
+            seconds=round(sum(phases.values()), 4),
+            w=w,
+            **{k: round(v, 4) for k, v in phases.items()},
+        )
+        self.ctx.events.emit(event)
+        self.switches.append(event.fields())
+
+    # ---- training -------------------------------------------------------------------------------
+
+    def train_queue(self, step: int, queue: list, counters: StepCounters) -> dict[int, TrainDone]:
+        """A complete queue (colocate, async): the cells already training and those the policy
+        sends now claim it until it is empty."""
+        if not queue:
+            return {}
+        f = self.ctx.fleet
+        f.reset_claims()
+        trainers = [c for c in range(f.cells) if f.roles[c] == Role.TRAINING]
+        f.train(trainers, step, queue, closed=True)
+        joining = [s for s in decide(self.state(counters)) if s.role == Role.TRAINING]
+        if joining:
+            trainers += self.to_training(step, joining, queue, True, counters.dispatched - counters.finished)
+        return self.await_done(step, trainers)
+
+    def await_done(self, step: int, trainers: list[int]) -> dict[int, TrainDone]:
+        done: dict[int, TrainDone] = {}
+        while set(done) != set(trainers):
+            if (msg := self.ctx.fleet.receive()) is not None and msg.step == step:
+                done[msg.cell] = msg
+        return done
+
+    def apply(self, step: int, done: dict[int, TrainDone], num_runs: int) -> StepApplied:
+        c = self.ctx
+        tito_bytes = c.run_dir.tito_bytes()
+        save = writes_checkpoint(step, c.trainer.checkpoint_every, c.run.steps)
+        return c.fleet.apply(step, done, num_runs, save, {"tito_bytes": tito_bytes})
+
+    def close(self, step: int, counters: StepCounters) -> None:
+        """The step boundary: sampling engines load the new version, then the policy sends the
+        training cells back (boundary rule 3)."""
+        f = self.ctx.fleet
+        f.load_weights([u for u, r in sorted(f.roles.items()) if r == Role.SAMPLING])
+        while switches := decide(self.state(counters.closed())):
+            if any(s.role != Role.SAMPLING for s in switches):
+                raise ProtocolError(f"the policy sent cells to training between steps: {switches}")
+            self.to_sampling(step, switches)
+
+    def begin(self, step: int) -> float:
+        self.switches = []
+        return self.ctx.clock()
+
+
+class ColocateStep(StepKind):
+    """Every cell samples until the burst's last execution ends, then every cell trains."""
+
+    def run(self, step: int) -> StepRecord:
+        c = self.ctx
+        started = self.begin(step)
+        outcomes = wait_for(c.fleet, self.dispatch(step))
+        sampled = c.clock()
+        batch = self.batch(step, outcomes)
+        n = len(outcomes)
+        counters = StepCounters(dispatched=n, finished=n, packed=len(batch.queue), open=True)
+        trained_from = c.fleet.version
+        done = self.train_queue(step, batch.queue, counters)
+        runs = batch.num_runs if batch.queue else 0
+        applied = self.apply(step, done, runs)
+        self.close(step, counters)
+        return StepRecord(
+            step, started, sampled, batch.stats, batch.num_runs, done, applied, runs == 0,
+            staleness(batch.trees.values(), trained_from), self.switches,
+        )  # fmt: skip
+
+
+class AsyncStep(StepKind):
+    """A fixed split: burst k+1 samples while step k trains, so data is at most one version stale."""
+
+    def __init__(self, ctx: StepContext) -> None:
+        super().__init__(ctx)
+        self.pending: concurrent.futures.Future[list[Outcome]] | None = None
+
+    def run(self, step: int) -> StepRecord:
+        c = self.ctx
+        started = self.begin(step)
+        outcomes = wait_for(c.fleet, self.pending or self.dispatch(step))
+        sampled = c.clock()
+        self.pending = self.dispatch(step + 1) if step < c.run.steps else None  # sampling never waits
+        batch = self.batch(step, outcomes)
+        n = len(outcomes)
+        counters = StepCounters(dispatched=n, finished=n, packed=len(batch.queue), open=True)
+        trained_from = c.fleet.version
+        done = self.train_queue(step, batch.queue, counters)
+        runs = batch.num_runs if batch.queue else 0
+        applied = self.apply(step, done, runs)
+        self.close(step, counters)
+        return StepRecord(
+            step, started, sampled, batch.stats, batch.num_runs, done, applied, runs == 0,
+            staleness(batch.trees.values(), trained_from), self.switches,
+        )  # fmt: skip
+
+
+@dataclass
+class _Burst:
+    """The elastic step's counters and trainers while it runs."""
+
+    dispatched: int
+    finished: int = 0
+    trainers: dict[int, float] = field(default_factory=dict)
+    """Cell → when it joined."""
+    done: dict[int, TrainDone] = field(default_factory=dict)
+    closed_at: float | None = None
+    stopped: bool = False
+
+    def trained(self, queue: list) -> bool:
+        """The burst has ended and every cell that joined has trained out the queue (an empty
+        queue needs no trainer; a non-empty one needs at least one)."""
+        if self.closed_at is None or set(self.done) != set(self.trainers):
+            return False
+        return bool(self.trainers) or not queue
+
+
+class ElasticStep(StepKind):
+    """Cells move to training one by one while the burst still runs (the water-level rule); each
+    prompt group becomes micro-steps as soon as its last run ends."""
+
+    def __init__(self, ctx: StepContext) -> None:
+        super().__init__(ctx)
+        self.carried: list[list[TrainSequence]] = []
+        """``carry_tail``: micro-steps the previous step left; they lead this step's queue."""
+
+    def run(self, step: int) -> StepRecord:
+        c, f = self.ctx, self.ctx.fleet
+        started = self.begin(step)
+        f.reset_claims()  # nobody claims between steps
+        arrived: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        future = self.dispatch(step, on_outcome=arrived.put)
+        t = c.tasks
+        batch = StreamingBatch(
+            t.group_size, c.trajectory, c.trainer.micro_step_tokens, c.run.seed, step, self.carried
+        )
+        carried_in, trained_from = len(self.carried), f.version
+        b = _Burst(t.prompts_per_step * t.group_size)
+        while True:
+            while not arrived.empty():
+                b.finished += 1
+                outcome = arrived.get()
+                run = outcome.execution.run_id
+                if new := batch.add(outcome, c.sampler.trees([run]).get(run)):
+                    f.extend(list(b.trainers), step, new)
+            if b.finished == b.dispatched and b.closed_at is None:
+                self.close_burst(step, b, len(batch.queue), carried_in)
+            # The water never rises inside a burst, so the policy asks for no return here.
+            for s in decide(self.state(self.counters(b, len(batch.queue)))):
+                self.to_training(step, [s], batch.queue, b.closed_at is not None, b.dispatched - b.finished)
+                b.trainers[s.cell] = c.clock()
+            if b.trained(batch.queue):
+                break
+            if (msg := f.receive()) is not None and msg.step == step:
+                b.done[msg.cell] = msg
+        future.result()  # surfaces a dispatcher error
+        trained = {i for d in b.done.values() for i in d.claimed}
+        self.carried = [mb for i, mb in enumerate(batch.queue) if i not in trained]
+        runs = batch.num_runs if batch.queue else 0
+        if carried_in or b.stopped:
+            # Runs whose sequences this update trained: a run split by the stop counts in both
+            # of the updates that train part of it.
+            runs = len({s.run_id for i in trained for s in batch.queue[i]})
+        applied = self.apply(step, b.done, runs)
+        self.close(step, self.counters(b, len(batch.queue)))
+        early = b.closed_at - min(b.trainers.values()) if b.trainers and b.closed_at else None
+        return StepRecord(
+            step, started, b.closed_at or c.clock(), batch.stats(), batch.num_runs, b.done, applied,
+            runs == 0, staleness(batch.trees.values(), trained_from), self.switches,
+            carried_in=carried_in, carried_out=len(self.carried),
+            train_before_burst_end_s=None if early is None else round(max(early, 0.0), 3),
+        )  # fmt: skip
+
+    def counters(self, b: _Burst, packed: int) -> StepCounters:
+        return StepCounters(b.dispatched, b.finished, packed, self.ctx.fleet.claimed(), True, b.stopped)
+
+    def close_burst(self, step: int, b: _Burst, total: int, carried_in: int) -> None:
+        """The queue is complete; with ``carry_tail`` the step may stop here (``carries_tail``)."""
+        c, f = self.ctx, self.ctx.fleet
+        b.closed_at = c.clock()
+        b.stopped = carries_tail(
+            "elastic",
+            c.scheduler.carry_tail,
+            len(b.trainers),
+            ends_run=step == c.run.steps,
+            checkpoint=writes_checkpoint(step, c.trainer.checkpoint_every, c.run.steps),
+            stale_left=max(carried_in - f.claimed(), 0),  # claims go in queue order
+        )
+        f.close_queue(list(b.trainers), step, total, b.stopped)
+        c.events.emit(ev.BurstEnd(step=step, micro_steps=total, trainers=sorted(b.trainers), stop=b.stopped))
+
+
+STEP_KINDS: dict[str, type[StepKind]] = {"colocate": ColocateStep, "async": AsyncStep, "elastic": ElasticStep}

@@ -1,0 +1,124 @@
+"""The import graph of ``gyre_hpc``: no cycles between modules or between packages (arrows point
+down), and the pure floors reach nothing of the runtime.
+
+Every import counts — at module level, inside functions and under ``TYPE_CHECKING`` — and
+importing ``a.b.c`` counts as importing the ``__init__`` of ``a.b`` too, as Python runs it first
+(except from inside ``a.b``, which Python initialised before).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from conftest import REPO
+
+PURE = ("scheduler", "trajectory", "loss", "sim")
+"""Policy, trajectories, losses and the simulator: shared by the runtime and the simulator."""
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in (REPO / "gyre_hpc").rglob("*.py"):
+        parts = list(path.relative_to(REPO).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def imports(mods: Mapping[str, Path]) -> dict[str, set[str]]:
+    """Module → the gyre_hpc modules it makes Python run."""
+
+    def owner(name: str) -> str:
+        while name not in mods:
+            name = name.rsplit(".", 1)[0]
+        return name
+
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            for name in names:
+                if not name.startswith("gyre_hpc."):
+                    continue
+                parts = owner(name).split(".")
+                chain = {".".join(parts[:i]) for i in range(2, len(parts) + 1)}
+                # A module's own packages were initialised before it: no edge back to them.
+                graph[mod] |= {t for t in chain if t != mod and not mod.startswith(t + ".")}
+    return graph
+
+
+def cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            if component:
+                found.append(sorted([v, *component]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def package(module: str) -> str:
+    """The floor a module lives on: its top-level package (or top-level module)."""
+    return module.split(".")[1] if "." in module else module
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    assert cycles(imports(modules())) == []
+
+
+def test_packages_form_layers_arrows_point_down() -> None:
+    graph: dict[str, set[str]] = {}
+    for mod, targets in imports(modules()).items():
+        graph.setdefault(package(mod), set()).update(
+            package(t) for t in targets if package(t) != package(mod) and t != "gyre_hpc"
+        )
+    assert cycles(graph) == []
+
+
+def test_the_pure_floors_reach_nothing_of_the_runtime() -> None:
+    graph = imports(modules())
+    for floor in PURE:
+        seen: set[str] = set()
+        todo = [m for m in graph if package(m) == floor]
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo.extend(graph[m])
+        assert not {m for m in seen if package(m) == "runtime"}, f"{floor} reaches the runtime"
+
+
+def test_the_checks_see_a_cycle_and_a_climb() -> None:
+    """The checks above can fail: a cycle and an upward arrow are found where they exist."""
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    graph = imports(modules())
+    assert "gyre_hpc.scheduler.policy" in graph["gyre_hpc.runtime.steps"]  # runtime → scheduler
+    policy = "gyre_hpc.scheduler.policy"
+    climbed = {**graph, policy: {*graph[policy], "gyre_hpc.runtime.steps"}}
+    assert cycles(climbed)  # runtime → scheduler → runtime

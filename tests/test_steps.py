@@ -1,0 +1,126 @@
+"""The three step kinds over a scripted workload, on an in-process fleet: their switches, their
+queues and their boundaries, with no MPI and no wall-clock time.
+
+The workload: 3 cells of 4 (12 concurrent executions), 3 prompts × 4 runs per step. Prompt 0's
+runs end at t = 1, prompt 1's at 2–3, prompt 2's at 4–9 (the long tail); rewards alternate
+within each group, so every run trains one micro-step (13 tokens, 0.26 s).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+from fleet_fake import Clock, FakeFleet, FakeSampler
+
+from gyre_hpc.observability import events as ev
+from gyre_hpc.recipe.schema import RunConfig, SchedulerConfig, TasksConfig, TrainerConfig, TrajectoryConfig
+from gyre_hpc.rundir import RunDir
+from gyre_hpc.runtime.steps import STEP_KINDS, StepContext, step_event
+from gyre_hpc.scheduler.policy import initial_roles
+
+DURATIONS = [[1, 1, 1, 1], [2, 2, 2, 3], [4, 4, 5, 9]]  # per prompt, per run of its group
+S, T = "sampling", "training"
+
+
+def duration(run: str) -> float:
+    prompt, g = map(int, re.fullmatch(r"s\d+-emulated-\d+-(\d+)-g(\d+)", run).groups())
+    return DURATIONS[prompt][g]
+
+
+def reward(run: str) -> float:
+    return float(run.endswith(("g0", "g2")))
+
+
+def run_steps(tmp_path: Path, mode: str, steps: int = 2, **sched: object):
+    clock = Clock()
+    fleet = FakeFleet(clock, [4, 4, 4])
+    sampler = FakeSampler(clock, lambda: fleet.version, duration, reward)
+    scheduler = SchedulerConfig(mode=mode, **sched)  # type: ignore[arg-type]
+    fleet.roles = dict(enumerate(initial_roles(mode, 3, scheduler.async_train_cells)))
+    run_dir = RunDir.create(tmp_path, mode)
+    ctx = StepContext(
+        fleet,
+        sampler,
+        ev.EventLog(run_dir.events),
+        run_dir,
+        RunConfig(steps=steps),
+        scheduler,
+        TasksConfig(suite="emulated", group_size=4, prompts_per_step=3),
+        TrajectoryConfig(),
+        TrainerConfig(micro_step_tokens=16, checkpoint_every=0),
+        clock=clock,
+    )
+    kind = STEP_KINDS[mode](ctx)
+    records = [step_event(kind.run(step), clock.now, fleet.roles) for step in range(1, steps + 1)]
+    return fleet, records, run_dir.read_events()
+
+
+def switches(events: list[ev.Event], step: int) -> list[tuple[int, str]]:
+    return [
+        (e.cell, e.direction.split("→")[1]) for e in events if isinstance(e, ev.Switch) and e.step == step
+    ]
+
+
+def test_elastic_cells_join_by_the_water_level_and_leave_last_first(tmp_path: Path) -> None:
+    started = time.monotonic()
+    fleet, steps, events = run_steps(tmp_path, "elastic")
+    for step in (1, 2):
+        assert switches(events, step) == [(0, T), (1, T), (2, T), (2, S), (1, S), (0, S)]
+    joined = [e for e in events if isinstance(e, ev.Switch) and e.direction == "sampling→training"]
+    # The core leaves once prompt 0 has ended (w = 8 ≤ C_R − C_0 = 8), cell 1 once prompt 1 has
+    # (w = 4 ≤ 8 − 4), cell 2 only when the burst is over (C_R − C_2 = 0 leaves nobody serving).
+    assert [e.w for e in joined[:3]] == [8, 4, 0]
+    for s in steps:
+        assert s.micro_steps == 12 and sum(s.claims.values()) == 12 and s.trained_runs == 12
+        assert s.train_before_burst_end_s and s.train_before_burst_end_s > 0  # training overlapped sampling
+        assert s.roles == {"0": S, "1": S, "2": S}  # every step ends with every cell sampling
+    assert [a[1] for a in fleet.applied] == [list(range(12))] * 2  # each micro-step trained once
+    assert [s.version for s in steps] == [1, 2] and steps[1].staleness == {"0": 12}
+    assert time.monotonic() - started < 10
+
+
+def test_colocate_trains_on_every_cell_after_the_burst_and_returns_them_together(tmp_path: Path) -> None:
+    fleet, steps, events = run_steps(tmp_path, "colocate")
+    for step in (1, 2):
+        assert switches(events, step) == [(0, T), (1, T), (2, T), (0, S), (1, S), (2, S)]
+    first = [t for t, _, role in fleet.switched if role == T][:3]
+    assert min(first) >= 9  # nobody trains before the burst's last execution ends
+    for s in steps:
+        assert s.train_before_burst_end_s is None and s.sample_seconds == pytest.approx(9, abs=1)
+        assert sum(s.claims.values()) == s.micro_steps == 12 and set(s.claims) == {"0", "1", "2"}
+    assert [s.version for s in steps] == [1, 2]
+
+
+def test_async_keeps_its_split_and_samples_the_next_burst_while_it_trains(tmp_path: Path) -> None:
+    fleet, steps, events = run_steps(tmp_path, "async", steps=3, async_train_cells=1)
+    assert [e for e in events if isinstance(e, ev.Switch)] == []  # a fixed split: no switch at all
+    assert fleet.switched == []
+    for s in steps:
+        assert s.claims == {"0": 12} and s.roles == {"0": T, "1": S, "2": S}
+    # Burst k+1 was dispatched when burst k ended, so it was served one version behind.
+    assert steps[0].staleness == {"0": 12}
+    assert steps[1].staleness == {"1": 12} and steps[2].staleness == {"1": 12}
+    # Training (3.1 s on one cell) hides behind the next burst: a step lasts one burst (9 s).
+    assert steps[1].seconds == pytest.approx(9, abs=0.01) and steps[2].seconds == pytest.approx(9, abs=0.01)
+
+
+def test_carry_tail_applies_at_the_burst_s_end_and_leads_the_next_queue(tmp_path: Path) -> None:
+    fleet, steps, events = run_steps(tmp_path, "elastic", steps=3, carry_tail=True)
+    stops = [e.stop for e in events if isinstance(e, ev.BurstEnd)]
+    assert stops[0] and not stops[-1]  # the tail is carried, except on the last step
+    assert steps[0].carried_out > 0 and steps[-1].carried_out == 0
+    assert [s.carried_in for s in steps[1:]] == [s.carried_out for s in steps[:-1]]
+    for s, (_, trained, _) in zip(steps, fleet.applied, strict=True):
+        assert set(range(s.carried_in)) <= set(trained)  # carried work is trained where it lands
+    assert sum(len(trained) for _, trained, _ in fleet.applied) == 36  # every micro-step once
+
+
+def test_a_step_with_nothing_to_learn_is_applied_without_training(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(__import__(__name__), "reward", lambda run: 1.0)
+    for mode in ("elastic", "colocate"):
+        fleet, steps, events = run_steps(tmp_path / mode, mode, steps=1)
+        assert steps[0].skipped and steps[0].version == 0 and steps[0].micro_steps == 0
+        assert switches(events, 1) == [] and fleet.applied == [(1, [], 0)]

@@ -5,7 +5,8 @@ MPI or HTTP.
  Clock: a heap of (time, callback); it moves only when the step waits (Fleet.receive, a switch,
         a load, an apply), and then to the next scripted event: no sleeps, no wall-clock time.
  FakeSampler: each execution ends after its scripted duration with a one-call trajectory tree
-              and its scripted reward (its call is served by the version the fleet holds then)
+              and its scripted reward (its call is served by the version the fleet holds then);
+              the TITO log grows by one byte per call
  FakeFleet:   switches, loads and applies take scripted times; training cells claim micro-steps
               with the real ``Claims``/``work_once`` from a shared counter, each costing its tokens
 ```
@@ -71,10 +72,11 @@ class FakeSampler:
         version: Callable[[], int],
         duration: Callable[[str], float],
         reward: Callable[[str], float],
+        tito_log: Path,
         output_tokens: int = 10,
     ) -> None:
         self.clock, self.version, self.duration, self.reward = clock, version, duration, reward
-        self.output_tokens = output_tokens
+        self.tito_log, self.output_tokens = tito_log, output_tokens
         self.finished_trees: dict[str, TrajectoryTree] = {}
         self.admitting: list[tuple[float, set[str]]] = []
 
@@ -91,6 +93,8 @@ class FakeSampler:
                 run, "c0", "main", [1, 2, 3], range(10, 10 + n), [-1.0] * n, CallMeta(policy_version=served)
             )
             self.finished_trees[run] = TrajectoryTree.from_records([record])
+            with self.tito_log.open("ab") as fh:  # the log grows by one byte per call here
+                fh.write(b"c")
             outcome = Outcome(
                 Execution(run, task.id, workspaces / run, status="finished", calls=1),
                 ScoreResult(run, "scored", self.reward(run), 1),
@@ -144,6 +148,8 @@ class FakeFleet:
         self.counter = 0
         self.switched: list[tuple[float, int, str]] = []
         self.applied: list[tuple[int, list[int], int]] = []
+        self.states: list[dict] = []
+        """What each ``apply`` was asked to store with its checkpoint."""
         self._trainer = _Trainer()
 
     # ---- the Fleet interface --------------------------------------------------------------------
@@ -204,6 +210,7 @@ class FakeFleet:
         self.clock.sleep(self.apply_s)
         self.version += 1 if num_runs else 0
         self.applied.append((step, sorted(i for d in done.values() for i in d.claimed), num_runs))
+        self.states.append(state)
         return StepApplied(step, self.version, 0.0, self.apply_s, "")
 
     def shutdown(self, reason: str) -> None:

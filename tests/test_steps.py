@@ -37,10 +37,10 @@ def reward(run: str) -> float:
 def run_steps(tmp_path: Path, mode: str, steps: int = 2, **sched: object):
     clock = Clock()
     fleet = FakeFleet(clock, [4, 4, 4])
-    sampler = FakeSampler(clock, lambda: fleet.version, duration, reward)
+    run_dir = RunDir.create(tmp_path, mode)
+    sampler = FakeSampler(clock, lambda: fleet.version, duration, reward, run_dir.tito_log)
     scheduler = SchedulerConfig(mode=mode, **sched)  # type: ignore[arg-type]
     fleet.roles = dict(enumerate(initial_roles(mode, 3, scheduler.async_train_cells)))
-    run_dir = RunDir.create(tmp_path, mode)
     ctx = StepContext(
         fleet,
         sampler,
@@ -79,6 +79,7 @@ def test_elastic_cells_join_by_the_water_level_and_leave_last_first(tmp_path: Pa
         assert s.roles == {"0": S, "1": S, "2": S}  # every step ends with every cell sampling
     assert [a[1] for a in fleet.applied] == [list(range(12))] * 2  # each micro-step trained once
     assert [s.version for s in steps] == [1, 2] and steps[1].staleness == {"0": 12}
+    assert [s["tito_bytes"] for s in fleet.states] == [12, 24]
     assert time.monotonic() - started < 10
 
 
@@ -103,6 +104,9 @@ def test_async_keeps_its_split_and_samples_the_next_burst_while_it_trains(tmp_pa
     # Burst k+1 was dispatched when burst k ended, so it was served one version behind.
     assert steps[0].staleness == {"0": 12}
     assert steps[1].staleness == {"1": 12} and steps[2].staleness == {"1": 12}
+    # A checkpoint keeps the log up to its burst's end, though the next burst's first calls
+    # (ending 1 s into it) were logged before the step was applied: a resumed run redoes them.
+    assert [s["tito_bytes"] for s in fleet.states] == [12, 24, 36]
     # Training (3.1 s on one cell) hides behind the next burst: a step lasts one burst (9 s).
     assert steps[1].seconds == pytest.approx(9, abs=0.01) and steps[2].seconds == pytest.approx(9, abs=0.01)
 

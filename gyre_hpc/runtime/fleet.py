@@ -20,6 +20,7 @@ dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
@@ -181,17 +182,7 @@ class MpiFleet:
             self.roles[msg.cell] = Role.IDLE
             self.last_seen[msg.cell] = self.clock()
             missing.discard(msg.cell)
-            self.events.emit(
-                ev.Hello(
-                    cell=msg.cell,
-                    rank=msg.rank,
-                    host=msg.host,
-                    pid=msg.pid,
-                    address=msg.address,
-                    capacity=msg.capacity,
-                    standalone=msg.standalone,
-                )
-            )
+            self.events.emit(ev.Hello(**dataclasses.asdict(msg)))  # the message, recorded as it came
 
     def switch(self, roles: dict[int, Role]) -> dict[int, float]:
         pending: dict[int, int] = {}

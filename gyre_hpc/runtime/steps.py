@@ -242,9 +242,8 @@ class StepKind:
                 done[msg.cell] = msg
         return done
 
-    def apply(self, step: int, done: dict[int, TrainDone], num_runs: int) -> StepApplied:
+    def apply(self, step: int, done: dict[int, TrainDone], num_runs: int, tito_bytes: int) -> StepApplied:
         c = self.ctx
-        tito_bytes = c.run_dir.tito_bytes()
         save = writes_checkpoint(step, c.trainer.checkpoint_every, c.run.steps)
         return c.fleet.apply(step, done, num_runs, save, {"tito_bytes": tito_bytes})
 
@@ -262,27 +261,39 @@ class StepKind:
         self.switches = []
         return self.ctx.clock()
 
+    def burst_ended(self) -> tuple[float, int]:
+        """When the step's burst ended, and how long the TITO log was then: a checkpoint of this
+        step keeps the log up to there (a resumed run samples everything after it again)."""
+        return self.ctx.clock(), self.ctx.run_dir.tito_bytes()
 
-class ColocateStep(StepKind):
-    """Every cell samples until the burst's last execution ends, then every cell trains."""
-
-    def run(self, step: int) -> StepRecord:
+    def train_burst(
+        self, step: int, started: float, outcomes: list[Outcome], ended: tuple[float, int]
+    ) -> StepRecord:
+        """A burst that has ended, as one batch (colocate, async): the policy's trainers train
+        it out, the core applies it, and the step closes."""
         c = self.ctx
-        started = self.begin(step)
-        outcomes = wait_for(c.fleet, self.dispatch(step))
-        sampled = c.clock()
+        sampled, tito_bytes = ended
         batch = self.batch(step, outcomes)
         n = len(outcomes)
         counters = StepCounters(dispatched=n, finished=n, packed=len(batch.queue), open=True)
         trained_from = c.fleet.version
         done = self.train_queue(step, batch.queue, counters)
         runs = batch.num_runs if batch.queue else 0
-        applied = self.apply(step, done, runs)
+        applied = self.apply(step, done, runs, tito_bytes)
         self.close(step, counters)
         return StepRecord(
             step, started, sampled, batch.stats, batch.num_runs, done, applied, runs == 0,
             staleness(batch.trees.values(), trained_from), self.switches,
         )  # fmt: skip
+
+
+class ColocateStep(StepKind):
+    """Every cell samples until the burst's last execution ends, then every cell trains."""
+
+    def run(self, step: int) -> StepRecord:
+        started = self.begin(step)
+        outcomes = wait_for(self.ctx.fleet, self.dispatch(step))
+        return self.train_burst(step, started, outcomes, self.burst_ended())
 
 
 class AsyncStep(StepKind):
@@ -293,23 +304,12 @@ class AsyncStep(StepKind):
         self.pending: concurrent.futures.Future[list[Outcome]] | None = None
 
     def run(self, step: int) -> StepRecord:
-        c = self.ctx
         started = self.begin(step)
-        outcomes = wait_for(c.fleet, self.pending or self.dispatch(step))
-        sampled = c.clock()
-        self.pending = self.dispatch(step + 1) if step < c.run.steps else None  # sampling never waits
-        batch = self.batch(step, outcomes)
-        n = len(outcomes)
-        counters = StepCounters(dispatched=n, finished=n, packed=len(batch.queue), open=True)
-        trained_from = c.fleet.version
-        done = self.train_queue(step, batch.queue, counters)
-        runs = batch.num_runs if batch.queue else 0
-        applied = self.apply(step, done, runs)
-        self.close(step, counters)
-        return StepRecord(
-            step, started, sampled, batch.stats, batch.num_runs, done, applied, runs == 0,
-            staleness(batch.trees.values(), trained_from), self.switches,
-        )  # fmt: skip
+        outcomes = wait_for(self.ctx.fleet, self.pending or self.dispatch(step))
+        ended = self.burst_ended()  # before the next burst's calls reach the log
+        last = step == self.ctx.run.steps
+        self.pending = None if last else self.dispatch(step + 1)  # sampling never waits for training
+        return self.train_burst(step, started, outcomes, ended)
 
 
 @dataclass
@@ -371,6 +371,7 @@ class ElasticStep(StepKind):
             if (msg := f.receive()) is not None and msg.step == step:
                 b.done[msg.cell] = msg
         future.result()  # surfaces a dispatcher error
+        _, tito_bytes = self.burst_ended()
         trained = {i for d in b.done.values() for i in d.claimed}
         self.carried = [mb for i, mb in enumerate(batch.queue) if i not in trained]
         runs = batch.num_runs if batch.queue else 0
@@ -378,7 +379,7 @@ class ElasticStep(StepKind):
             # Runs whose sequences this update trained: a run split by the stop counts in both
             # of the updates that train part of it.
             runs = len({s.run_id for i in trained for s in batch.queue[i]})
-        applied = self.apply(step, b.done, runs)
+        applied = self.apply(step, b.done, runs, tito_bytes)
         self.close(step, self.counters(b, len(batch.queue)))
         early = b.closed_at - min(b.trainers.values()) if b.trainers and b.closed_at else None
         return StepRecord(

@@ -173,6 +173,6 @@ def test_check_run_and_submit_agree_about_what_is_runnable(tmp_path: Path) -> No
     assert check.stderr.startswith(f"error: {flagship}: valid, but not runnable: {reason}")
     assert reason in run.stderr and reason in submit.stderr and "ok" not in check.stdout
     assert not any(tmp_path.iterdir())
-    runnable = gyre("recipe", "check", flagship, "--set", "engine.backend=embedded", "--set", "trainer.backend=torch",
-                    "--set", "trainer.tp_size=1")  # fmt: skip
+    cpu = ["engine.backend=embedded", "trainer.backend=torch", "trainer.tp_size=1"]
+    runnable = gyre("recipe", "check", flagship, *(a for s in cpu for a in ("--set", s)))
     assert runnable.returncode == 0 and ": ok — elastic" in runnable.stdout

@@ -10,6 +10,7 @@ runs/<name>-<YYYYmmdd-HHMMSS>/
   metrics.png     reward and pass rate per step (observability.plot)
   workspaces/     step-NNNN/<run>/: each execution's working directory
   tasks/          files the tasks' verifiers use
+  engines/        unit-<n>/: an SGLang server's log (and weights it loads from disk)
   job.json        how it was launched: local mpirun or the Slurm job id
   logs/           mpirun.log or slurm-<job>.out, rank-<N>.log
   ranks/          rank-<N>.json: pid, host, role of every rank (written when it starts);
@@ -92,6 +93,11 @@ class RunDir:
     def step_workspaces(self, step: int) -> Path:
         """The workspaces of one step's executions (and of its held-out evaluation)."""
         return self.workspaces / f"step-{step:04d}"
+
+    @property
+    def engines(self) -> Path:
+        """Engine processes' files (an SGLang server's log, weights it loads from disk)."""
+        return self.path / "engines"
 
     @property
     def task_files(self) -> Path:

@@ -19,7 +19,9 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-CAPABILITIES = ("mpi", "slurm", "gpu", "rdma", "megatron")
+CAPABILITIES = ("mpi", "slurm", "gpu", "rdma", "megatron", "sglang")
+SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
+"""The environment ``tools/setup.sh --sglang`` builds: SGLang and this package, side by side."""
 
 
 @functools.cache
@@ -43,6 +45,13 @@ def why_missing(capability: str) -> str | None:
         if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
             return "megatron-core not installed (pip install -e '.[megatron]')"
         return None
+    if capability == "sglang":
+        if not SGLANG_PYTHON.exists():
+            return "no SGLang environment (bash tools/setup.sh --sglang)"
+        probe = subprocess.run(
+            [str(SGLANG_PYTHON), "-c", "import gyre_hpc, sglang.launch_server"], capture_output=True
+        )
+        return None if probe.returncode == 0 else f"{SGLANG_PYTHON} cannot import sglang"
     if capability == "gpu":
         return None if torch.cuda.is_available() else "no CUDA GPU"
     if capability == "rdma":

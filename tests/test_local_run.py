@@ -187,11 +187,12 @@ def test_wrong_world_size_is_an_error_not_a_hang(
     assert len(failed) == 1 and message in failed[0].error
 
 
-def test_backends_the_runtime_does_not_drive_yet_are_refused_in_one_line(tmp_path: Path) -> None:
+def test_a_backend_missing_here_is_refused_in_one_line(tmp_path: Path) -> None:
     proc = gyre("run", str(REPO / "recipes" / "qwen3-8b-8cells.toml"), "--set", f"run.runs_dir={tmp_path}")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: engine.backend = 'sglang' is not driven by the runtime yet (the SGLang client and launcher "
-        "exist, the cell does not start it); valid for gyre-hpc run/submit today: embedded, emulated"
+        "error: engine.backend = 'sglang' needs SGLang beside gyre-hpc in this environment (each cell "
+        "starts `python -m sglang.launch_server` with this interpreter); here: bash tools/setup.sh "
+        "--sglang, then run .venv-sglang/bin/gyre-hpc"
     ]
     assert not any(tmp_path.iterdir())  # refused before a run directory was made

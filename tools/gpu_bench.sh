@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# tools/bench_megatron.py on a lent GPU machine. Its Python (3.12, CUDA torch) has everything the
-# benchmark imports except megatron-core and tomli_w, and it cannot reach PyPI, so the wheels are
-# fetched here and carried there.
+# tools/bench_megatron.py on a lent GPU machine, then the GPU tests (the embedded engine on CUDA
+# against the CPU). Its Python (3.12, CUDA torch) has everything the benchmark imports except
+# megatron-core and tomli_w, and it cannot reach PyPI, so those wheels (and pytest's) are fetched
+# here and carried there.
 #
 #   here:   bash tools/gpu_bench.sh prepare            # wheels for CPython 3.12 into .whl/ (git-ignored)
 #   there:  bash tools/gpu_bench.sh run [BENCH ARGS]   # the device tool's run, with carry [".whl"];
@@ -14,7 +15,7 @@ prepare)
     grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 \
-        -d .whl "$MEGATRON" tomli_w
+        -d .whl "$MEGATRON" tomli_w pytest pluggy iniconfig
     ls .whl
     ;;
 run)
@@ -27,6 +28,9 @@ run)
     PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 python3 tools/bench_megatron.py --dir /tmp/bench-megatron "$@" \
         2>&1 | tee "$out/bench.log"
     cp /tmp/bench-megatron/bench_megatron.json "$out/"
+    # The tests marked gpu (here: the embedded engine on CUDA); their log comes back too.
+    PYTHONPATH="/tmp/site:$PWD" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_engine.py \
+        2>&1 | tee "$out/gpu_tests.log" || true
     ;;
 *)
     echo "usage: bash tools/gpu_bench.sh prepare | run [bench_megatron.py arguments]" >&2

@@ -2,13 +2,21 @@
 # Set up gyre-hpc on Debian 12, idempotently: system packages (Open MPI, Slurm, munge, PMIx,
 # MariaDB for Slurm accounting), a virtual environment in .venv, and the package in it.
 #
-#   bash tools/setup.sh          # what `gyre-hpc run` and `gyre-hpc submit` need
-#   bash tools/setup.sh --test   # also the test tools (pytest, hypothesis, ruff) and megatron-core
+#   bash tools/setup.sh           # what `gyre-hpc run` and `gyre-hpc submit` need
+#   bash tools/setup.sh --test    # also the test tools (pytest, hypothesis, ruff) and megatron-core
+#   bash tools/setup.sh --sglang  # also .venv-sglang: SGLang 0.5.23 on this machine's CPU, and this
+#                                 # package beside it (what recipes with engine.backend = "sglang" run in)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras=""
-[ "${1:-}" = "--test" ] && extras="[test,megatron]"
+extras="" sglang=""
+for arg in "$@"; do
+  case "$arg" in
+    --test) extras="[test,megatron]" ;;
+    --sglang) sglang=1 ;;
+    *) echo "setup: unknown option $arg; valid: --test, --sglang" >&2; exit 2 ;;
+  esac
+done
 
 packages=(python3-venv python3-dev build-essential openmpi-bin libopenmpi-dev libpmix-dev
           munge slurmctld slurmd slurmdbd slurm-client mariadb-server)
@@ -24,11 +32,30 @@ fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 # torch first and pinned: a bare `torch` requirement resolved fresh pulls a multi-GB CUDA build.
 # The package itself only asks for a range, so clusters keep their own CUDA torch.
-pip_install() {
-  .venv/bin/python -m pip install -q --disable-pip-version-check "$@" >.venv/pip.log 2>&1 \
-    || { cat .venv/pip.log >&2; echo "setup: pip install $* failed" >&2; exit 1; }
+pip_install() {  # pip_install VENV ARGS...
+  local venv=$1; shift
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check "$@" >"$venv/pip.log" 2>&1 \
+    || { cat "$venv/pip.log" >&2; echo "setup: pip install $* (in $venv) failed" >&2; exit 1; }
 }
-pip_install torch==2.13.0
-pip_install -e ".$extras"
+pip_install .venv torch==2.13.0
+pip_install .venv -e ".$extras"
 .venv/bin/python -c "import gyre_hpc, mpi4py, torch" || { echo "setup: the install failed" >&2; exit 1; }
 echo "setup: ready ($(.venv/bin/gyre-hpc --version), torch $(.venv/bin/python -c 'import torch; print(torch.__version__)'))"
+
+if [ -n "$sglang" ]; then
+  # SGLang pins a CUDA torch and CUDA-only kernels: take its requirements without those
+  # (tools/sglang/requirements-cpu.txt), hold torch at the CPU build, then SGLang without deps.
+  [ -x .venv-sglang/bin/python ] || python3 -m venv .venv-sglang
+  pip_install .venv-sglang torch==2.13.0
+  pip_install .venv-sglang -r tools/sglang/requirements-cpu.txt -c tools/sglang/constraints.txt
+  pip_install .venv-sglang --no-deps sglang==0.5.23
+  pip_install .venv-sglang -e ".[megatron]" -c tools/sglang/constraints.txt
+  site=$(.venv-sglang/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  if .venv-sglang/bin/python -c 'import sys, torch; sys.exit(torch.cuda.is_available())'; then
+    cp tools/sglang/cpu_placeholders.py "$site/gyre_sglang_cpu_placeholders.py"
+    echo "import gyre_sglang_cpu_placeholders" >"$site/gyre_sglang_cpu_placeholders.pth"
+  fi
+  .venv-sglang/bin/python -c "import gyre_hpc, sglang.launch_server" \
+    || { echo "setup: the SGLang install failed" >&2; exit 1; }
+  echo "setup: .venv-sglang ready (sglang $(.venv-sglang/bin/python -c 'import sglang; print(sglang.__version__)'))"
+fi

@@ -3,9 +3,9 @@
 # the whole test suite. Idempotent. CI runs exactly this; extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash tools/setup.sh --test
+bash tools/setup.sh --test --sglang
 bash tools/local_slurm.sh start
-# Here the mpi, slurm and megatron tests must run: a missing launcher or package is an error,
-# not a skip.
-export GYRE_REQUIRE="${GYRE_REQUIRE-mpi,slurm,megatron}"
+# Here the mpi, slurm, megatron and SGLang tests must run: a missing launcher or package is an
+# error, not a skip.
+export GYRE_REQUIRE="${GYRE_REQUIRE-mpi,slurm,megatron,sglang}"
 exec .venv/bin/python -m pytest "$@"

@@ -83,7 +83,7 @@ class EngineClient:
         try:
             await self._get("/health")
             return True
-        except (aiohttp.ClientError, EngineError):
+        except (aiohttp.ClientError, EngineError, TimeoutError):
             return False
 
     async def health_generate(self) -> None:
@@ -116,3 +116,57 @@ class EngineClient:
 
     async def end_weight_update(self) -> None:
         await self._post("/end_weight_update", {})
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> dict[str, Any]:
+        """Join the server's ranks to a process group with an outside rank 0 (the cell leader)."""
+        return await self._post(
+            "/init_weights_update_group",
+            {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            },
+        )
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: str,
+    ) -> dict[str, Any]:
+        """Receive the tensors rank 0 broadcasts over ``group_name`` as one flattened bucket."""
+        return await self._post(
+            "/update_weights_from_distributed",
+            {
+                "names": names,
+                "dtypes": dtypes,
+                "shapes": shapes,
+                "group_name": group_name,
+                "weight_version": weight_version,
+                "load_format": "flattened_bucket",
+                "flush_cache": True,
+            },
+        )
+
+    async def export_kv(self, rid: str) -> str | None:
+        """Pin an in-flight request's KV for another engine; its handle (None: cannot export)."""
+        return (await self._post("/export_kv", {"rid": rid})).get("handle")
+
+    async def import_kv(self, source: str, handle: str) -> None:
+        await self._post("/import_kv", {"source": source, "handle": handle})
+
+    async def release_kv(self, handle: str) -> None:
+        await self._post("/release_kv", {"handle": handle})

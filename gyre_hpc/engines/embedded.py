@@ -125,9 +125,12 @@ class Engine:
         max_running: int = 32,
         cache_tokens: int = 1 << 20,
         dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.model_dir = Path(model_dir)
-        self.model = Qwen3ForCausalLM.from_pretrained(self.model_dir, dtype)
+        self.device = torch.device(device)
+        self.model = Qwen3ForCausalLM.from_pretrained(self.model_dir, dtype).to(self.device)
+        self.dtype = dtype
         self.config = self.model.config
         self.flat_layout = FlatLayout.of(self.config)
         self.tokenizer = ChatTokenizer(self.model_dir)
@@ -206,14 +209,15 @@ class Engine:
                 return None
             handle = uuid.uuid4().hex
             n = seq.length
-            self.pinned[handle] = kv_transfer.pack(seq.tokens[:n], seq.keys[:, :, :n], seq.values[:, :, :n])
+            keys, values = seq.keys[:, :, :n].cpu(), seq.values[:, :, :n].cpu()
+            self.pinned[handle] = kv_transfer.pack(seq.tokens[:n], keys, values)
             return handle, n
 
     def import_kv(self, data: bytes) -> int:
         """Keys/values moved from another engine go into the prefix cache; returns their tokens."""
         tokens, keys, values = kv_transfer.unpack(data)
         with self.lock:
-            self.cache.insert(tokens, keys, values)
+            self.cache.insert(tokens, keys.to(self.device, self.dtype), values.to(self.device, self.dtype))
         return len(tokens)
 
     def release_kv(self, handle: str) -> None:
@@ -298,7 +302,9 @@ class Engine:
         hit = min(hit, len(tokens) - 1)  # the last token must run to give the next logits
         c = self.config
         cap = len(tokens) + min(seq.params.max_new_tokens, 256) + 1  # grows by doubling when needed
-        seq.keys = torch.zeros(c.num_hidden_layers, c.num_key_value_heads, cap, c.head_dim)
+        seq.keys = torch.zeros(
+            c.num_hidden_layers, c.num_key_value_heads, cap, c.head_dim, dtype=self.dtype, device=self.device
+        )
         seq.values = torch.zeros_like(seq.keys)
         past = None
         if entry is not None and hit > 0:
@@ -309,7 +315,7 @@ class Engine:
             ]
         seq.length = hit
         seq.cached_tokens = hit if not seq.output_ids else seq.cached_tokens
-        new = torch.tensor([tokens[hit:]])
+        new = torch.tensor([tokens[hit:]], device=self.device)
         logits, kv = self.model(new, past=past)
         self._append_kv(seq, kv, 0)
         self.stats["prompt_tokens"] += len(seq.input_ids) if not seq.output_ids else 0
@@ -328,12 +334,12 @@ class Engine:
             k = torch.stack([s.keys[layer, :, :longest] for s in batch])  # right-padded
             v = torch.stack([s.values[layer, :, :longest] for s in batch])
             past.append((k, v))
-        mask = torch.zeros(b, 1, longest + 1, dtype=torch.bool)
+        mask = torch.zeros(b, 1, longest + 1, dtype=torch.bool, device=self.device)
         for i, n in enumerate(lengths):
             mask[i, 0, :n] = True
         mask[:, 0, longest] = True
-        last = torch.tensor([[s.tokens[-1]] for s in batch])
-        positions = torch.tensor([[n] for n in lengths])
+        last = torch.tensor([[s.tokens[-1]] for s in batch], device=self.device)
+        positions = torch.tensor([[n] for n in lengths], device=self.device)
         logits, kv = self.model(last, positions=positions, past=past, mask=mask)
         self.stats["decode_steps"] += 1
         for i, seq in enumerate(batch):
@@ -361,7 +367,7 @@ class Engine:
         seq.length += t
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> None:
-        token, logprob = sample(logits, seq.params, seq.generator)
+        token, logprob = sample(logits.cpu(), seq.params, seq.generator)  # seeded on the CPU
         seq.output_ids.append(token)
         seq.logprobs.append(logprob)
         self.stats["generated_tokens"] += 1

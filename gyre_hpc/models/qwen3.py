@@ -189,10 +189,12 @@ class Qwen3ForCausalLM(nn.Module):
         """
         b, t = input_ids.shape
         start = 0 if past is None else past[0][0].shape[2]
+        at = input_ids.device
         if positions is None:
-            positions = torch.arange(start, start + t).expand(b, -1)
+            positions = torch.arange(start, start + t, device=at).expand(b, -1)
         if mask is None and start and t > 1:  # causal over [past | new], new queries offset by the past
-            mask = (torch.arange(start + t)[None, :] <= (start + torch.arange(t))[:, None]).expand(b, -1, -1)
+            keys, queries = torch.arange(start + t, device=at), start + torch.arange(t, device=at)
+            mask = (keys[None, :] <= queries[:, None]).expand(b, -1, -1)
         x = self.model.embed_tokens(input_ids)
         new_kv = []
         for i, layer in enumerate(self.model.layers):

@@ -185,7 +185,7 @@ class Router:
             f.drained = mode
             if mode == "continue":
                 try:
-                    f.kv_handle = (await slot.client._post("/export_kv", {"rid": f.rid})).get("handle")
+                    f.kv_handle = await slot.client.export_kv(f.rid)
                 except EngineError:
                     f.kv_handle = None  # the engine cannot export: the destination recomputes
             await slot.client.abort(f.rid)
@@ -198,11 +198,11 @@ class Router:
 
     async def _import_kv(self, dest: EngineSlot, source: EngineSlot, handle: str) -> None:
         try:
-            await dest.client._post("/import_kv", {"source": source.url, "handle": handle})
+            await dest.client.import_kv(source.url, handle)
         except EngineError:
             pass  # no prefix moved: the destination recomputes it
         finally:
             try:
-                await source.client._post("/release_kv", {"handle": handle})
+                await source.client.release_kv(handle)
             except (EngineError, aiohttp.ClientError):
                 pass

@@ -77,12 +77,34 @@ class EngineConfig:
     """The sampling engine each cell (and the rollout pool) runs."""
 
     backend: Literal["embedded", "sglang", "emulated"] = knob(
-        "embedded", "embedded (CPU/torch), sglang (GPU) or emulated (decoding is a clock; benchmarks)."
+        "embedded",
+        "embedded (torch, CPU or one GPU), sglang (a real SGLang server per cell) or emulated "
+        "(decoding is a clock; benchmarks).",
     )
-    tp_size: int = knob(1, "Tensor-parallel size of one engine.", min=1)
+    device: Literal["auto", "cpu", "cuda"] = knob(
+        "auto", "Where engines compute; auto: the GPU the cell's rank owns, else the CPU."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
+        "auto",
+        "Served weights' dtype; auto: float32 for the embedded engine, SGLang's own choice for sglang "
+        "(it serves a float32 checkpoint as float16).",
+    )
+    tp_size: int = knob(
+        1, "Tensor-parallel size of one engine (sglang: the GPUs of the cell's first tp_size ranks).", min=1
+    )
     mem_fraction_static: float = knob(0.8, "GPU memory fraction for weights and KV cache.", min=0.05, max=1.0)
-    enable_memory_saver: bool = knob(True, "Release and resume GPU memory on role switches.")
-    max_total_tokens: int = knob(0, "KV cache size in tokens; 0 lets the engine decide.", min=0)
+    enable_memory_saver: bool = knob(
+        True, "sglang on a GPU: release and resume GPU memory on role switches (it needs CUDA)."
+    )
+    max_total_tokens: int = knob(
+        0, "KV cache size in tokens; 0 lets the engine decide (sglang on the CPU: 16384).", min=0
+    )
+    weight_sync: Literal["broadcast", "disk"] = knob(
+        "broadcast",
+        "sglang: how a new version reaches the server: one broadcast of the flat snapshot over a "
+        "group the cell leader forms with it (gloo on the CPU, NCCL on a GPU), or a checkpoint on disk.",
+    )
+    start_timeout_s: float = knob(900.0, "sglang: seconds a server may take to become healthy.", min=1)
     max_new_tokens: int = knob(1024, "Tokens one model call may generate.", min=1)
     prefix_cache: bool = knob(
         True, "Reuse the KV of earlier turns; off with cells.capacity = 1, every call is bit-reproducible."

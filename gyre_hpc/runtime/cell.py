@@ -16,21 +16,15 @@ version through the transport and writes checkpoints. A cell knows nothing about
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
-from aiohttp import web
 
-from gyre_hpc.engines.embedded import Engine
-from gyre_hpc.engines.emulated import EmulatedEngine
-from gyre_hpc.engines.server import make_app
+from gyre_hpc.engines.hosted import host_engine
 from gyre_hpc.layout import CONTROLLER
 from gyre_hpc.recipe.schema import CellsConfig, EngineConfig, TrainerConfig
 from gyre_hpc.runtime.protocol import (
@@ -41,6 +35,7 @@ from gyre_hpc.runtime.protocol import (
     Heartbeat,
     Hello,
     LoadWeights,
+    Message,
     MicroSteps,
     Mirror,
     ProtocolError,
@@ -73,6 +68,8 @@ class CellSetup:
     model_dir: Path
     checkpoints: Path
     transport: Transport
+    engines: Path
+    """Where engine processes keep their logs and weights on disk (``unit-<n>/``)."""
 
 
 @dataclass
@@ -82,30 +79,6 @@ class Session:
     step: int
     claims: Claims
     started: float
-
-
-class EngineServer:
-    """The cell's engine behind the SGLang-native HTTP API, on its own loop thread."""
-
-    def __init__(self, engine: Engine, host: str) -> None:
-        self.engine, self.host = engine, host
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="engine-http", daemon=True)
-
-    def start(self) -> int:
-        self.thread.start()
-        return asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(60)
-
-    async def _start(self) -> int:
-        self.runner = web.AppRunner(make_app(self.engine))
-        await self.runner.setup()
-        await web.TCPSite(self.runner, self.host, 0).start()
-        return self.runner.addresses[0][1]
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.engine.stop()
 
 
 class Cell:
@@ -145,7 +118,7 @@ class Cell:
             try:
                 self.lead()
             finally:
-                self.server.stop()
+                self.engine.stop()
         else:
             self.follow()
         for channel in (self.to_controller, self.in_cell):
@@ -155,14 +128,18 @@ class Cell:
     def start_replica(self) -> None:
         assert self.setup is not None
         s = self.setup
-        self.engine = self._engine(s.model_dir)
-        self.engine.weight_version = "0"
-        self.engine.start()
-        self.server = EngineServer(
-            self.engine, "0.0.0.0" if self.world.env.launcher == "slurm" else "127.0.0.1"
-        )
-        self.port = self.server.start()
         self.scratch = np.empty(s.transport.plan.params, dtype=np.float32)  # pulled snapshots land here
+        self.scratch_version = 0
+        self.engine = host_engine(
+            self.engine_cfg,
+            s.model_dir,
+            self.cells.capacity,
+            "0.0.0.0" if self.world.env.launcher == "slurm" else "127.0.0.1",
+            s.engines / f"unit-{self.unit}",
+            self.world.env.local_rank,
+            self.newest_weights,
+        )
+        self.port = self.engine.start()
         if self.world.layout.is_standalone(self.unit):
             self.trainer = None
             return
@@ -200,23 +177,6 @@ class Cell:
         host, port = comm.bcast((host, free_port(host)) if comm.Get_rank() == 0 else None, root=0)
         return MegatronWorld(comm.Get_rank(), comm.Get_size(), host, port, gpu=env.local_rank)
 
-    def _engine(self, model_dir: Path) -> Engine:
-        e = self.engine_cfg
-        if e.backend == "emulated":
-            return EmulatedEngine(
-                model_dir,
-                max_running=self.cells.capacity,
-                decode_s=e.emulated_decode_s,
-                tokens_median=e.emulated_tokens_median,
-                tokens_sigma=e.emulated_tokens_sigma,
-            )
-        return Engine(model_dir, max_running=self.cells.capacity, cache_tokens=self._cache_tokens())
-
-    def _cache_tokens(self) -> int:
-        if not self.engine_cfg.prefix_cache:
-            return 0
-        return self.engine_cfg.max_total_tokens or (1 << 20)
-
     @property
     def address(self) -> str:
         host = self.world.env.hostname if self.world.env.launcher == "slurm" else "127.0.0.1"
@@ -237,17 +197,25 @@ class Cell:
             CONTROLLER,
         )
         next_beat = 0.0
+        deferred: list[Message] = []  # engine verbs that wait for a restarting engine
         while True:
             now = time.monotonic()
             if now >= next_beat:
                 self.to_controller.send(Heartbeat(self.unit, self.role, time.time()), CONTROLLER)
                 next_beat = now + self.cells.heartbeat_s
-            got = self.to_controller.poll(CONTROLLER)
+            self.engine.supervise()
+            if deferred and not self.engine.restarting:
+                got: tuple[int, Message] | None = (CONTROLLER, deferred.pop(0))
+            else:
+                got = self.to_controller.poll(CONTROLLER)
             if got is None:
                 if self.session is None or not self.work_once():
                     time.sleep(POLL_INTERVAL_S)
                 continue
             msg = got[1]
+            if isinstance(msg, SwitchRole | LoadWeights) and (self.engine.restarting or deferred):
+                deferred.append(msg)  # in order, once the engine is back (heartbeats go on meanwhile)
+                continue
             if isinstance(msg, Shutdown):
                 self._forward(msg)
                 log.info("cell %d: shutdown (%s)", self.unit, msg.reason)
@@ -282,7 +250,7 @@ class Cell:
         if role == Role.SAMPLING:
             self.engine.resume()
         elif role == Role.TRAINING:
-            self.engine.pause("abort")  # the proxy drained it first: nothing is left in flight
+            self.engine.pause()  # the proxy drained it first: nothing is left in flight
         self.role = role
 
     def load_weights(self, version: int) -> None:
@@ -292,8 +260,15 @@ class Cell:
             got = self.setup.transport.pull_snapshot(self.scratch)
             if got != version:
                 raise ProtocolError(f"cell {self.unit}: snapshot holds version {got}, expected {version}")
-            flat = self.scratch
-        self.engine.load_flat(torch.from_numpy(flat), str(version))
+            flat, self.scratch_version = self.scratch, got
+        self.engine.load(flat, version)
+
+    def newest_weights(self) -> tuple[np.ndarray, int]:
+        """What a restarted engine loads: the newest weights this cell holds (a copy, taken when
+        the engine was found dead)."""
+        if self.trainer is not None and self.is_core:
+            return self.trainer.weights().copy(), self.trainer.version
+        return self.scratch.copy(), self.scratch_version
 
     def open_session(self, msg: TrainStep) -> Session:
         """Join a step: its snapshot, a zero gradient, then claim micro-steps (``work_once``)."""
@@ -302,6 +277,7 @@ class Cell:
             if self.is_core:
                 raise ProtocolError(f"core holds version {self.trainer.version}, asked for {msg.version}")
             pull_snapshot(self.trainer, self.setup.transport, msg.version, self.scratch)
+            self.scratch_version = msg.version
         self.trainer.zero_grad()
         self.trained_step = msg.step
         return Session(msg.step, Claims.of(msg.queue, msg.closed), time.monotonic())

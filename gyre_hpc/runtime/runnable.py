@@ -14,11 +14,11 @@ from gyre_hpc.recipe.schema import EngineConfig, TrainerConfig
 def check_runnable(engine: EngineConfig, trainer: TrainerConfig) -> None:
     """The backends and shapes this runtime drives today; anything else is refused before launch,
     in one line."""
-    if engine.backend not in ("embedded", "emulated"):
+    if engine.backend == "sglang" and importlib.util.find_spec("sglang") is None:
         raise RecipeError(
-            f"engine.backend = {engine.backend!r} is not driven by the runtime yet (the SGLang client and "
-            "launcher exist, the cell does not start it); valid for gyre-hpc run/submit today: "
-            "embedded, emulated"
+            "engine.backend = 'sglang' needs SGLang beside gyre-hpc in this environment (each cell "
+            "starts `python -m sglang.launch_server` with this interpreter); here: bash tools/setup.sh "
+            "--sglang, then run .venv-sglang/bin/gyre-hpc"
         )
     if trainer.backend == "megatron":
         if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:

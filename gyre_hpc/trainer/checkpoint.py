@@ -21,22 +21,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.qwen3 import Qwen3Config
 from gyre_hpc.trainer.base import Trainer
 
 log = logging.getLogger(__name__)
-
-MODEL_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "chat_template.jinja",
-    "special_tokens_map.json",
-)
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -47,14 +38,7 @@ def save(root: Path, step: int, trainer: Trainer, model_dir: Path, **state: Any)
     final = step_dir(root, step)
     tmp = root / f".tmp-step-{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for name in MODEL_FILES:
-        if (model_dir / name).exists():
-            shutil.copy2(model_dir / name, tmp / name)
-    tensors = FlatLayout.of(Qwen3Config.load(model_dir)).views(trainer.weights())  # any backend
-    save_file(
-        {k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"), {"format": "pt"}
-    )
+    FlatLayout.of(Qwen3Config.load(model_dir)).save(trainer.weights(), model_dir, tmp)  # any backend
     torch.save(trainer.optimizer_state(), tmp / "optimizer.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, "version": trainer.version, **state}) + "\n")
     shutil.rmtree(final, ignore_errors=True)

@@ -1,0 +1,205 @@
+"""The engine a cell hosts: the embedded, emulated or SGLang server behind the verbs a cell needs.
+
+```
+ cell leader ─ start() → URL        before the cell's Hello: the proxy's endpoint for this cell
+             ─ pause() / resume()   around training (the proxy has drained it first)
+             ─ load(flat, v)        a new version, from the core's flat snapshot
+             ─ supervise()          between messages: a dead server is restarted in the background,
+                                    at the newest version the cell holds (``restarting`` meanwhile)
+             ─ stop()
+```
+
+``EmbeddedHost`` runs the embedded (or emulated) engine in this process behind the SGLang-native
+HTTP API, on a loop thread of its own. ``SGLangHost`` owns an ``engines.sglang.SGLangServer``
+process. The cell knows nothing about which one it hosts; a host knows nothing about roles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+from aiohttp import web
+
+from gyre_hpc.engines.embedded import Engine
+from gyre_hpc.engines.emulated import EmulatedEngine
+from gyre_hpc.engines.server import make_app
+from gyre_hpc.engines.sglang import SGLangServer
+from gyre_hpc.recipe.schema import EngineConfig
+
+log = logging.getLogger(__name__)
+
+Current = Callable[[], tuple[np.ndarray, int]]
+"""The newest weights a cell holds, and their version: what a restarted server loads."""
+
+
+class HostedEngine(Protocol):
+    restarting: bool
+
+    def start(self) -> int:
+        """Serve; the port it listens on."""
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def load(self, flat: np.ndarray, version: int) -> None: ...
+
+    def supervise(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+def resolve_device(device: str) -> str:
+    """auto → cuda where torch sees a GPU, else cpu."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def host_engine(
+    engine: EngineConfig,
+    model_dir: Path,
+    capacity: int,
+    host: str,
+    work_dir: Path,
+    gpu: int,
+    current: Current,
+) -> HostedEngine:
+    """The engine ``engine.backend`` names, for one cell: ``gpu`` is the first GPU it may use."""
+    device = resolve_device(engine.device)
+    if engine.backend == "sglang":
+        return SGLangHost(SGLangServer(engine, model_dir, work_dir, host, device, gpu), current)
+    if engine.backend == "emulated":
+        emulated = EmulatedEngine(
+            model_dir,
+            max_running=capacity,
+            decode_s=engine.emulated_decode_s,
+            tokens_median=engine.emulated_tokens_median,
+            tokens_sigma=engine.emulated_tokens_sigma,
+        )
+        return EmbeddedHost(emulated, host)
+    cache = (engine.max_total_tokens or (1 << 20)) if engine.prefix_cache else 0
+    dtype = torch.float32 if engine.dtype == "auto" else getattr(torch, engine.dtype)
+    at = torch.device(f"cuda:{gpu}") if device == "cuda" else torch.device("cpu")
+    embedded = Engine(model_dir, max_running=capacity, cache_tokens=cache, dtype=dtype, device=at)
+    return EmbeddedHost(embedded, host)
+
+
+class EmbeddedHost:
+    """An engine of this process behind the SGLang-native HTTP API, on its own loop thread."""
+
+    restarting = False
+
+    def __init__(self, engine: Engine, host: str) -> None:
+        self.engine, self.host = engine, host
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="engine-http", daemon=True)
+
+    def start(self) -> int:
+        self.engine.weight_version = "0"
+        self.engine.start()
+        self.thread.start()
+        return asyncio.run_coroutine_threadsafe(self._serve(), self.loop).result(60)
+
+    async def _serve(self) -> int:
+        self.runner = web.AppRunner(make_app(self.engine))
+        await self.runner.setup()
+        await web.TCPSite(self.runner, self.host, 0).start()
+        return self.runner.addresses[0][1]
+
+    def pause(self) -> None:
+        self.engine.pause("abort")  # the proxy drained it first: nothing is left in flight
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def load(self, flat: np.ndarray, version: int) -> None:
+        self.engine.load_flat(torch.from_numpy(flat), str(version))
+
+    def supervise(self) -> None:
+        """It lives in this process: it cannot die alone."""
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.engine.stop()
+
+
+class SGLangHost:
+    """A cell's SGLang server, restarted at the newest version if its process dies."""
+
+    def __init__(self, server: SGLangServer, current: Current) -> None:
+        self.server, self.current = server, current
+        self.restarting = False
+        self.paused = False
+        self.restarts = 0
+        self._thread: threading.Thread | None = None
+        self._failed: Exception | None = None
+
+    def start(self) -> int:
+        return self.server.start()
+
+    @property
+    def releases_memory(self) -> bool:
+        """A GPU server with the memory saver hands its memory to the trainer while paused."""
+        return self.server.device == "cuda" and self.server.engine.enable_memory_saver
+
+    def pause(self) -> None:
+        """Only after the proxy drained it: releasing memory under a running request kills it."""
+        self.paused = True
+        self.server.pause()
+        if self.releases_memory:
+            self.server.release_memory()
+
+    def resume(self) -> None:
+        """Memory back (its weights are stale until the cell's next ``load``, which comes before
+        the proxy admits calls again), then serve."""
+        self.paused = False
+        if self.releases_memory:
+            self.server.resume_memory()
+        self.server.resume()
+
+    def load(self, flat: np.ndarray, version: int) -> None:
+        self.server.load(flat, version)
+
+    def supervise(self) -> None:
+        if self.restarting:
+            if self._thread is not None and not self._thread.is_alive():
+                self._thread.join()
+                self.restarting = False
+                if self._failed is not None:
+                    raise self._failed  # it did not come back: the cell fails, naming why
+            return
+        if not self.server.alive():
+            code = self.server.proc.returncode if self.server.proc else None
+            log.warning("sglang server %s died (code %s): restarting", self.server.url, code)
+            self.restarting, self._failed = True, None
+            weights = self.current()  # now, before the cell's buffers move on
+            self._thread = threading.Thread(target=self._restart, args=weights, name="sglang-restart")
+            self._thread.start()
+
+    def _restart(self, flat: np.ndarray, version: int) -> None:
+        """On the same port, so the proxy's endpoint stays; the proxy sends the calls it had there
+        to the other engines meanwhile (their connection errors reroute them)."""
+        try:
+            self.server.stop()
+            self.server.start()
+            self.server.load(flat, version)
+            if self.paused:
+                self.server.pause()
+            self.restarts += 1
+            log.info("sglang server %s back at version %d", self.server.url, version)
+        except Exception as err:
+            self._failed = err
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        self.server.stop()

@@ -1,0 +1,254 @@
+"""Real SGLang servers (0.5.23, on the CPU here): the same answers as the embedded engine, the
+verbs a cell uses, weights from the core's flat snapshot, and whole runs with SGLang cells.
+
+``GYRE_SGLANG_URL`` points the engine-level tests at a server already running (any Qwen3 model
+the embedded engine can load too, served at float32 on this machine); otherwise they start one
+from ``.venv-sglang`` (``tools/setup.sh --sglang``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO, SGLANG_PYTHON, flat_of
+
+from gyre_hpc.engines.embedded import Engine
+from gyre_hpc.engines.sampling import SamplingParams
+from gyre_hpc.engines.sglang import SGLangServer, WeightGroup, call, sglang_command
+from gyre_hpc.models.flat import FlatLayout
+from gyre_hpc.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from gyre_hpc.models.tiny import init_tiny
+from gyre_hpc.observability import events as ev
+from gyre_hpc.recipe.schema import EngineConfig
+from gyre_hpc.rundir import RunDir
+from gyre_hpc.trajectory.codec import by_run, read_records
+from gyre_hpc.trajectory.tree import TrajectoryTree
+
+PROMPTS = [[1, 2, 3], list(range(40, 90)), [7] * 20]
+
+
+def test_the_server_command_is_a_pure_function_of_the_engine_config() -> None:
+    gpu = EngineConfig(
+        backend="sglang", tp_size=4, mem_fraction_static=0.85, max_total_tokens=262144, dtype="bfloat16"
+    )
+    assert " ".join(sglang_command(gpu, "/models/Qwen3-8B", 30001, "0.0.0.0", "python", "cuda", 4)) == (
+        "python -m sglang.launch_server --model-path /models/Qwen3-8B --host 0.0.0.0 --port 30001 "
+        "--tp-size 4 --weight-version 0 --skip-server-warmup --base-gpu-id 4 --mem-fraction-static 0.85 "
+        "--enable-memory-saver --max-total-tokens 262144 --dtype bfloat16"
+    )
+    cpu = EngineConfig(backend="sglang", dtype="float32", prefix_cache=False)
+    assert " ".join(sglang_command(cpu, "/m", 30002, python="python", device="cpu")) == (
+        "python -m sglang.launch_server --model-path /m --host 127.0.0.1 --port 30002 --tp-size 1 "
+        "--weight-version 0 --skip-server-warmup --device cpu --attention-backend torch_native "
+        "--sampling-backend pytorch --disable-cuda-graph --grammar-backend none --max-total-tokens 16384 "
+        "--dtype float32 --disable-radix-cache"
+    )  # no memory saver without CUDA: it cannot start there
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """(URL, model directory) of a real SGLang server serving float32."""
+    if url := os.environ.get("GYRE_SGLANG_URL"):
+        yield url, Path(call(url, lambda c: c.model_info())["model_path"])
+        return
+    model = init_tiny(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+    server = SGLangServer(
+        EngineConfig(backend="sglang", dtype="float32"),
+        model,
+        tmp_path_factory.mktemp("sglang"),
+        device="cpu",
+        python=str(SGLANG_PYTHON),
+    )
+    server.start()
+    try:
+        yield server.url, model
+    finally:
+        server.stop()
+
+
+def greedy(url: str, prompt: list[int], n: int = 16) -> dict:
+    return call(
+        url, lambda c: c.generate(prompt, {"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
+    )
+
+
+def embedded_greedy(engine: Engine, prompt: list[int], n: int = 16) -> tuple[list[int], list[float]]:
+    done: dict = {}
+    params = SamplingParams.from_request({"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
+    engine.submit(prompt, params, done.update)
+    while not done:
+        time.sleep(0.01)
+    return done["output_ids"], [lp for lp, _, _ in done["meta_info"]["output_token_logprobs"]]
+
+
+def recomputed(model: Qwen3ForCausalLM, prompt: list[int], output: list[int]) -> list[float]:
+    """Log-probs of ``output`` after ``prompt`` under ``model``, computed here."""
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids)[0][0].float(), -1)
+    return [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(output)]
+
+
+@pytest.mark.sglang
+def test_sglang_answers_like_the_embedded_engine(served: tuple[str, Path]) -> None:
+    url, model = served
+    engine = Engine(model, max_running=4).start()
+    try:
+        for prompt in PROMPTS:
+            reply = greedy(url, prompt)
+            ours, ours_lp = embedded_greedy(engine, prompt)
+            assert reply["output_ids"] == ours
+            theirs = [lp for lp, _, _ in reply["meta_info"]["output_token_logprobs"]]
+            assert np.abs(np.array(theirs) - np.array(ours_lp)).max() <= 1e-4
+    finally:
+        engine.stop()
+
+
+@pytest.mark.sglang
+def test_the_verbs_a_cell_uses(served: tuple[str, Path]) -> None:
+    url, _ = served
+    call(url, lambda c: c.pause("abort"))
+    call(url, lambda c: c.continue_())
+    for mode in ("retract", "in_place"):
+        call(url, lambda c, mode=mode: c.pause(mode))
+        call(url, lambda c: c.continue_())
+    call(url, lambda c: c.flush_cache())  # only while nothing runs: it refuses otherwise
+    again = greedy(url, PROMPTS[1], 4)
+    assert again["meta_info"]["finish_reason"]["type"] == "length"
+    assert greedy(url, PROMPTS[1], 4)["meta_info"]["cached_tokens"] > 0  # the prefix was kept
+
+
+@pytest.mark.sglang
+def test_new_weights_arrive_by_broadcast_and_from_disk(served: tuple[str, Path], tmp_path: Path) -> None:
+    """The core's flat snapshot reaches the server in one broadcast (or as a model directory); it
+    then serves that version, and its log-probs are those of those weights computed here."""
+    url, model_dir = served
+    layout = FlatLayout.of(Qwen3Config.load(model_dir))
+    model = Qwen3ForCausalLM.from_pretrained(model_dir)
+    base = flat_of(model).numpy().copy()
+    group = WeightGroup(url, layout, "127.0.0.1", 1, "gloo")
+    for version, how in ((7, "broadcast"), (8, "disk")):
+        flat = base + np.random.RandomState(version).randn(base.size).astype(np.float32) * 0.02
+        if how == "broadcast":
+            call(url, lambda c: c.begin_weight_update())
+            group.push(flat, version)
+            call(url, lambda c: c.end_weight_update())
+        else:
+            path = layout.save(flat, model_dir, tmp_path / f"v{version}")
+            assert call(url, lambda c, path=path, v=version: c.update_weights_from_disk(str(path), str(v)))[
+                "success"
+            ]
+        layout.load(model, flat)
+        for prompt in PROMPTS:
+            reply = greedy(url, prompt)
+            assert reply["meta_info"]["weight_version"] == str(version)
+            theirs = [lp for lp, _, _ in reply["meta_info"]["output_token_logprobs"]]
+            assert (
+                np.abs(np.array(theirs) - np.array(recomputed(model, prompt, reply["output_ids"]))).max()
+                <= 1e-4
+            )
+    layout.load(model, base)
+    call(url, lambda c: c.begin_weight_update())
+    group.push(base, 0)  # as it was, for the tests that follow
+    call(url, lambda c: c.end_weight_update())
+
+
+# ---- whole runs with SGLang cells --------------------------------------------------------------
+
+SMOKE_SGLANG = str(REPO / "recipes" / "smoke-sglang.toml")
+ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
+def start_run(runs_dir: Path, *sets: str) -> subprocess.Popen[str]:
+    args = [str(SGLANG_PYTHON), "-m", "gyre_hpc", "run", SMOKE_SGLANG, "--set", f"run.runs_dir={runs_dir}"]
+    for s in sets:
+        args += ["--set", s]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, **ROOT_OK})  # fmt: skip
+
+
+def finish(proc: subprocess.Popen[str], timeout: float) -> str:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-4000:]
+    return err
+
+
+def events_of(runs_dir: Path) -> tuple[RunDir, list[ev.Event]]:
+    (path,) = runs_dir.iterdir()
+    run = RunDir(path)
+    return run, run.read_events()
+
+
+@pytest.mark.mpi
+@pytest.mark.sglang
+@pytest.mark.timeout(1500)
+def test_an_elastic_run_with_sglang_cells(tmp_path: Path) -> None:
+    finish(start_run(tmp_path), 1400)
+    run, events = events_of(tmp_path)
+    steps = [e for e in events if isinstance(e, ev.Step)]
+    assert [s.step for s in steps] == [1, 2, 3] and [s.version for s in steps] == [1, 2, 3]
+    for s in steps:  # none failed: drained calls continued on the other server
+        assert set(s.statuses) <= {"finished", "timed_out"}, s.statuses
+    joined = [e for e in events if isinstance(e, ev.Switch) and e.direction == "sampling→training"]
+    assert any(e.w for e in joined), "a cell moved to training while executions were running"
+    # Every call of the last step was served by the version the step before published, and its
+    # behaviour log-probs are those of that version's weights (the checkpoint), recomputed here.
+    model = Qwen3ForCausalLM.from_pretrained(run.checkpoints / "step-000002")
+    trees = {r: TrajectoryTree.from_encoded(recs) for r, recs in by_run(read_records(run.tito_log).records)}
+    calls = [rec for r, t in trees.items() if r.startswith("s0003") for rec in t.records()]
+    assert calls and {c.policy_version for c in calls} == {2}
+    worst = max(
+        np.abs(
+            np.array(c.output_logprobs) - np.array(recomputed(model, list(c.input_ids), list(c.output_ids)))
+        ).max()
+        for c in calls
+    )
+    assert worst <= 1e-4, worst
+    hosts = {e.cell: e.address for e in events if isinstance(e, ev.Hello)}
+    assert all((run.engines / f"unit-{c}" / "sglang.log").exists() for c in hosts)
+
+
+@pytest.mark.mpi
+@pytest.mark.sglang
+@pytest.mark.timeout(1500)
+def test_a_killed_sglang_server_comes_back_and_no_execution_is_lost(tmp_path: Path) -> None:
+    proc = start_run(tmp_path, "run.steps=3")
+    try:
+        port, run = None, None
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:  # wait for step 2's burst to be under way
+            if any(tmp_path.iterdir()):
+                run, events = events_of(tmp_path)
+                hello = next((e for e in events if isinstance(e, ev.Hello) and e.cell == 1), None)
+                port = hello.address.rsplit(":", 1)[1] if hello else None
+                if any(isinstance(e, ev.Finished) and e.run.startswith("s0002") for e in events):
+                    break
+            time.sleep(0.5)
+        assert port is not None and run is not None, "step 2 never started"
+        server = next(p for p in Path("/proc").iterdir() if p.name.isdigit() and _serves(p, port))
+        os.kill(int(server.name), signal.SIGKILL)
+        finish(proc, 1200)
+    finally:
+        proc.kill()
+    run, events = events_of(tmp_path)
+    steps = [e for e in events if isinstance(e, ev.Step)]
+    assert [s.step for s in steps] == [1, 2, 3]
+    for s in steps:
+        assert set(s.statuses) <= {"finished", "timed_out"} and s.executions == 16, s.statuses
+    log = (run.logs / "rank-2.log").read_text()  # cell 1's leader
+    assert "died" in log and "back at version" in log
+
+
+def _serves(proc: Path, port: str) -> bool:
+    try:
+        cmd = (proc / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"sglang.launch_server" in b" ".join(cmd) and port.encode() in cmd

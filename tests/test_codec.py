@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import struct
+import zlib
 from pathlib import Path
 
+from conftest import gyre
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gyre_hpc.proxy.tito_log import TitoLog
+from gyre_hpc.rundir import RunDir
 from gyre_hpc.trajectory import TitoRecord, TrajectoryTree
-from gyre_hpc.trajectory.codec import by_run, encode_frame, read_records, write_records
+from gyre_hpc.trajectory.codec import by_run, encode_frame, read_frames, read_records, write_records
 
 
 def conversation(run: str, turns: int) -> list[TitoRecord]:
@@ -62,3 +70,49 @@ def test_a_corrupted_frame_stops_the_read(tmp_path: Path) -> None:
     data[-3] ^= 0xFF  # a flipped bit in the last frame's payload
     log.write_bytes(bytes(data))
     assert [r.index for r in read_records(log).records] == [0, 1]
+
+
+def frames_of(records: int = 4) -> tuple[bytes, list[int]]:
+    """A small log's bytes and where each of its frames ends."""
+    tree = TrajectoryTree.from_records(conversation("r", records))
+    ends, data = [], b""
+    for enc in tree.encoded:
+        data += encode_frame(enc)
+        ends.append(len(data))
+    return data, ends
+
+
+def test_every_truncation_keeps_exactly_the_complete_frames() -> None:
+    data, ends = frames_of()
+    for cut in range(len(data) + 1):
+        read = read_frames(data[:cut])
+        complete = sum(end <= cut for end in ends)
+        assert [r.index for r in read.records] == list(range(complete)), cut
+        assert read.torn_bytes == cut - (ends[complete - 1] if complete else 0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tail=st.binary(max_size=64), header=st.booleans(), size=st.integers(0, 2**32 - 1))
+def test_no_garbage_tail_crashes_the_reader_or_costs_a_complete_frame(
+    tail: bytes, header: bool, size: int
+) -> None:
+    """Garbage after the last frame — random bytes, or a frame header claiming any size (an
+    empty frame's checksum is valid) — is torn; the frames before it are all kept."""
+    data, ends = frames_of()
+    if header:  # a header that passes the magic check, as a writer killed after it would leave
+        tail = struct.pack("<2sII", b"GT", size, zlib.crc32(tail[: min(size, len(tail))])) + tail
+    read = read_frames(data + tail)
+    assert [r.index for r in read.records] == list(range(len(ends)))
+    assert read.torn_bytes == len(tail)
+
+
+def test_the_proxy_s_log_and_traj_show_survive_a_torn_empty_frame(tmp_path: Path) -> None:
+    run = RunDir.create(tmp_path, "torn")
+    data, _ = frames_of()
+    run.tito_log.write_bytes(data + struct.pack("<2sII", b"GT", 0, zlib.crc32(b"")))
+    log = TitoLog(run.tito_log)  # reopening cuts the torn tail off
+    assert log.tree("r").num_records == 4 and run.tito_log.stat().st_size == len(data)
+    log.close()
+    run.tito_log.write_bytes(data + b"GT\0\0\0\0garbage")
+    shown = gyre("traj", "show", str(run.path))
+    assert shown.returncode == 0 and "Traceback" not in shown.stderr

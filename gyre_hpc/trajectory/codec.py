@@ -85,13 +85,18 @@ class ReadResult:
 
 
 def read_frames(data: bytes) -> ReadResult:
+    """Every complete frame from the start; the first one that is not (a short, empty, corrupt or
+    undecodable frame, or garbage) ends the read and everything from it on counts as torn."""
     records, at = [], 0
     while at + _FRAME.size <= len(data):
         magic, size, crc = _FRAME.unpack_from(data, at)
         payload = data[at + _FRAME.size : at + _FRAME.size + size]
-        if magic != MAGIC or len(payload) < size or zlib.crc32(payload) != crc:
+        if magic != MAGIC or size < _U32.size or len(payload) < size or zlib.crc32(payload) != crc:
             break
-        records.append(decode_payload(payload))
+        try:
+            records.append(decode_payload(payload))
+        except (ValueError, KeyError, TypeError, struct.error):  # checksummed, yet not a record
+            break
         at += _FRAME.size + size
     return ReadResult(records, len(data) - at)
 

@@ -152,6 +152,16 @@ def test_cli_errors_are_one_line_and_exit_2(tmp_path: Path) -> None:
     ):
         proc = gyre(*args)
         assert (proc.returncode, proc.stderr.strip()) == (2, "error: missing.toml: no such recipe file"), args
+    for args in (["run", str(tmp_path)], ["recipe", "check", str(tmp_path)], ["submit", str(tmp_path)]):
+        proc = gyre(*args)
+        assert (proc.returncode, proc.stderr.strip().splitlines()) == (
+            2,
+            [f"error: {tmp_path}: a directory, not a recipe file (a TOML file, e.g. recipes/smoke.toml)"],
+        ), args
+    proc = gyre("eval", "recipes/smoke.toml", "--suite", str(tmp_path), "--n", "1")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: {tmp_path}: a directory, not a task suite (a JSONL file, one task per line)"
+    ]
 
 
 def test_cli_check_and_show() -> None:

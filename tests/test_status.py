@@ -69,3 +69,12 @@ def test_a_running_run_renders_as_running(tmp_path: Path) -> None:
     proc = gyre("status", str(rd.path), "--once", env=WIDE)
     assert proc.returncode == 0, proc.stderr
     assert "run: running · step 1/2" in proc.stdout
+
+
+def test_a_job_nobody_knows_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    proc = gyre("status", "987654321", "--once", "--runs-dir", str(tmp_path))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        f"error: job 987654321: Slurm knows no such job (neither queued nor in accounting) and no run "
+        f"directory in {tmp_path}/ names it"
+    ]

@@ -59,6 +59,11 @@ def status(
     """
     run_dir, job_id = resolve(target, runs_dir)
     watcher = slurm.HetJobWatcher(delay_s=30)
+    if run_dir is None and slurm.job_state(job_id, watcher).state == "UNKNOWN":
+        raise GyreError(
+            f"job {job_id}: Slurm knows no such job (neither queued nor in accounting) and no run "
+            f"directory in {runs_dir}/ names it"
+        )
 
     def frame(mode: str = "standard") -> tuple[object, bool]:
         job = slurm.job_state(job_id, watcher, mode) if job_id else None

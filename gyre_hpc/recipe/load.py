@@ -158,6 +158,14 @@ def _read_toml(path: Path) -> dict[str, Any]:
             return tomllib.load(fh)
     except FileNotFoundError:
         raise RecipeError(f"{path}: no such recipe file") from None
+    except IsADirectoryError:
+        raise RecipeError(
+            f"{path}: a directory, not a recipe file (a TOML file, e.g. recipes/smoke.toml)"
+        ) from None
+    except PermissionError:
+        raise RecipeError(f"{path}: not readable (permission denied)") from None
+    except UnicodeDecodeError:
+        raise RecipeError(f"{path}: not a text file") from None
     except tomllib.TOMLDecodeError as err:
         raise RecipeError(f"{path}: not valid TOML: {err}") from None
 

@@ -122,6 +122,10 @@ def load_jsonl(path: str | Path) -> list[Task]:
         lines = path.read_text().splitlines()
     except FileNotFoundError:
         raise GyreError(f"{path}: no such task suite") from None
+    except IsADirectoryError:
+        raise GyreError(f"{path}: a directory, not a task suite (a JSONL file, one task per line)") from None
+    except (PermissionError, UnicodeDecodeError) as err:
+        raise GyreError(f"{path}: not readable as a task suite ({type(err).__name__})") from None
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue

@@ -6,6 +6,7 @@ runs/<name>-<YYYYmmdd-HHMMSS>/
   events.jsonl    what happened, one JSON record per line (observability.events)
   tito.bin        every model call's exact token ids, delta-encoded (trajectory.codec)
   proxy.secret    signs the per-execution API keys (proxy.keys)
+  chats.jsonl     the proxy's chat index: served transcripts by digest (proxy.server.ChatIndex)
   checkpoints/    step-NNNNNN/: a Hugging Face model directory + optimizer state + state.json
   metrics.png     reward and pass rate per step (observability.plot)
   workspaces/     step-NNNN/<run>/: each execution's working directory
@@ -71,6 +72,11 @@ class RunDir:
     def tito_bytes(self) -> int:
         """Size of the TITO log: every call answered so far is in it (written before the reply)."""
         return self.tito_log.stat().st_size if self.tito_log.exists() else 0
+
+    @property
+    def chat_index(self) -> Path:
+        """Per served chat call, what the proxy needs to extend its ids exactly after a restart."""
+        return self.path / "chats.jsonl"
 
     @property
     def proxy_secret(self) -> Path:

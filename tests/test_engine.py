@@ -155,7 +155,7 @@ def test_abort_pause_continue(tiny: Path) -> None:
         served = Served(tiny)
         async with served as client:
             long = asyncio.create_task(
-                client.generate(prompt(tiny, "x"), {"max_new_tokens": 100000, "ignore_eos": True}, rid="long")
+                client.generate(prompt(tiny, "x"), {"max_new_tokens": 30000, "ignore_eos": True}, rid="long")
             )
             await asyncio.sleep(0.3)
             await client.abort("long")
@@ -171,7 +171,7 @@ def test_abort_pause_continue(tiny: Path) -> None:
 
     aborted, waited, finished = run(go())
     assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
-    assert 0 < aborted["meta_info"]["completion_tokens"] < 100000
+    assert 0 < aborted["meta_info"]["completion_tokens"] < 30000
     assert finished["meta_info"]["finish_reason"]["type"] in ("length", "stop") and waited < 5
 
 

@@ -186,7 +186,7 @@ def test_kv_export_import_matches_recomputation(tiny: Path) -> None:
     try:
         prompt = [10 + i % 800 for i in range(4096)]  # a 4K-token context
         seq = source.submit(
-            prompt, SamplingParams(max_new_tokens=10**6, ignore_eos=True), lambda r: None, rid="moving"
+            prompt, SamplingParams(max_new_tokens=20_000, ignore_eos=True), lambda r: None, rid="moving"
         )
         while len(seq.output_ids) < 8:
             time.sleep(0.01)

@@ -57,7 +57,7 @@ def serve(
         loop = uvloop.new_event_loop()
     except ImportError:
         loop = None
-    web.run_app(proxy.app(), host=host, port=port, print=None, loop=loop)
+    web.run_app(proxy.app(), host=host, port=port, print=None, loop=loop, handler_cancellation=True)
 
 
 @app.command()
@@ -76,4 +76,7 @@ def key(
 
     if not run_dir.is_dir():
         raise GyreError(f"{run_dir} is not a directory; use the proxy's --run-dir")
-    typer.echo(KeyRing.load(RunDir(run_dir).proxy_secret).mint(run, role))
+    try:
+        typer.echo(KeyRing.load(RunDir(run_dir).proxy_secret).mint(run, role))
+    except ValueError as err:
+        raise GyreError(str(err)) from None

@@ -12,7 +12,16 @@ import aiohttp
 
 
 class EngineError(RuntimeError):
-    """The engine answered with an error status."""
+    """The engine answered with an error status (``status``; 0 when the request never got one)."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def refused(self) -> bool:
+        """The engine refused the request itself (4xx): asking another engine will not help."""
+        return 400 <= self.status < 500
 
 
 class EngineClient:
@@ -37,7 +46,7 @@ class EngineClient:
             self._session = aiohttp.ClientSession(timeout=self._timeout)
         async with self._session.post(self.base_url + path, json=body or {}) as resp:
             if resp.status >= 400:
-                raise EngineError(f"{path}: HTTP {resp.status}: {await resp.text()}")
+                raise EngineError(f"{path}: HTTP {resp.status}: {await resp.text()}", resp.status)
             if resp.content_type == "application/json":
                 return await resp.json()
             return await resp.text()
@@ -47,7 +56,7 @@ class EngineClient:
             self._session = aiohttp.ClientSession(timeout=self._timeout)
         async with self._session.get(self.base_url + path) as resp:
             if resp.status >= 400:
-                raise EngineError(f"{path}: HTTP {resp.status}: {await resp.text()}")
+                raise EngineError(f"{path}: HTTP {resp.status}: {await resp.text()}", resp.status)
             return await resp.json() if resp.content_type == "application/json" else await resp.text()
 
     async def generate(

@@ -157,10 +157,7 @@ class Engine:
         rid: str | None = None,
         on_token: Callable[[Sequence], None] | None = None,
     ) -> Sequence:
-        if not input_ids:
-            raise BadRequest("input_ids is empty")
-        if any(not isinstance(t, int) or not 0 <= t < self.config.vocab_size for t in input_ids):
-            raise BadRequest(f"input_ids must be token ids in [0, {self.config.vocab_size})")
+        self.check(input_ids, params)
         seq = Sequence(rid or uuid.uuid4().hex, list(input_ids), params, on_done, on_token)
         if params.sampling_seed is not None:
             seq.generator = torch.Generator().manual_seed(params.sampling_seed)
@@ -168,6 +165,20 @@ class Engine:
             self.waiting.append(seq)
         self._wake.set()
         return seq
+
+    def check(self, input_ids: list[int], params: SamplingParams) -> None:
+        """Refuse, at once, what this engine cannot serve: ids outside the vocabulary, or a prompt
+        that with its new tokens would not fit the model's context (it would only grow memory)."""
+        if not input_ids:
+            raise BadRequest("input_ids is empty")
+        vocab, context = self.config.vocab_size, self.config.max_position_embeddings
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in input_ids):
+            raise BadRequest(f"input_ids must be token ids in [0, {vocab})")
+        if len(input_ids) + params.max_new_tokens > context:
+            raise BadRequest(
+                f"a prompt of {len(input_ids)} tokens + max_new_tokens {params.max_new_tokens} does not "
+                f"fit the model's context of {context} tokens"
+            )
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
         with self.lock:

@@ -109,7 +109,7 @@ class EmbeddedHost:
         return asyncio.run_coroutine_threadsafe(self._serve(), self.loop).result(60)
 
     async def _serve(self) -> int:
-        self.runner = web.AppRunner(make_app(self.engine))
+        self.runner = web.AppRunner(make_app(self.engine), handler_cancellation=True)
         await self.runner.setup()
         await web.TCPSite(self.runner, self.host, 0).start()
         return self.runner.addresses[0][1]

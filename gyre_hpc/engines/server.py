@@ -64,7 +64,7 @@ async def read_json_object(request: web.Request) -> dict[str, Any]:
         return {}
     try:
         body = await request.json()
-    except json.JSONDecodeError as err:
+    except ValueError as err:  # not JSON, or not UTF-8
         raise BadRequest(f"request body is not JSON: {err}") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
@@ -93,6 +93,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         if len(jobs) != 1:
             raise BadRequest("streaming takes one prompt with n = 1")
         return await _stream(request, engine, jobs[0], params, return_logprob)
+    for ids, _ in jobs:  # every prompt refused or none: nothing half-submitted
+        engine.check(ids, params)
     loop = asyncio.get_running_loop()
     futures: list[asyncio.Future[dict[str, Any]]] = []
     seqs: list[Sequence] = []
@@ -284,4 +286,6 @@ async def end_weight_update(request: web.Request) -> web.Response:
 
 
 def serve(engine: Engine, host: str, port: int) -> None:
-    web.run_app(make_app(engine), host=host, port=port, print=None, handle_signals=True)
+    web.run_app(
+        make_app(engine), host=host, port=port, print=None, handle_signals=True, handler_cancellation=True
+    )

@@ -7,6 +7,7 @@ sandboxed Jinja environment, the way Hugging Face does.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -61,3 +62,9 @@ class ChatTokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size()
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest token's length in characters: a text of n characters is at least
+        n / max_token_chars tokens, known without tokenising it."""
+        return max(len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True))

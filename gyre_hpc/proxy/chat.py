@@ -22,15 +22,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gyre_hpc.engines.sampling import BadRequest
 from gyre_hpc.models.tokenizer import ChatTokenizer
 from gyre_hpc.trajectory.tree import TrajectoryTree
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-
-
-class BadChat(BadRequest):
-    """A chat request that does not fit the API (HTTP 400)."""
 
 
 def parse_reply(text: str, call_prefix: str) -> tuple[str, list[dict[str, Any]]]:
@@ -60,27 +55,6 @@ def parse_reply(text: str, call_prefix: str) -> tuple[str, list[dict[str, Any]]]
     for special in ("<|im_end|>", "<|endoftext|>"):
         content = content.replace(special, "")
     return content.strip(), calls
-
-
-def check_messages(messages: Any) -> list[dict[str, Any]]:
-    if not isinstance(messages, list) or not messages:
-        raise BadChat("messages must be a non-empty list")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-            raise BadChat(f"messages[{i}] needs a role of system, user, assistant or tool")
-        content = m.get("content")
-        if isinstance(content, list):  # OpenAI content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        if content is not None and not isinstance(content, str):
-            raise BadChat(f"messages[{i}].content must be a string")
-        msg = {**m, "content": content or ""}
-        for tc in m.get("tool_calls") or []:
-            fn = tc.get("function") if isinstance(tc, dict) else None
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise BadChat(f"messages[{i}].tool_calls entries need function.name")
-        out.append(msg)
-    return out
 
 
 def message_key(m: Mapping[str, Any]) -> str:
@@ -183,9 +157,20 @@ class RunChats:
         record: int,
         reply: dict[str, Any],
         closed: bool,
-    ) -> None:
-        for tc in reply.get("tool_calls") or []:
-            self.arguments[tc["id"]] = tc["function"]["arguments"]
+    ) -> dict[str, Any]:
+        """Remember a served call; returns what ``remember`` needs to remember it again (the
+        proxy keeps these entries on disk, so a restarted proxy reuses ids exactly)."""
+        arguments = {tc["id"]: tc["function"]["arguments"] for tc in reply.get("tool_calls") or []}
         transcript = self.restore(messages) + [reply]
         digest = prefix_digests(transcript, json.dumps(tools or [], sort_keys=True))[-1]
-        self.served[digest] = Served(record, len(transcript), closed)
+        entry = {"digest": digest.hex(), "record": record, "len": len(transcript), "closed": closed}
+        self.remember({**entry, "arguments": arguments})
+        return {**entry, "arguments": arguments}
+
+    def remember(self, entry: Mapping[str, Any]) -> None:
+        """A call as ``record`` described it (an entry whose record the log no longer holds,
+        cut off on resume, is ignored)."""
+        if not 0 <= entry["record"] < self.tree.num_records:
+            return
+        self.arguments.update(entry["arguments"])
+        self.served[bytes.fromhex(entry["digest"])] = Served(entry["record"], entry["len"], entry["closed"])

@@ -2,7 +2,9 @@
 
 A key is ``gy-<payload>.<mac>``: the payload is the run id and role, the MAC an HMAC-SHA256
 under a secret kept in the run directory (``proxy.secret``, mode 600). The proxy derives the
-run from the key alone, so a harness can never write into another run's log.
+run from the key alone, so a harness can never write into another run's log. Run ids and roles
+are names, not paths: letters, digits and ``._:-``, at most 128 characters, not starting with a
+dot; anything else is refused when a key is minted and when one is presented.
 """
 
 from __future__ import annotations
@@ -12,8 +14,19 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import secrets
 from pathlib import Path
+
+NAME = re.compile(r"[A-Za-z0-9_:-][A-Za-z0-9._:-]{0,127}")
+
+
+def check_name(what: str, value: str) -> str:
+    """``value`` if it is a valid run id or role, else ValueError naming what is valid."""
+    if not isinstance(value, str) or not NAME.fullmatch(value):
+        valid = "letters, digits and ._:- (at most 128, no leading dot)"
+        raise ValueError(f"{what} {value!r} is not valid: {valid}")
+    return value
 
 
 def _b64(data: bytes) -> str:
@@ -38,18 +51,23 @@ class KeyRing:
         return cls(path.read_bytes())
 
     def mint(self, run_id: str, role: str) -> str:
+        check_name("run id", run_id)
+        check_name("role", role)
         payload = _b64(json.dumps([run_id, role], separators=(",", ":")).encode())
         return f"gy-{payload}.{self._mac(payload)}"
 
     def verify(self, key: str) -> tuple[str, str] | None:
-        """(run id, role) of a genuine key, else None."""
-        if not key.startswith("gy-") or "." not in key:
+        """(run id, role) of a genuine key naming a valid run and role, else None."""
+        if not key.isascii() or not key.startswith("gy-") or "." not in key:
             return None
         payload, mac = key[3:].rsplit(".", 1)
         if not hmac.compare_digest(mac, self._mac(payload)):
             return None
-        run_id, role = json.loads(_unb64(payload))
-        return run_id, role
+        try:
+            run_id, role = json.loads(_unb64(payload))
+            return check_name("run id", run_id), check_name("role", role)
+        except (ValueError, TypeError):  # a genuine key for what is no longer a valid name
+            return None
 
     def _mac(self, payload: str) -> str:
         return _b64(hmac.new(self.secret, payload.encode(), hashlib.sha256).digest()[:18])

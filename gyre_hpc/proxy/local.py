@@ -39,7 +39,7 @@ class LocalServing:
         return self
 
     async def _serve(self, app: web.Application) -> str:
-        runner = web.AppRunner(app)
+        runner = web.AppRunner(app, handler_cancellation=True)  # a client gone: its work stops
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()

@@ -7,6 +7,9 @@
  drain(engine): stop admitting; abort its in-flight calls; each call goes on elsewhere —
           "continue": from its partial output (its KV moved first when the engines can),
           "restart": from scratch — and its TITO record is marked rerouted
+ failure: a connection error, a timeout or a 5xx marks the engine down for a moment and the call
+          goes on elsewhere; a 4xx is the request's fault and goes back to the client at once;
+          a client that goes away aborts its call on the engine
 ```
 
 The router knows engines by URL and speaks the SGLang-native API through ``EngineClient``;
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,12 +29,17 @@ from typing import Any, Literal
 import aiohttp
 
 from gyre_hpc.engines.client import EngineClient, EngineError
+from gyre_hpc.engines.sampling import BadRequest
 
 DrainMode = Literal["continue", "restart"]
 
 
 class NoEngine(RuntimeError):
     """No engine could serve the call before its deadline (HTTP 503)."""
+
+
+class Refused(BadRequest):
+    """An engine refused the call itself (its 4xx): the client's mistake, not the engine's."""
 
 
 @dataclass
@@ -130,7 +139,18 @@ class Router:
                     moved_kv = None
                 left = dict(params, max_new_tokens=budget - len(output))
                 res = await slot.client.generate(input_ids + output, left, rid=flight.rid)
-            except (aiohttp.ClientError, EngineError, TimeoutError):
+            except EngineError as err:
+                if err.refused:  # never the engine's fault: the client hears it at once
+                    raise Refused(_reason(err)) from None
+                slot.down_until = time.monotonic() + self.retry_down_s  # try the others first
+                output, logprobs, rerouted = [], [], True
+                if time.monotonic() >= deadline:
+                    raise NoEngine(f"engine {slot.url} failed and no other served in time") from None
+                continue
+            except asyncio.CancelledError:  # the client went away: the engine stops too
+                await _abort(slot, flight.rid)
+                raise
+            except (aiohttp.ClientError, TimeoutError):
                 slot.down_until = time.monotonic() + self.retry_down_s  # try the others first
                 output, logprobs, rerouted = [], [], True
                 if time.monotonic() >= deadline:
@@ -206,3 +226,20 @@ class Router:
                 await source.client.release_kv(handle)
             except (EngineError, aiohttp.ClientError):
                 pass
+
+
+def _reason(err: EngineError) -> str:
+    """The engine's own message where it gave one in the usual JSON shape."""
+    text = str(err).split(": ", 2)[-1]
+    try:
+        error = json.loads(text).get("error", {})
+        return str(error.get("message", text)) if isinstance(error, dict) else text
+    except (json.JSONDecodeError, AttributeError):
+        return text
+
+
+async def _abort(slot: EngineSlot, rid: str) -> None:
+    try:
+        await asyncio.shield(slot.client.abort(rid))
+    except (aiohttp.ClientError, EngineError, TimeoutError, asyncio.CancelledError):
+        pass

@@ -8,13 +8,19 @@
    ◀── assistant message with tool_calls parsed from the model's <tool_call> blocks
 ```
 
-``POST /v1/generate`` is the same for harnesses that work in token ids. Errors are JSON with
-the reason: 400 malformed, 401 unknown key, 413 body over the limit, 503 no engine in time.
+``POST /v1/generate`` is the same for harnesses that work in token ids. Errors are JSON in the
+OpenAI error shape with a one-line reason: 400 a request that does not fit the API
+(``proxy.request``), a prompt that does not fit the model's context, or one an engine refused;
+401 unknown key; 413 body over the limit; 503 no engine in time. A client's input never makes a
+5xx. Each served chat call is also noted in the run directory's chat index, so a restarted proxy
+still extends a running conversation's exact ids.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import time
 import uuid
 from pathlib import Path
@@ -22,11 +28,13 @@ from typing import Any
 
 from aiohttp import web
 
-from gyre_hpc.engines.sampling import BadRequest
+from gyre_hpc.engines.sampling import BadRequest, SamplingParams
 from gyre_hpc.engines.server import read_json_object
+from gyre_hpc.models.qwen3 import Qwen3Config
 from gyre_hpc.models.tokenizer import ChatTokenizer
-from gyre_hpc.proxy.chat import BadChat, RunChats, check_messages, parse_reply
+from gyre_hpc.proxy.chat import RunChats, parse_reply
 from gyre_hpc.proxy.keys import KeyRing
+from gyre_hpc.proxy.request import BadChat, chat_request, token_request
 from gyre_hpc.proxy.router import EngineSlot, NoEngine, Router
 from gyre_hpc.proxy.tito_log import TitoLog
 from gyre_hpc.recipe.schema import ProxyConfig
@@ -35,6 +43,8 @@ from gyre_hpc.trajectory.records import CallMeta, TitoRecord
 
 PROXY = web.AppKey("proxy", object)
 OVERHEAD_HEADER = "X-Gyre-Proxy-Ms"
+LARGE_BODY = 256 << 10
+"""Requests larger than this are tokenised off the event loop, so they never stall other runs."""
 
 
 class Proxy:
@@ -50,9 +60,12 @@ class Proxy:
         self.config = config
         self.tokenizer = ChatTokenizer(model_dir)
         self.model_name = Path(model_dir).name
+        model = Qwen3Config.load(model_dir)  # the engines serve this model
+        self.context, self.vocab_size = model.max_position_embeddings, model.vocab_size
         files = RunDir(self.run_dir)
         self.keys = KeyRing.load(files.proxy_secret)
         self.tito = TitoLog(files.tito_log)
+        self.index = ChatIndex(files.chat_index)
         limit = config.admission_limit or capacity
         self.router = Router(
             [EngineSlot(url, limit, rank=i) for i, url in enumerate(engines)],
@@ -75,6 +88,7 @@ class Proxy:
     async def _cleanup(self, app: web.Application) -> None:
         await self.router.close()
         self.tito.close()
+        self.index.close()
 
     def authorize(self, request: web.Request) -> tuple[str, str]:
         auth = request.headers.get("Authorization", "")
@@ -93,12 +107,28 @@ class Proxy:
 
     def chats(self, run_id: str) -> RunChats:
         if run_id not in self.runs:
-            self.runs[run_id] = RunChats(self.tokenizer, self.tito.tree(run_id))
+            chats = RunChats(self.tokenizer, self.tito.tree(run_id))
+            for entry in self.index.entries.pop(run_id, []):  # what a proxy before us served
+                chats.remember(entry)
+            self.runs[run_id] = chats
         return self.runs[run_id]
 
     def next_call_id(self, run_id: str) -> str:
-        self._calls[run_id] = self._calls.get(run_id, 0) + 1
+        """``call_<n>``, unique in the run across proxy restarts (counting on from its log)."""
+        if run_id not in self._calls:
+            numbers = (
+                r.call_id[5:] for r in self.tito.tree(run_id).records() if r.call_id.startswith("call_")
+            )
+            self._calls[run_id] = max((int(n) for n in numbers if n.isdigit()), default=0)
+        self._calls[run_id] += 1
         return f"call_{self._calls[run_id]}"
+
+    def check_context(self, prompt: int, max_new_tokens: int, at_least: bool = False) -> None:
+        if prompt + max_new_tokens > self.context:
+            raise BadChat(
+                f"a prompt of {'at least ' if at_least else ''}{prompt} tokens + max_tokens {max_new_tokens} "
+                f"does not fit the model's context of {self.context} tokens"
+            )
 
     async def call(
         self, run_id: str, role: str, call_id: str, input_ids: list[int], params: dict[str, Any]
@@ -144,35 +174,21 @@ def _error(message: str, code: int) -> str:
     )
 
 
-def _sampling(body: dict[str, Any]) -> dict[str, Any]:
-    params: dict[str, Any] = {}
-    for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("sampling_seed", "seed")):
-        if body.get(theirs) is not None:
-            params[ours] = body[theirs]
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-    if max_tokens is not None:
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise BadChat(f"max_tokens = {max_tokens!r} must be a positive integer")
-        params["max_new_tokens"] = max_tokens
-    if body.get("stop") is not None:
-        params["stop"] = [body["stop"]] if isinstance(body["stop"], str) else body["stop"]
-    if body.get("n", 1) != 1:
-        raise BadChat("n must be 1 (one execution, one trajectory)")
-    return params
-
-
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     entered = time.perf_counter()
     proxy: Proxy = request.app[PROXY]  # type: ignore[assignment]
     run_id, role = proxy.authorize(request)
-    body = await read_json_object(request)
-    messages = check_messages(body.get("messages"))
-    tools = body.get("tools") or None
-    if tools is not None and not isinstance(tools, list):
-        raise BadChat("tools must be a list")
-    params = _sampling(body)
+    req = chat_request(await read_json_object(request))
+    # Far too long is refused before tokenising: no token is longer than max_token_chars.
+    chars = sum(len(m["content"]) for m in req.messages)
+    proxy.check_context(chars // proxy.tokenizer.max_token_chars, req.max_new_tokens, at_least=True)
     chats = proxy.chats(run_id)
-    input_ids = chats.input_ids(messages, tools)
+    if (request.content_length or 0) > LARGE_BODY:
+        input_ids = await asyncio.to_thread(chats.input_ids, req.messages, req.tools)
+    else:
+        input_ids = chats.input_ids(req.messages, req.tools)
+    proxy.check_context(len(input_ids), req.max_new_tokens)
+    messages, tools, params = req.messages, req.tools, req.params
     call_id = proxy.next_call_id(run_id)
     record, index, cached, engine_s = await proxy.call(run_id, role, call_id, input_ids, params)
     output = record.output_ids.tolist()
@@ -181,7 +197,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     reply: dict[str, Any] = {"role": "assistant", "content": content}
     if tool_calls:
         reply["tool_calls"] = tool_calls
-    chats.record(messages, tools, index, reply, closed)
+    proxy.index.append(run_id, chats.record(messages, tools, index, reply, closed))
     finish = "tool_calls" if tool_calls else ("length" if record.meta.finish_reason == "length" else "stop")
     message = {**reply, "content": content or (None if tool_calls else "")}
     usage = {
@@ -193,7 +209,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     # The proxy's own time for this call (everything but waiting for engines), for dashboards and benches.
     headers = {OVERHEAD_HEADER: f"{(time.perf_counter() - entered - engine_s) * 1000:.3f}"}
-    if not body.get("stream"):
+    if not req.stream:
         return web.json_response(
             {
                 "id": cid,
@@ -244,13 +260,8 @@ async def _stream(
 async def generate_tokens(request: web.Request) -> web.Response:
     proxy: Proxy = request.app[PROXY]  # type: ignore[assignment]
     run_id, role = proxy.authorize(request)
-    body = await read_json_object(request)
-    ids = body.get("input_ids")
-    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
-        raise BadChat("input_ids must be a non-empty list of token ids")
-    params = body.get("sampling_params") or {}
-    if not isinstance(params, dict):
-        raise BadChat("sampling_params must be an object")
+    ids, params = token_request(await read_json_object(request), proxy.vocab_size)
+    proxy.check_context(len(ids), SamplingParams.from_request(params).max_new_tokens)
     call_id = proxy.next_call_id(run_id)
     record, index, cached, _ = await proxy.call(run_id, role, call_id, ids, params)
     return web.json_response(
@@ -272,3 +283,28 @@ async def health(request: web.Request) -> web.Response:
 async def models(request: web.Request) -> web.Response:
     proxy: Proxy = request.app[PROXY]  # type: ignore[assignment]
     return web.json_response({"object": "list", "data": [{"id": proxy.model_name, "object": "model"}]})
+
+
+class ChatIndex:
+    """The run directory's chat index: per served chat call, what ``RunChats.remember`` needs
+    (transcript digest, record, tool-call arguments), one JSON line each, appended as the TITO
+    log is. A restarted proxy reads it back; a torn last line is skipped."""
+
+    def __init__(self, path: Path) -> None:
+        self.entries: dict[str, list[dict[str, Any]]] = {}
+        if path.exists():
+            for line in path.read_bytes().splitlines():
+                try:
+                    entry = json.loads(line)
+                    self.entries.setdefault(entry.pop("run"), []).append(entry)
+                except (json.JSONDecodeError, AttributeError, KeyError):
+                    continue
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def append(self, run_id: str, entry: dict[str, Any]) -> None:
+        os.write(self._fd, (json.dumps({"run": run_id, **entry}, separators=(",", ":")) + "\n").encode())
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

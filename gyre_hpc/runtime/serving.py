@@ -63,7 +63,7 @@ class Serving:
 
     async def _start(self) -> str:
         self.proxy = Proxy(self.run_dir.path, self.model_dir, self.engine_urls, self.proxy_cfg, self.capacity)
-        self._runner = web.AppRunner(self.proxy.app())
+        self._runner = web.AppRunner(self.proxy.app(), handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.proxy_cfg.host, self.proxy_cfg.port)
         await site.start()

@@ -19,6 +19,7 @@ ones, so a misspelt key never silently drops a verifier.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -86,6 +87,7 @@ def _write(path: Path, content: str) -> None:
 
 
 _VALID = [f.name for f in fields(Task)]
+TASK_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,95}")
 
 
 def task_from_json(d: Mapping[str, Any], base: Path, where: str) -> Task:
@@ -97,6 +99,8 @@ def task_from_json(d: Mapping[str, Any], base: Path, where: str) -> Task:
     for key in ("id", "spec"):
         if not isinstance(d.get(key), str) or not d[key]:
             raise GyreError(f"{where}: {key} must be a non-empty string")
+    if not TASK_ID.fullmatch(d["id"]):  # it names runs and workspaces: a name, not a path
+        raise GyreError(f"{where}: id {d['id']!r} is not valid: letters, digits and ._- (at most 96)")
     values = dict(d)
     for key in ("seed", "hidden_tests", "visible_tests"):
         if key in values:

@@ -181,9 +181,35 @@ def test_a_prompt_that_cannot_fit_is_refused_at_once_by_the_proxy_and_by_the_eng
             assert not stack.engines[0].waiting and not stack.engines[0].running  # nothing was admitted
             return [chat, near, tokens, engine]
 
+    resident = resident_mb()
     for status, text, seconds in asyncio.run(go()):
         assert status == 400 and "context of 32768 tokens" in text, text
         assert seconds < 1.0, seconds
+    assert resident_mb() - resident < 200  # refused before any cache was grown (it once reached 11 GB)
+
+
+def resident_mb() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**20
+
+
+def test_a_client_that_leaves_stops_its_call_on_the_engine(tiny: Path, tmp_path: Path) -> None:
+    async def go() -> tuple[int, int]:
+        async with Stack(tiny, tmp_path) as stack:
+            engine = stack.engines[0]
+            body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 20_000, "ignore_eos": True}}
+            timeout = aiohttp.ClientTimeout(total=1.0)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                with pytest.raises(TimeoutError):
+                    await post(session, stack.url + "/v1/generate", stack.key("leaver"), body)
+            running_then = len(engine.running)
+            for _ in range(200):  # the proxy sees the disconnect and aborts the engine's request
+                if not engine.running and not engine.waiting:
+                    break
+                await asyncio.sleep(0.05)
+            return running_then, len(engine.running) + len(engine.waiting)
+
+    _, left = asyncio.run(go())
+    assert left == 0
 
 
 def test_a_restarted_proxy_extends_a_running_conversation_s_ids_exactly(

@@ -13,13 +13,14 @@ engine).
 
     python tools/bench_proxy.py [--runs 64 256] [--turns 8] [--engine-ms 20] [--think-ms 200]
 
-Goal (issue 4): proxy overhead p99 ≤ 2 ms.
+Goal: the proxy's own p99 ≤ 2 ms.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import socket
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import aiohttp
@@ -128,6 +130,8 @@ async def bench(args: argparse.Namespace, model: Path, run_dir: Path) -> list[tu
             str(model),
             "--port",
             str(proxy_port),
+            "--capacity",
+            "4096",  # as many calls in flight as the direct side has: only the proxy differs
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -171,6 +175,12 @@ async def bench(args: argparse.Namespace, model: Path, run_dir: Path) -> list[tu
 
             label = "warm"
             await drive(8, 2, 0.01, via_proxy)
+            if args.hostile:
+                label = "alone"
+                alone = await drive(args.hostile_runs, args.turns, args.think_ms / 1000, via_proxy)
+                label = "attacked"
+                attacked, bad = await under_attack(session, proxy_url, keys, args, via_proxy)
+                rows.append(("hostile", alone, attacked, bad))
             for runs in args.runs:
                 label, overheads = f"r{runs}", []
                 d = await drive(runs, args.turns, args.think_ms / 1000, direct)
@@ -195,12 +205,64 @@ async def bench(args: argparse.Namespace, model: Path, run_dir: Path) -> list[tu
     return rows
 
 
+BAD_BODIES: dict[str, list[object]] = {
+    "not JSON": [b"{", b"\xff\xfe", b"[1, 2]"],
+    "messages of the wrong shape": [
+        {"messages": []},
+        {"messages": [{"role": "user", "content": 7}]},
+        {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": 1}}]}]},
+    ],
+    "sampling out of range": [
+        {"messages": [{"role": "user", "content": "x"}], "temperature": -1},
+        {"messages": [{"role": "user", "content": "x"}], "top_p": 5},
+        {"messages": [{"role": "user", "content": "x"}], "seed": "x"},
+    ],
+    "far beyond the context (3 MB)": [{"messages": [{"role": "user", "content": "word " * 600_000}]}],
+}
+
+
+async def under_attack(session, url: str, keys: KeyRing, args, via_proxy):  # noqa: ANN001, ANN201
+    """Normal runs while ``args.attackers`` clients send nothing but bad requests."""
+    key = keys.mint("attacker", "main")
+    bad: dict[str, list[tuple[int, float]]] = {}
+    stop = asyncio.Event()
+
+    # Encoded once: the attackers' own cost must not count against the proxy (2 shared cores).
+    bodies = {
+        c: [b if isinstance(b, bytes) else json.dumps(b).encode() for b in bs] for c, bs in BAD_BODIES.items()
+    }
+    bodies["bad key"] = [json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode()]
+
+    async def attacker(i: int) -> None:
+        rng = random.Random(i)
+        while not stop.is_set():
+            category = rng.choice(list(bodies))
+            auth = "Bearer gy-\u00e9" if category == "bad key" else f"Bearer {key}"
+            headers = {"Authorization": auth, "Content-Type": "application/json"}
+            t0 = time.perf_counter()
+            data = rng.choice(bodies[category])
+            async with session.post(url + "/v1/chat/completions", data=data, headers=headers) as resp:
+                await resp.read()
+                bad.setdefault(category, []).append((resp.status, (time.perf_counter() - t0) * 1000))
+
+    tasks = [asyncio.create_task(attacker(i)) for i in range(args.attackers)]
+    try:
+        normal = await drive(args.hostile_runs, args.turns, args.think_ms / 1000, via_proxy)
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
+    return normal, bad
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--engine-ms", type=float, default=20.0)
     ap.add_argument("--think-ms", type=float, default=200.0)
+    ap.add_argument("--hostile", action="store_true", help="Also: normal calls alone vs under bad requests.")
+    ap.add_argument("--hostile-runs", type=int, default=16)
+    ap.add_argument("--attackers", type=int, default=4, help="Clients sending only bad requests.")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = init_tiny(Path(tmp) / "tiny")
@@ -223,9 +285,36 @@ def main() -> None:
         "proxy's own p99",
     ):
         table.add_column(col, justify="right")
+    console = Console(width=130)
     for row in rows:
-        table.add_row(str(row[0]), str(row[1]), *(f"{v:.2f}" for v in row[2:]))
-    Console(width=130).print(table)
+        if row[0] != "hostile":
+            table.add_row(str(row[0]), str(row[1]), *(f"{v:.2f}" for v in row[2:]))
+    console.print(table)
+    for _, alone, attacked, bad in (r for r in rows if r[0] == "hostile"):
+        title = f"{args.hostile_runs} normal runs, alone and while {args.attackers} clients send bad requests"
+        hostile = Table(title=title)
+        for col in ("requests", "count", "status codes", "p50 ms", "p99 ms", "max ms"):
+            hostile.add_column(col, justify="right")
+        for name, lat in (("normal, alone", alone), ("normal, under attack", attacked)):
+            hostile.add_row(
+                name, str(len(lat)), "200", f"{pct(lat, 0.5):.2f}", f"{pct(lat, 0.99):.2f}", f"{max(lat):.2f}"
+            )
+        for category, results in sorted(bad.items()):
+            codes = ", ".join(f"{c}×{n}" for c, n in sorted(Counter(s for s, _ in results).items()))
+            lat = [t for _, t in results]
+            hostile.add_row(
+                category,
+                str(len(lat)),
+                codes,
+                f"{pct(lat, 0.5):.2f}",
+                f"{pct(lat, 0.99):.2f}",
+                f"{max(lat):.2f}",
+            )
+        console.print(hostile)
+        console.print(
+            f"normal p50 under attack / alone: {pct(attacked, 0.5) / pct(alone, 0.5):.2f}×, "
+            f"p99: {pct(attacked, 0.99) / pct(alone, 0.99):.2f}×"
+        )
 
 
 if __name__ == "__main__":

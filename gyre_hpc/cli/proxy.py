@@ -26,6 +26,9 @@ def serve(
     ] = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    capacity: Annotated[
+        int, typer.Option(help="Calls in flight per engine; more wait in the proxy.", min=1)
+    ] = 8,
 ) -> None:
     """Serve the OpenAI-compatible API for harnesses, backed by SGLang-native engines.
 
@@ -49,7 +52,7 @@ def serve(
             model = Path(asyncio.run(ask()))
         except Exception as err:
             raise GyreError(f"cannot ask {engine[0]} for its model ({err}); pass --model DIR") from None
-    proxy = Proxy(run_dir, model, engine, ProxyConfig(host=host, port=port))
+    proxy = Proxy(run_dir, model, engine, ProxyConfig(host=host, port=port), capacity)
     typer.echo(f"proxy on http://{host}:{port}/v1 → {', '.join(engine)}; TITO log {RunDir(run_dir).tito_log}")
     try:  # a faster event loop where available: the proxy is on every model call's path
         import uvloop

@@ -4,6 +4,10 @@ Each call is encoded against its run's trajectory tree (``trajectory.codec`` fra
 and written in one ``write`` + ``fsync`` together with every call that arrived while the
 previous write was under way (group commit: no added wait when idle, batches under load). The
 proxy answers the harness only once its call is on disk, so nothing acknowledged is ever lost.
+Where a write and its fsync take under ``INLINE_S`` (a local disk: ~0.1 ms) they run on the
+event loop: handing them to a thread would cost more than they do. Slower storage (a network
+file system) is written from a thread, so the loop keeps serving meanwhile; each write's time
+decides where the next one runs.
 Opening an existing log rebuilds the runs' trees and cuts off a torn tail.
 """
 
@@ -11,11 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 
 from gyre_hpc.trajectory.codec import by_run, encode_frame, read_records
 from gyre_hpc.trajectory.records import TitoRecord
 from gyre_hpc.trajectory.tree import TrajectoryTree
+
+INLINE_S = 0.001
 
 
 class TitoLog:
@@ -32,6 +39,7 @@ class TitoLog:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._pending: list[tuple[bytes, asyncio.Future[None]]] = []
         self._flusher: asyncio.Task[None] | None = None
+        self._inline = True
         self.frames_written = 0
         self.flushes = 0
 
@@ -53,8 +61,10 @@ class TitoLog:
     async def _flush(self) -> None:
         while self._pending:
             batch, self._pending = self._pending, []
+            data = b"".join(frame for frame, _ in batch)
             try:
-                await asyncio.to_thread(self._write, b"".join(frame for frame, _ in batch))
+                took = self._write(data) if self._inline else await asyncio.to_thread(self._write, data)
+                self._inline = took < INLINE_S
             except OSError as err:
                 for _, fut in batch:
                     fut.set_exception(err)
@@ -65,10 +75,13 @@ class TitoLog:
                 if not fut.done():
                     fut.set_result(None)
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, data: bytes) -> float:
+        """Write and sync; the seconds it took."""
+        started = time.perf_counter()
         os.write(self._fd, data)
         if self.fsync:
             os.fsync(self._fd)
+        return time.perf_counter() - started
 
     def close(self) -> None:
         if self._fd >= 0:

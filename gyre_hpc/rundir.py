@@ -2,12 +2,15 @@
 
 ```
 runs/<name>-<YYYYmmdd-HHMMSS>/
-  recipe.toml     the resolved recipe (every key, documented)
+  recipe.toml     the resolved recipe as created (every key, documented; never rewritten)
+  resumes.jsonl   each resume: when, by which launcher, the overrides it gave (applied in order)
   events.jsonl    what happened, one JSON record per line (observability.events)
   tito.bin        every model call's exact token ids, delta-encoded (trajectory.codec)
   proxy.secret    signs the per-execution API keys (proxy.keys)
   chats.jsonl     the proxy's chat index: served transcripts by digest (proxy.server.ChatIndex)
   checkpoints/    step-NNNNNN/: a Hugging Face model directory + optimizer state + state.json
+  journal/        step-NNNN/<run>.jsonl: each execution after every call (agents.journal)
+  requeue         left by a preempted run under Slurm: the batch script requeues the job
   metrics.png     reward and pass rate per step (observability.plot)
   workspaces/     step-NNNN/<run>/: each execution's working directory
   tasks/          files the tasks' verifiers use
@@ -101,6 +104,14 @@ class RunDir:
         return self.workspaces / f"step-{step:04d}"
 
     @property
+    def journals(self) -> Path:
+        return self.path / "journal"
+
+    def journal(self, step: int) -> Path:
+        """The execution journal of one step (``agents.journal``): what a restart continues."""
+        return self.journals / f"step-{step:04d}"
+
+    @property
     def engines(self) -> Path:
         """Engine processes' files (an SGLang server's log, weights it loads from disk)."""
         return self.path / "engines"
@@ -131,11 +142,39 @@ class RunDir:
     def job_path(self) -> Path:
         return self.path / "job.json"
 
+    @property
+    def requeue_flag(self) -> Path:
+        """Left by a preempted run (the step it checkpointed): the sbatch script requeues the job."""
+        return self.path / "requeue"
+
+    def request_requeue(self, step: int) -> None:
+        self.requeue_flag.write_text(f"{step}\n")
+
+    @property
+    def resumes(self) -> Path:
+        """One JSON line per resume of the run: when, how, and the overrides it gave."""
+        return self.path / "resumes.jsonl"
+
     def write_recipe(self, recipe: Recipe) -> None:
+        """The recipe as the run was created with; never rewritten (resumes add overrides)."""
         self.recipe_path.write_text(to_toml(recipe))
 
+    def add_resume(self, overrides: list[str], launcher: str) -> None:
+        line = {"t": round(time.time(), 3), "launcher": launcher, "overrides": overrides}
+        with self.resumes.open("a") as fh:
+            fh.write(json.dumps(line) + "\n")
+
+    def overrides(self) -> list[str]:
+        """Every override given at a resume, in order."""
+        try:
+            lines = self.resumes.read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        return [o for line in lines if line.strip() for o in json.loads(line)["overrides"]]
+
     def read_recipe(self) -> Recipe:
-        return load_recipe(self.recipe_path)
+        """The recipe in force: as created, then each resume's overrides."""
+        return load_recipe(self.recipe_path, self.overrides())
 
     def read_events(self) -> list[Event]:
         return read_events(self.events)

@@ -10,42 +10,73 @@ export OMPI_MCA_osc=${OMPI_MCA_osc:-sm,ucx}
 RUN_DIR=@{run_dir}
 PYTHON=@{python}
 
-# scancel or preemption: SIGTERM reaches this script and every task; remember it for the record.
-# Near the time limit Slurm sends SIGUSR2 (--signal): pass it to the tasks to checkpoint.
-interrupted=""
-trap 'interrupted=interrupted; kill -TERM "$srun_pid" 2>/dev/null' TERM INT
-trap 'kill -USR2 "$srun_pid" 2>/dev/null' USR2
+MAX_RESTARTS=@{max_restarts}
 
-rm -f "$RUN_DIR"/ranks/*.exit   # each rank leaves its exit code here (a requeue starts afresh)
-srun --mpi=@{mpi} --het-group=@{het_groups} --kill-on-bad-exit=1 \
-  "$PYTHON" -m gyre_hpc.runtime "$RUN_DIR" &
-srun_pid=$!
-# Slurm 22.05's pmix plugin can leave srun hanging after every task of a het step has exited
-# (it never joins its abort agent). Once every rank has left its exit code and srun is still
-# here after a grace period, stop srun and take the highest of those codes.
-# Interrupted, the same hang must not outlast KillWait, after which Slurm kills this script
-# before it could record how the run ended.
-rc="" overdue=0 waited=0
-while kill -0 "$srun_pid" 2>/dev/null; do
-  sleep 1
-  if [ -n "$interrupted" ]; then
-    [ $((waited += 1)) -lt 3 ] || { kill -KILL "$srun_pid"; break; }
-    continue
+# scancel or preemption: SIGTERM reaches this script and every task; remember it for the record.
+# Near the time limit Slurm sends SIGUSR2 (--signal=B:): pass it to the tasks; the controller
+# checkpoints the step under way, stops, and leaves $RUN_DIR/requeue (requeued below).
+interrupted="" srun_pid=""
+trap 'interrupted=interrupted; [ -z "$srun_pid" ] || kill -TERM "$srun_pid" 2>/dev/null' TERM INT
+trap '[ -z "$srun_pid" ] || kill -USR2 "$srun_pid" 2>/dev/null' USR2
+
+# One MPI world over every component; leaves its exit code in rc.
+run_world() {
+  rm -f "$RUN_DIR"/ranks/*.exit   # each rank leaves its exit code here
+  srun --mpi=@{mpi} --het-group=@{het_groups} --kill-on-bad-exit=1 \
+    "$PYTHON" -m gyre_hpc.runtime "$RUN_DIR" &
+  srun_pid=$!
+  # Slurm 22.05's pmix plugin can leave srun hanging after every task of a het step has exited
+  # (it never joins its abort agent). Once every rank has left its exit code and srun is still
+  # here after a grace period, stop srun and take the highest of those codes.
+  # Interrupted, the same hang must not outlast KillWait, after which Slurm kills this script
+  # before it could record how the run ended.
+  # It hangs the same way when ranks were killed and left no code: once the job has no step
+  # left but this script's own, srun is overdue too (and the world failed).
+  rc="" overdue=0 stepless=0 stepped="" waited=0
+  while kill -0 "$srun_pid" 2>/dev/null; do
+    sleep 1
+    if [ -n "$interrupted" ]; then
+      [ $((waited += 1)) -lt 3 ] || { kill -KILL "$srun_pid"; break; }
+      continue
+    fi
+    exited=$(find "$RUN_DIR/ranks" -name '*.exit' 2>/dev/null | wc -l)
+    if [ "$exited" -ge @{world_size} ] && [ $((overdue += 1)) -ge @{srun_grace_s} ]; then
+      echo "gyre-hpc: srun outlived every rank by ${overdue}s; stopping it" >&2
+      kill -KILL "$srun_pid"; wait "$srun_pid" 2>/dev/null
+      rc=$(cat "$RUN_DIR"/ranks/*.exit | sort -n | tail -n 1); break
+    fi
+    steps=$(squeue -h --steps -j "$SLURM_JOB_ID" -o %i 2>/dev/null | grep -cv -E '[.](batch|extern)$')
+    if [ "$steps" -gt 0 ]; then stepped=1 stepless=0
+    elif [ -n "$stepped" ] && [ $((stepless += 1)) -ge @{srun_grace_s} ]; then
+      echo "gyre-hpc: srun outlived its job steps by ${stepless}s; stopping it" >&2
+      kill -KILL "$srun_pid"; wait "$srun_pid" 2>/dev/null
+      rc=1; break
+    fi
+  done
+  [ -n "$rc" ] || { wait "$srun_pid"; rc=$?; }
+  srun_pid=""
+  # The same plugin can also crash srun itself at teardown ("double free", SIGABRT) after every
+  # rank ended: when each rank left its code, those codes are the truth.
+  if [ -z "$interrupted" ] && [ "$(find "$RUN_DIR/ranks" -name '*.exit' | wc -l)" -ge @{world_size} ]; then
+    ranks_rc=$(cat "$RUN_DIR"/ranks/*.exit | sort -n | tail -n 1)
+    [ "$ranks_rc" = "$rc" ] || echo "gyre-hpc: srun exited $rc after every rank had ended ($ranks_rc)" >&2
+    rc=$ranks_rc
   fi
-  exited=$(find "$RUN_DIR/ranks" -name '*.exit' 2>/dev/null | wc -l)
-  if [ "$exited" -ge @{world_size} ] && [ $((overdue += 1)) -ge @{srun_grace_s} ]; then
-    echo "gyre-hpc: srun outlived every rank by ${overdue}s; stopping it" >&2
-    kill -KILL "$srun_pid"; wait "$srun_pid" 2>/dev/null
-    rc=$(cat "$RUN_DIR"/ranks/*.exit | sort -n | tail -n 1); break
-  fi
+}
+
+# A world that failed (a rank died: node loss, OOM) starts again from the newest checkpoint and
+# the executions journalled after it, up to run.max_restarts times.
+restarts=0
+rm -f "$RUN_DIR/requeue"   # left only by a preemption of this job
+while :; do
+  run_world
+  if [ "$rc" = 0 ] || [ -n "$interrupted" ] || [ "$restarts" -ge "$MAX_RESTARTS" ]; then break; fi
+  restarts=$((restarts + 1))
+  "$PYTHON" -m gyre_hpc.launch.outcome "$RUN_DIR" "$rc" restarting "$RUN_DIR/logs/slurm.out"
 done
-[ -n "$rc" ] || { wait "$srun_pid"; rc=$?; }
-# The same plugin can also crash srun itself at teardown ("double free", SIGABRT) after every rank
-# ended: when each rank left its code, those codes are the truth.
-if [ -z "$interrupted" ] && [ "$(find "$RUN_DIR/ranks" -name '*.exit' | wc -l)" -ge @{world_size} ]; then
-  ranks_rc=$(cat "$RUN_DIR"/ranks/*.exit | sort -n | tail -n 1)
-  [ "$ranks_rc" = "$rc" ] || echo "gyre-hpc: srun exited $rc after every rank had ended ($ranks_rc)" >&2
-  rc=$ranks_rc
-fi
 "$PYTHON" -m gyre_hpc.launch.outcome "$RUN_DIR" "$rc" "${interrupted:-ended}" "$RUN_DIR/logs/slurm.out"
+if [ -e "$RUN_DIR/requeue" ] && [ -z "$interrupted" ]; then
+  rm -f "$RUN_DIR/requeue"
+  scontrol requeue "$SLURM_JOB_ID" && echo "gyre-hpc: job $SLURM_JOB_ID requeued; it resumes by itself"
+fi
 exit "$rc"

@@ -81,7 +81,11 @@ class FakeSampler:
         self.admitting: list[tuple[float, set[str]]] = []
 
     def dispatch(
-        self, jobs: list[tuple[str, Task]], workspaces: Path, on_outcome: Callable[[Outcome], None]
+        self,
+        jobs: list[tuple[str, Task]],
+        workspaces: Path,
+        on_outcome: Callable[[Outcome], None],
+        journal: Path | None = None,
     ) -> concurrent.futures.Future[list[Outcome]]:
         future: concurrent.futures.Future[list[Outcome]] = concurrent.futures.Future()
         outcomes: dict[str, Outcome] = {}

@@ -138,7 +138,7 @@ def test_killing_a_cell_rank_fails_the_run_cleanly(tmp_path: Path) -> None:
     os.kill(cell_rank["pid"], signal.SIGKILL)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 1
-    assert "run failed: rank 2 (cell 1) died:" in err and "exited on signal 9" in err
+    assert "run failed: rank 2 (cell 1 on " in err and "exited on signal 9" in err
     end = read_events(run.events)[-1]
     assert (end.kind, end.status) == ("run_end", "failed")
     assert processes_of(run) == []

@@ -10,6 +10,11 @@ It talks to the model only through an OpenAI-compatible endpoint (the proxy), wi
 key per run and role (``main``, ``main-summary``, ``sub-agent``, ``sub-agent-summary``), exactly as a
 black-box harness would. Malformed model output becomes a tool error or a nudge, never a crash;
 the execution's wall-clock limit turns it into ``timed_out``.
+
+With a journal (``agents.journal``) each completed main-agent call is journalled, and an
+execution handed its journal entry continues from there: same messages, same counters, the rest
+of its time limit, and the same per-call seeds. A sub-agent in flight at a restart is begun again
+from the main agent's call that delegated it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 
 import openai
 
+from gyre_hpc.agents.journal import Entry, Journal
 from gyre_hpc.agents.sandbox import ToolError, Workspace
 from gyre_hpc.agents.tools import MAIN_TOOLS, SPECS, SUB_AGENT_TOOLS, execute, parse_call
 from gyre_hpc.recipe.schema import AgentConfig
@@ -76,8 +82,21 @@ class Harness:
         self._http: Any = None
         self._runs = 0
 
-    async def run(self, task: Task, workspace: Path, run_id: str) -> Execution:
+    async def run(
+        self,
+        task: Task,
+        workspace: Path,
+        run_id: str,
+        journal: Journal | None = None,
+        resume: Entry | None = None,
+    ) -> Execution:
         ex = Execution(run_id, task.id, workspace)
+        spent = 0.0
+        if resume is not None:
+            spent = resume.seconds
+            ex.calls = resume.calls
+            for name, value in resume.counters.items():
+                setattr(ex, name, value)
         if self._http is None:
             self._http = openai.DefaultAsyncHttpxClient()
         self._runs += 1
@@ -91,11 +110,13 @@ class Harness:
             )
             for role in ("main", "main-summary", "sub-agent", "sub-agent-summary")
         }
-        started = time.monotonic()
+        started = time.monotonic() - spent
+        limit = task.timeout_s or self.config.timeout_s
+        log = _Log(journal, ex, started) if journal is not None else None
         try:
             await asyncio.wait_for(
-                self._main(task, Workspace(workspace), ex, clients),
-                timeout=task.timeout_s or self.config.timeout_s,
+                self._main(task, Workspace(workspace), ex, clients, log, resume.messages if resume else None),
+                timeout=max(limit - spent, 0.001),
             )
         except TimeoutError:
             ex.status = "timed_out"
@@ -129,8 +150,19 @@ class Harness:
             ex.tokens += resp.usage.prompt_tokens + resp.usage.completion_tokens
         return resp
 
-    async def _main(self, task: Task, ws: Workspace, ex: Execution, clients: dict) -> None:
-        messages = [{"role": "system", "content": MAIN_SYSTEM}, {"role": "user", "content": task.spec}]
+    async def _main(
+        self,
+        task: Task,
+        ws: Workspace,
+        ex: Execution,
+        clients: dict,
+        log: _Log | None,
+        messages: list[dict] | None,
+    ) -> None:
+        if not messages:
+            messages = [{"role": "system", "content": MAIN_SYSTEM}, {"role": "user", "content": task.spec}]
+        elif log is not None:
+            log.journalled = len(messages)
         while True:
             resp = await self._chat(clients, "main", messages, ex, MAIN_TOOLS)
             done = await self._act(resp, messages, ws, ex, task, clients, MAIN_TOOLS)
@@ -148,6 +180,10 @@ class Harness:
                     messages[1],
                     {"role": "user", "content": f"Progress so far:\n{summary}"},
                 ]
+                if log is not None:
+                    log.journalled = 0  # the journal's history is replaced, not extended
+            if log is not None:
+                log.call(messages)
 
     async def _act(
         self,
@@ -211,3 +247,26 @@ class Harness:
         # The same tools as the context's calls: the summary shares their prefix (and token ids).
         resp = await self._chat(clients, role, messages + [{"role": "user", "content": SUMMARIZE}], ex, tools)
         return resp.choices[0].message.content or "(no summary)"
+
+
+class _Log:
+    """One execution's journal writer: what is new since its last line."""
+
+    def __init__(self, journal: Journal, ex: Execution, started: float) -> None:
+        self.journal, self.ex, self.started = journal, ex, started
+        self.journalled = 0
+
+    def call(self, messages: list[dict]) -> None:
+        ex = self.ex
+        counters = {
+            "calls_by_role": ex.calls_by_role,
+            "tokens": ex.tokens,
+            "compactions": ex.compactions,
+            "sub_agents": ex.sub_agents,
+            "tool_errors": ex.tool_errors,
+        }
+        keep = self.journalled
+        self.journal.call(
+            ex.run_id, keep, messages[keep:], ex.calls, counters, time.monotonic() - self.started
+        )
+        self.journalled = len(messages)

@@ -9,9 +9,10 @@ import typer
 from rich.console import Console
 from rich.syntax import Syntax
 
-from gyre_hpc.errors import RecipeError
+from gyre_hpc.errors import GyreError, RecipeError
 from gyre_hpc.recipe import Recipe, load_recipe, to_toml
 from gyre_hpc.recipe.load import schema_lines
+from gyre_hpc.rundir import RunDir
 from gyre_hpc.runtime.runnable import check_runnable
 
 RecipeArg = Annotated[Path, typer.Argument(help="Recipe TOML file.", show_default=False)]
@@ -25,6 +26,14 @@ app = typer.Typer(help="Check and inspect recipes.", no_args_is_help=True)
 
 def load(path: Path, sets: list[str] | None) -> Recipe:
     return load_recipe(path, sets or [])
+
+
+def load_resumed(path: Path, sets: list[str] | None) -> tuple[RunDir, Recipe]:
+    """A run directory to continue, and its recipe in force with ``sets`` added."""
+    run_dir = RunDir(path.resolve())
+    if not run_dir.recipe_path.exists():
+        raise GyreError(f"--resume {path}: not a run directory (no recipe.toml)")
+    return run_dir, load_recipe(run_dir.recipe_path, [*run_dir.overrides(), *(sets or [])])
 
 
 @app.command()

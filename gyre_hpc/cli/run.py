@@ -16,17 +16,16 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from gyre_hpc.cli.recipe import SetOption, load
+from gyre_hpc.cli.recipe import SetOption, load, load_resumed
 from gyre_hpc.errors import GyreError
 from gyre_hpc.launch.local import LocalRun
 from gyre_hpc.layout import Layout
 from gyre_hpc.models.registry import resolve_model
 from gyre_hpc.observability import events as ev
-from gyre_hpc.recipe import load_recipe
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.runtime.runnable import check_runnable
 
-EXIT = {"completed": 0, "failed": 1, "interrupted": 130}
+EXIT = {"completed": 0, "failed": 1, "interrupted": 130, "preempted": 75}
 
 
 def run(
@@ -43,7 +42,9 @@ def run(
     selection, data-parallel steps on the cells. Writes `runs/<name>-<time>/` (recipe,
     events.jsonl, tito.bin, checkpoints/, metrics.png, logs) and shows progress.
     Exit code 0 when the run completes, 1 when a rank fails (its message is printed),
-    130 when interrupted (Ctrl-C or SIGTERM stop every rank within seconds).
+    130 when interrupted (Ctrl-C or SIGTERM stop every rank within seconds), 75 when
+    preempted (SIGUSR2: the step under way is checkpointed first). `run.max_restarts`
+    restarts a failed world by itself; --resume continues any run directory.
 
     Example: `gyre-hpc run recipes/smoke.toml --set scheduler.mode=async`;
     `gyre-hpc run --resume runs/smoke-20261130-101500 --set run.steps=30`
@@ -51,16 +52,14 @@ def run(
     if (recipe is None) == (resume is None):
         raise GyreError("give a RECIPE, or --resume RUN_DIR (not both)")
     if resume is not None:
-        run_dir = RunDir(resume.resolve())
-        if not run_dir.recipe_path.exists():
-            raise GyreError(f"--resume {resume}: not a run directory (no recipe.toml)")
-        r = load_recipe(run_dir.recipe_path, set_ or [])
+        run_dir, r = load_resumed(resume, set_)
         check_runnable(r.engine, r.trainer)
+        run_dir.add_resume(set_ or [], "mpirun")  # recipe.toml stays as the run was created
     else:
         r = load(recipe, set_)  # type: ignore[arg-type]
         check_runnable(r.engine, r.trainer)
         run_dir = RunDir.create(r.run.runs_dir, r.run.name)
-    run_dir.write_recipe(r)
+        run_dir.write_recipe(r)
     layout = Layout.from_config(r.cells)
     console = Console(stderr=True, soft_wrap=True)
     with console.status(f"model {r.run.model} …"):
@@ -86,6 +85,9 @@ def run(
                     progress.advance(cells)
                 elif isinstance(e, ev.Finished):
                     progress.update(executions, completed=e.f)
+                elif isinstance(e, ev.Restarting):
+                    progress.reset(cells)
+                    progress.console.print(f"[yellow]restarting (attempt {e.attempt})[/]: {e.reason}")
                 elif isinstance(e, ev.Step):
                     progress.update(steps, completed=e.step)
                     progress.console.print(
@@ -93,8 +95,10 @@ def run(
                         f"  v{e.version}  {e.seconds:.1f} s"
                     )
 
-        end = LocalRun(run_dir, layout).launch(show)
+        end = LocalRun(run_dir, layout, max_restarts=r.run.max_restarts).launch(show)
     style = {"completed": "green", "failed": "bold red"}.get(end.status, "yellow")
     reason = f": {end.reason}" if end.reason else ""
     console.print(f"[{style}]run {end.status}[/]{reason}\nrun directory: {run_dir.path}")
+    if end.status in ("preempted", "failed", "interrupted"):
+        console.print(f"continue it: gyre-hpc run --resume {run_dir.path}")
     raise typer.Exit(EXIT.get(end.status, 1))

@@ -9,9 +9,9 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from gyre_hpc.cli.recipe import RecipeArg, SetOption, load
+from gyre_hpc.cli.recipe import SetOption, load, load_resumed
 from gyre_hpc.cli.status import TargetArg, resolve
-from gyre_hpc.errors import LaunchError
+from gyre_hpc.errors import GyreError, LaunchError
 from gyre_hpc.launch import slurm
 from gyre_hpc.launch.sbatch import render_sbatch
 from gyre_hpc.layout import Layout
@@ -22,8 +22,12 @@ from gyre_hpc.runtime.runnable import check_runnable
 
 
 def submit(
-    recipe: RecipeArg,
+    recipe: Annotated[Path | None, typer.Argument(help="Recipe TOML file.", show_default=False)] = None,
     set_: SetOption = None,
+    resume: Annotated[
+        Path | None,
+        typer.Option(help="Submit this run directory again: it continues from its newest checkpoint."),
+    ] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the sbatch script; submit nothing.")
     ] = False,
@@ -32,29 +36,46 @@ def submit(
 
     Component 0 runs the controller (1 task), component 1 the cells, component 2 the optional
     rollout pool; `srun --mpi=pmix --het-group=0,1[,2]` starts them as one MPI world.
-    Prints the job id and the run directory; --dry-run prints the script instead.
+    Prints the job id and the run directory; --dry-run prints the script instead. The job
+    checkpoints and requeues itself on SIGUSR2 (slurm.signal_grace_s before its time limit) and
+    restarts a failed world up to run.max_restarts times; --resume submits a run directory again.
 
-    Example: `gyre-hpc submit recipes/qwen3-8b-8cells.toml --set slurm.partition=h100 --dry-run`
+    Example: `gyre-hpc submit recipes/qwen3-8b-8cells.toml --set slurm.partition=h100 --dry-run`;
+    `gyre-hpc submit --resume runs/qwen3-8b-20261130-101500 --set run.steps=400`
     """
-    r = load(recipe, set_)
+    if (recipe is None) == (resume is None):
+        raise GyreError("give a RECIPE, or --resume RUN_DIR (not both)")
+    run_dir, r = load_resumed(resume, set_) if resume is not None else (None, load(recipe, set_))  # type: ignore[arg-type]
     layout = Layout.from_config(r.cells)
     python = r.slurm.python or sys.executable
+
+    def script(where: Path) -> str:
+        return render_sbatch(
+            r.slurm,
+            layout,
+            job_name=r.run.name,
+            run_dir=where,
+            python=python,
+            max_restarts=r.run.max_restarts,
+        )
+
     if dry_run:
-        where = Path(r.run.runs_dir).resolve() / f"{r.run.name}-<time>"
         typer.echo(
-            render_sbatch(r.slurm, layout, job_name=r.run.name, run_dir=where, python=python), nl=False
+            script(run_dir.path if run_dir else Path(r.run.runs_dir).resolve() / f"{r.run.name}-<time>"),
+            nl=False,
         )
         return
     check_runnable(r.engine, r.trainer)
     resolve_model(r.run.model)  # a built-in model is built here once, not by every rank
-    run_dir = RunDir.create(r.run.runs_dir, r.run.name)
-    run_dir.write_recipe(r)
-    script = run_dir.path / "job.sbatch"
-    script.write_text(
-        render_sbatch(r.slurm, layout, job_name=r.run.name, run_dir=run_dir.path, python=python)
-    )
-    job_id = slurm.submit(str(script))
-    run_dir.write_job(launcher="slurm", job_id=job_id, script=str(script))
+    if run_dir is None:
+        run_dir = RunDir.create(r.run.runs_dir, r.run.name)
+        run_dir.write_recipe(r)
+    else:
+        run_dir.add_resume(set_ or [], "slurm")
+    path = run_dir.path / "job.sbatch"
+    path.write_text(script(run_dir.path))
+    job_id = slurm.submit(str(path))
+    run_dir.write_job(launcher="slurm", job_id=job_id, script=str(path))
     with ev.EventLog(run_dir.events) as events:
         events.emit(ev.RunStart(launcher="slurm", job_id=job_id))
     typer.echo(f"submitted job {job_id}\nrun directory: {run_dir.path}")

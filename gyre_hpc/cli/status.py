@@ -14,7 +14,7 @@ from gyre_hpc.errors import GyreError
 from gyre_hpc.launch import slurm
 from gyre_hpc.observability.events import read_events
 from gyre_hpc.rundir import RunDir
-from gyre_hpc.tui.status import RunView, render
+from gyre_hpc.tui.status import RunView, render, requeued
 
 TargetArg = Annotated[
     str | None,
@@ -72,7 +72,8 @@ def status(
         else:
             steps = run_dir.read_recipe().run.steps if run_dir.recipe_path.exists() else 0
             view = RunView.fold(run_dir.path.name, steps, read_events(run_dir.events))
-        done = view.status in ("completed", "failed", "interrupted") or (job is not None and run_dir is None)
+        ended = view.status in ("completed", "failed", "interrupted", "preempted")
+        done = (ended and requeued(view, job) != "requeued") or (job is not None and run_dir is None)
         return render(view, job, str(run_dir.path) if run_dir else ""), done
 
     console = Console()

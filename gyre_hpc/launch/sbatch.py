@@ -37,6 +37,7 @@ def render_sbatch(
     job_name: str,
     run_dir: Path,
     python: str,
+    max_restarts: int = 0,
     template: Path = TEMPLATE,
 ) -> str:
     """The complete sbatch script for ``layout``; no I/O but reading the template."""
@@ -46,6 +47,7 @@ def render_sbatch(
     common = [
         f"--job-name={job_name}",
         f"--output={run_dir}/logs/slurm.out",
+        "--open-mode=append",  # a requeued job adds to the first attempt's output
         f"--time={slurm.time}",
         f"--chdir={run_dir}",
         "--requeue" if slurm.requeue else "--no-requeue",
@@ -71,6 +73,7 @@ def render_sbatch(
         het_groups=",".join(str(i) for i in range(len(components))),
         srun_grace_s=SRUN_GRACE_S,
         world_size=layout.world_size,
+        max_restarts=max_restarts,
     )
 
 

@@ -55,6 +55,8 @@ class WorldUp(Event):
     launcher: str
     job_id: str | None = None
     transport: str = ""
+    attempt: int = 1
+    """1 for the run's first world, then one more for each restart, requeue or resume."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,9 +81,18 @@ class Hello(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class Resumed(Event):
+    """A world that continues a run (runtime.resume.ResumePoint)."""
+
     kind: ClassVar[str] = "resumed"
     step: int
+    """The first step this world runs."""
     version: int
+    checkpoint: str = ""
+    skipped: list[str] = field(default_factory=list)
+    """Damaged newer checkpoints, each naming its file."""
+    continued: int = 0
+    kept_finished: int = 0
+    dropped_records: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -234,6 +245,26 @@ class Shutdown(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Preempted(Event):
+    """SIGUSR2 (Slurm's warning of the time limit): the run checkpointed this step and stops, to
+    be requeued (Slurm) or resumed (``gyre-hpc run --resume``)."""
+
+    kind: ClassVar[str] = "preempted"
+    step: int
+    checkpoint: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Restarting(Event):
+    """The launcher restarts the world after a failure (``run.max_restarts``)."""
+
+    kind: ClassVar[str] = "restarting"
+    attempt: int
+    """The attempt that starts now (2 for the first restart)."""
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class Interrupted(Event):
     kind: ClassVar[str] = "interrupted"
     rank: int
@@ -254,7 +285,7 @@ class RankFailed(Event):
 class RunEnd(Event):
     kind: ClassVar[str] = "run_end"
     status: str
-    """completed, failed or interrupted."""
+    """completed, failed, interrupted, or preempted (checkpointed on SIGUSR2; requeued under Slurm)."""
     reason: str = ""
     returncode: int = 0
 
@@ -288,6 +319,8 @@ KINDS: dict[str, type[Event]] = {
         Step,
         Eval,
         Shutdown,
+        Preempted,
+        Restarting,
         Interrupted,
         RankFailed,
         RunEnd,

@@ -38,6 +38,9 @@ class RunConfig:
     model: str = knob("tiny", "Hugging Face model directory, or 'tiny' for the offline tiny Qwen3.")
     seed: int = knob(0, "Seed for prompts, sampling and initialisation.", min=0)
     steps: int = knob(2, "Optimizer steps to run.", min=1)
+    max_restarts: int = knob(
+        0, "Restarts of the world from the newest checkpoint when a rank dies (node loss, OOM).", min=0
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -181,6 +184,7 @@ class AgentConfig:
     timeout_s: float = knob(1800.0, "Wall-clock limit of one execution; then it is partially scored.", min=1)
     max_subagents: int = knob(4, "Sub-agents one execution may delegate to.", min=0)
     command_timeout_s: float = knob(60.0, "Limit of one shell command run by the agent.", min=1)
+    journal: bool = knob(True, "Journal each execution after every call, so a restarted run continues it.")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

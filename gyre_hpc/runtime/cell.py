@@ -154,7 +154,7 @@ class Cell:
             MirroredTrainer(trainer, self.world.cell_comm, self.in_cell) if self.spread else trainer
         )
         if self.is_core:
-            last = checkpoint.latest(s.checkpoints)
+            last, _ = checkpoint.newest_intact(s.checkpoints)  # the controller reports the skipped
             if last is not None:
                 info = checkpoint.restore(last, self.trainer)
                 log.info("core: resumed from %s (step %s, version %s)", last, info["step"], info["version"])

@@ -8,7 +8,7 @@
           │ cells the policy sends train them ─▶ the core applies v+1 (checkpoint when due)       │
           │ ─▶ boundary: engines load v+1, trainers return as the policy says                     │
           └─▶ step event ─▶ held-out evaluation (tasks.eval_every) ─▶ metrics.png ───────────────┘
-       ─▶ Shutdown ─▶ barrier
+       ─▶ Shutdown ─▶ barrier                (SIGUSR2: the step under way checkpoints, then this)
 ```
 
 The controller owns the run loop only: which step kind runs a step, what is recorded after it,
@@ -51,11 +51,13 @@ class Controller:
         trajectory: TrajectoryConfig,
         trainer: TrainerConfig,
         first_step: int = 1,
+        checkpoint_now: threading.Event | None = None,
     ) -> None:
         self.fleet, self.make_serving, self.events, self.run_dir = fleet, make_serving, events, run_dir
         self.run_cfg, self.scheduler, self.tasks = run, scheduler, tasks
         self.trajectory, self.trainer = trajectory, trainer
         self.first_step = first_step
+        self.checkpoint_now = checkpoint_now or threading.Event()
         self._lock = threading.Lock()
         self.counters = Counter[str]()
 
@@ -64,17 +66,17 @@ class Controller:
         f.start()
         self.serving = self.make_serving([f.units[u].address for u in sorted(f.units)], self.on_run_event)
         self.events.emit(ev.ProxyUp(url=self.serving.start()))
+        failed, reason = True, "completed"
         try:
             roles = initial_roles(self.scheduler.mode, f.cells, self.scheduler.async_train_cells)
             roles += [Role.SAMPLING] * (len(f.units) - f.cells)  # standalone engines only ever sample
             f.switch(dict(enumerate(roles)))
             f.load_weights(sorted(f.units))
             self.serving.set_sampling({f.units[u].address for u, r in f.roles.items() if r == Role.SAMPLING})
-            if self.first_step > 1:
-                self.events.emit(ev.Resumed(step=self.first_step, version=f.version))
             ctx = StepContext(
                 f, self.serving, self.events, self.run_dir, self.run_cfg,
                 self.scheduler, self.tasks, self.trajectory, self.trainer,
+                checkpoint_now=self.checkpoint_now,
             )  # fmt: skip
             kind = STEP_KINDS[self.scheduler.mode](ctx)
             for step in range(self.first_step, self.run_cfg.steps + 1):
@@ -86,9 +88,20 @@ class Controller:
                     plot_run(self.run_dir.read_events(), self.run_dir.metrics_plot, self.run_dir.path.name)
                 except Exception as err:  # a plot must never stop training
                     log.warning("plot failed: %s", err)
+                if self.checkpoint_now.is_set() and record.applied.checkpoint and step < self.run_cfg.steps:
+                    self.events.emit(ev.Preempted(step=step, checkpoint=record.applied.checkpoint))
+                    self.run_dir.request_requeue(step)
+                    reason = "preempted"
+                    break
+            failed = False
         finally:
-            self.serving.stop()
-        f.shutdown("completed")
+            try:
+                self.serving.stop()
+            except Exception:
+                if not failed:
+                    raise
+                log.exception("stopping the proxy after the run failed")  # the first error is the one told
+        f.shutdown(reason)
 
     def on_run_event(self, kind: str, run_id: str) -> None:
         """d / p / f from the serving thread: the run's counters."""

@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -24,12 +25,12 @@ from gyre_hpc.observability import events as ev
 from gyre_hpc.observability.events import EventLog
 from gyre_hpc.recipe.schema import Recipe
 from gyre_hpc.rundir import RunDir
+from gyre_hpc.runtime import resume
 from gyre_hpc.runtime.cell import Cell, CellSetup
 from gyre_hpc.runtime.controller import Controller
 from gyre_hpc.runtime.fleet import MpiFleet
 from gyre_hpc.runtime.serving import Serving
 from gyre_hpc.runtime.world import World
-from gyre_hpc.trainer import checkpoint
 from gyre_hpc.transport import Transport, TransportPlan, make_transport
 
 log = logging.getLogger("gyre_hpc.runtime")
@@ -69,9 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     events = EventLog(run_dir.events)
     world = None
-    # Slurm's --signal warns of the time limit with SIGUSR2; its default action would kill the rank.
-    # Recorded now; checkpointing on it comes with the optimizer state.
-    signal.signal(signal.SIGUSR2, lambda signum, frame: log.warning("SIGUSR2: checkpoint requested"))
+    # Slurm's --signal warns of the time limit with SIGUSR2 (its default action would kill the
+    # rank): the controller checkpoints the step under way and stops; cells only note it.
+    checkpoint_now = threading.Event()
+
+    def on_usr2(signum: int, frame: FrameType | None) -> None:
+        log.warning("SIGUSR2: checkpoint requested")
+        checkpoint_now.set()
+
+    signal.signal(signal.SIGUSR2, on_usr2)
     try:
         world = World(comm, Layout.from_config(recipe.cells), env)
         kind = "controller" if world.is_controller else "cell"
@@ -79,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = resolve_model(recipe.run.model)  # built by the launcher: a cache hit here
         transport = make_transport(comm, transport_plan(world.layout, model_dir), recipe.transport)
         if world.is_controller:
-            controller(world, recipe, run_dir, events, model_dir, transport).run()
+            controller(world, recipe, run_dir, events, model_dir, transport, checkpoint_now).run()
         else:
             setup = CellSetup(model_dir, run_dir.checkpoints, transport, run_dir.engines)
             Cell(world, recipe.cells, recipe.engine, recipe.trainer, setup).run()
@@ -87,19 +94,30 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as sig:
         log.warning("rank %d interrupted by %s", rank, sig)
         if world is not None and world.is_controller:
-            events.emit(ev.Interrupted(rank=rank, signal=str(sig)))
-        run_dir.write_exit(rank, 128 + sig.signum)
+            best_effort(events.emit, ev.Interrupted(rank=rank, signal=str(sig)))
+        best_effort(run_dir.write_exit, rank, 128 + sig.signum)
         return 128 + sig.signum
     except Exception as err:
-        log.exception("rank %d failed", rank)
+        # Nothing here may stop the abort: the disk that failed the rank may fail these writes too.
+        best_effort(log.exception, "rank %d failed", rank)
         cell = world.unit if world is not None else None
         error = f"{type(err).__name__}: {err}"
-        events.emit(ev.RankFailed(rank=rank, task=env.rank, cell=cell, host=env.node_name, error=error))
-        print(f"gyre-hpc: rank {rank} failed: {err}", file=sys.stderr, flush=True)
-        run_dir.write_exit(rank, 1)
+        best_effort(
+            events.emit, ev.RankFailed(rank=rank, task=env.rank, cell=cell, host=env.node_name, error=error)
+        )
+        best_effort(print, f"gyre-hpc: rank {rank} failed: {err}", file=sys.stderr, flush=True)
+        best_effort(run_dir.write_exit, rank, 1)
         comm.Abort(1)
     run_dir.write_exit(rank, 0)
     return 0
+
+
+def best_effort(fn: Callable[..., object], *args: object, **kwargs: object) -> None:
+    """Call ``fn``; a failure of it (a full disk, a closed stream) is swallowed."""
+    try:
+        fn(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - on the way down, what matters is reaching the abort
+        pass
 
 
 def transport_plan(layout: Layout, model_dir: Path) -> TransportPlan:
@@ -110,9 +128,16 @@ def transport_plan(layout: Layout, model_dir: Path) -> TransportPlan:
 
 
 def controller(
-    world: World, recipe: Recipe, run_dir: RunDir, events: EventLog, model_dir: Path, transport: Transport
+    world: World,
+    recipe: Recipe,
+    run_dir: RunDir,
+    events: EventLog,
+    model_dir: Path,
+    transport: Transport,
+    checkpoint_now: threading.Event,
 ) -> Controller:
-    """Rank 0: resumes from the newest checkpoint if the run directory has one."""
+    """Rank 0: resumes from the newest intact checkpoint, and the executions journalled after it."""
+    attempt = 1 + sum(isinstance(e, ev.WorldUp) for e in run_dir.read_events())
     events.emit(
         ev.WorldUp(
             size=world.layout.world_size,
@@ -120,14 +145,24 @@ def controller(
             launcher=world.env.launcher,
             job_id=world.env.job_id,
             transport=transport.name,
+            attempt=attempt,
         )
     )
-    last = checkpoint.latest(run_dir.checkpoints)
-    resume = checkpoint.read_state(last) if last is not None else {}
-    if resume and run_dir.tito_log.exists():
-        # Calls after the checkpointed step's data belong to steps that will be sampled again.
-        with run_dir.tito_log.open("r+b") as fh:
-            fh.truncate(int(resume.get("tito_bytes", fh.seek(0, 2))))
+    point = resume.prepare(run_dir)  # before the proxy opens the TITO log
+    for problem in point.skipped:
+        print(f"gyre-hpc: checkpoint skipped: {problem}", file=sys.stderr, flush=True)
+    if attempt > 1 or point.step:
+        events.emit(
+            ev.Resumed(
+                step=point.step + 1,
+                version=point.version,
+                checkpoint=point.checkpoint,
+                skipped=point.skipped,
+                continued=point.continued,
+                kept_finished=point.kept_finished,
+                dropped_records=point.dropped_records,
+            )
+        )
 
     def make_serving(engines: list[str], on_event: Callable[[str, str], None]) -> Serving:
         return Serving(
@@ -143,9 +178,9 @@ def controller(
             on_event=on_event,
         )
 
-    fleet = MpiFleet(world.comm, world.layout, recipe.cells, transport, events, int(resume.get("version", 0)))
+    fleet = MpiFleet(world.comm, world.layout, recipe.cells, transport, events, point.version)
     r = recipe
     return Controller(
         fleet, make_serving, events, run_dir, r.run, r.scheduler, r.tasks, r.trajectory, r.trainer,
-        first_step=int(resume.get("step", 0)) + 1,
+        first_step=point.step + 1, checkpoint_now=checkpoint_now,
     )  # fmt: skip

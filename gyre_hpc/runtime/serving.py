@@ -24,6 +24,7 @@ from aiohttp import web
 
 from gyre_hpc.agents.dispatch import Dispatcher, Outcome
 from gyre_hpc.agents.harness import Harness
+from gyre_hpc.agents.journal import Journal
 from gyre_hpc.proxy.server import Proxy
 from gyre_hpc.recipe.schema import AgentConfig, EngineConfig, ProxyConfig, ScoringConfig
 from gyre_hpc.rundir import RunDir
@@ -32,6 +33,7 @@ from gyre_hpc.tasks.task import Task
 from gyre_hpc.trajectory.tree import TrajectoryTree
 
 T = TypeVar("T")
+STOP_S = 5.0
 
 
 class Serving:
@@ -63,7 +65,9 @@ class Serving:
 
     async def _start(self) -> str:
         self.proxy = Proxy(self.run_dir.path, self.model_dir, self.engine_urls, self.proxy_cfg, self.capacity)
-        self._runner = web.AppRunner(self.proxy.app(), handler_cancellation=True)
+        # In-flight calls get a few seconds at shutdown, never longer: a run that ends (or fails)
+        # does not wait on executions it will not train.
+        self._runner = web.AppRunner(self.proxy.app(), handler_cancellation=True, shutdown_timeout=STOP_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.proxy_cfg.host, self.proxy_cfg.port)
         await site.start()
@@ -84,7 +88,9 @@ class Serving:
         jobs: list[tuple[str, Task]],
         workspaces: Path,
         on_outcome: Callable[[Outcome], None] = lambda outcome: None,
+        journal: Path | None = None,
     ) -> concurrent.futures.Future[list[Outcome]]:
+        keep = journal is not None and self.agent_cfg.journal
         dispatcher = Dispatcher(
             self.harness,
             lambda task: self.scoring.get(task.scorer),
@@ -93,6 +99,7 @@ class Serving:
             max(len(jobs), 1),  # the proxy's admission limits pace the engines
             self.on_event,
             on_outcome,
+            Journal(journal) if keep and journal is not None else None,
         )
         return asyncio.run_coroutine_threadsafe(dispatcher.run_all(jobs), self.loop)
 
@@ -117,7 +124,7 @@ class Serving:
     def stop(self) -> None:
         if self._thread.is_alive():
             try:
-                self.call(self._runner.cleanup(), timeout=30)
+                self.call(self._runner.cleanup(), timeout=STOP_S + 10)
             finally:
                 self.loop.call_soon_threadsafe(self.loop.stop)
                 self._thread.join(timeout=10)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -55,8 +56,14 @@ class Sampler(Protocol):
     """Executions through the proxy (``runtime.serving.Serving``, or a fake in tests)."""
 
     def dispatch(
-        self, jobs: list[tuple[str, Task]], workspaces: Path, on_outcome: Callable[[Outcome], None]
-    ) -> concurrent.futures.Future[list[Outcome]]: ...
+        self,
+        jobs: list[tuple[str, Task]],
+        workspaces: Path,
+        on_outcome: Callable[[Outcome], None],
+        journal: Path | None = None,
+    ) -> concurrent.futures.Future[list[Outcome]]:
+        """Run ``jobs``; with a ``journal`` directory, executions a previous attempt journalled
+        there continue (or, finished, are returned as they were)."""
 
     def trees(self, run_ids: list[str]) -> dict[str, TrajectoryTree]: ...
 
@@ -78,6 +85,8 @@ class StepContext:
     trajectory: TrajectoryConfig
     trainer: TrainerConfig
     clock: Callable[[], float] = time.monotonic
+    checkpoint_now: threading.Event = field(default_factory=threading.Event)
+    """Set (by SIGUSR2) to checkpoint the step under way and stop after it."""
 
 
 @dataclass
@@ -154,7 +163,7 @@ class StepKind:
     ) -> concurrent.futures.Future[list[Outcome]]:
         c = self.ctx
         jobs = step_jobs(step_tasks(c.tasks, c.run.seed, step), c.tasks.group_size, step)
-        return c.sampler.dispatch(jobs, c.run_dir.step_workspaces(step), on_outcome)
+        return c.sampler.dispatch(jobs, c.run_dir.step_workspaces(step), on_outcome, c.run_dir.journal(step))
 
     def batch(self, step: int, outcomes: list[Outcome]) -> StepBatch:
         """The whole step's batch at once (colocate, async)."""
@@ -244,8 +253,12 @@ class StepKind:
 
     def apply(self, step: int, done: dict[int, TrainDone], num_runs: int, tito_bytes: int) -> StepApplied:
         c = self.ctx
-        save = writes_checkpoint(step, c.trainer.checkpoint_every, c.run.steps)
-        return c.fleet.apply(step, done, num_runs, save, {"tito_bytes": tito_bytes})
+        return c.fleet.apply(step, done, num_runs, self.checkpoint_due(step), {"tito_bytes": tito_bytes})
+
+    def checkpoint_due(self, step: int) -> bool:
+        """The recipe's schedule, or now: a checkpoint was asked for (SIGUSR2, a time limit near)."""
+        c = self.ctx
+        return writes_checkpoint(step, c.trainer.checkpoint_every, c.run.steps) or c.checkpoint_now.is_set()
 
     def close(self, step: int, counters: StepCounters) -> None:
         """The step boundary: sampling engines load the new version, then the policy sends the
@@ -401,7 +414,7 @@ class ElasticStep(StepKind):
             c.scheduler.carry_tail,
             len(b.trainers),
             ends_run=step == c.run.steps,
-            checkpoint=writes_checkpoint(step, c.trainer.checkpoint_every, c.run.steps),
+            checkpoint=self.checkpoint_due(step),
             stale_left=max(carried_in - f.claimed(), 0),  # claims go in queue order
         )
         f.close_queue(list(b.trainers), step, total, b.stopped)

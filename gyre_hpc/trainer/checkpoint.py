@@ -5,14 +5,18 @@
    config.json generation_config.json tokenizer.json tokenizer_config.json chat_template.jinja
    model.safetensors            ← the engines, SGLang and transformers load this directory as is
    optimizer.pt                 ← AdamW state of the core's backend (another backend resumes the weights)
-   state.json                   ← {"step": 12, "version": 12}
+   state.json                   ← {"step": 12, "version": 12, "sha256": {file: digest, …}, …}
 ```
 
 Written into a temporary directory and renamed, so a checkpoint is either complete or absent.
+A file damaged afterwards (a truncated copy, a bad sector) fails its digest: ``newest_intact``
+names it and falls back to the previous checkpoint, and the controller and the core, which both
+call it, agree on which one that is.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -38,17 +42,58 @@ def save(root: Path, step: int, trainer: Trainer, model_dir: Path, **state: Any)
     final = step_dir(root, step)
     tmp = root / f".tmp-step-{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
-    FlatLayout.of(Qwen3Config.load(model_dir)).save(trainer.weights(), model_dir, tmp)  # any backend
-    torch.save(trainer.optimizer_state(), tmp / "optimizer.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step, "version": trainer.version, **state}) + "\n")
+    try:
+        FlatLayout.of(Qwen3Config.load(model_dir)).save(trainer.weights(), model_dir, tmp)  # any backend
+        torch.save(trainer.optimizer_state(), tmp / "optimizer.pt")
+        digests = {name: sha256(tmp / name) for name in CHECKED}
+        (tmp / "state.json").write_text(
+            json.dumps({"step": step, "version": trainer.version, "sha256": digests, **state}) + "\n"
+        )
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a checkpoint is complete or absent, never half there
+        raise
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     return final
 
 
-def latest(root: Path) -> Path | None:
-    done = sorted(p for p in root.glob("step-*") if (p / "state.json").exists())
-    return done[-1] if done else None
+CHECKED = ("model.safetensors", "optimizer.pt")
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def damage(path: Path) -> str | None:
+    """What is wrong with the checkpoint at ``path`` (one line naming the file), or None."""
+    try:
+        state = read_state(path)
+    except (OSError, ValueError) as err:
+        return f"{path / 'state.json'}: unreadable ({err})"
+    for name, want in state.get("sha256", {}).items():  # checkpoints written before digests: trusted
+        try:
+            got = sha256(path / name)
+        except OSError as err:
+            return f"{path / name}: unreadable ({err.strerror or err})"
+        if got != want:
+            return f"{path / name}: damaged (sha256 {got[:12]}…, state.json says {want[:12]}…)"
+    return None
+
+
+def newest_intact(root: Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint whose files match their digests, and what was wrong with each newer one."""
+    skipped: list[str] = []
+    for path in sorted((p for p in root.glob("step-*") if (p / "state.json").exists()), reverse=True):
+        problem = damage(path)
+        if problem is None:
+            return path, skipped
+        log.warning("checkpoint skipped: %s", problem)
+        skipped.append(problem)
+    return None, skipped
 
 
 def read_state(path: Path) -> dict[str, Any]:

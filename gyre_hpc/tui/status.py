@@ -16,7 +16,15 @@ from rich.text import Text
 from gyre_hpc.launch.slurm import JobState
 from gyre_hpc.observability import events as ev
 
-_STATUS_STYLE = {"completed": "green", "failed": "bold red", "interrupted": "yellow", "running": "cyan"}
+_STATUS_STYLE = {
+    "completed": "green",
+    "failed": "bold red",
+    "interrupted": "yellow",
+    "preempted": "yellow",
+    "requeued": "yellow",
+    "restarting": "yellow",
+    "running": "cyan",
+}
 _SKIP_DETAIL = {"roles", "switches", "claims", "staleness", "checkpoint", "layout", "command", "groups"}
 # Shown in their own tables, or too many to list.
 _CHATTY = (
@@ -62,6 +70,8 @@ class RunView:
     evals: list[ev.Eval] = field(default_factory=list)
     switches: list[ev.Switch] = field(default_factory=list)
     queue: int = 0
+    attempts: int = 0
+    """Worlds started: 1, then one more per restart, requeue or resume."""
 
     @classmethod
     def fold(cls, name: str, steps_total: int, events: list[ev.Event], keep: int = 12) -> RunView:
@@ -87,6 +97,11 @@ class RunView:
         match e:
             case ev.RunStart():
                 self.started, self.status = e.t, "running"
+            case ev.WorldUp():
+                self.attempts += 1
+                self.status, self.reason, self.ended = "running", "", None
+            case ev.Restarting():
+                self.status, self.reason = "restarting", e.reason
             case ev.Hello():
                 self.cells[e.cell] = CellView(e.rank, e.host, e.standalone, e.capacity)
             case ev.RoleSwitched() if e.cell in self.cells:
@@ -120,9 +135,11 @@ class RunView:
 
 def render(view: RunView, job: JobState | None, run_path: str) -> RenderableType:
     head = Text.assemble(("gyre-hpc ", "bold"), (view.name, "bold cyan"), f"  {run_path}")
+    shown = requeued(view, job)
     status = Text.assemble(
         "run: ",
-        (view.status, _STATUS_STYLE.get(view.status, "")),
+        (shown, _STATUS_STYLE.get(shown, "")),
+        f" · attempt {view.attempts}" if view.attempts > 1 or shown == "requeued" else "",
         f" · step {view.step}/{view.steps_total}",
         f" · {view.elapsed:.1f} s" if view.elapsed is not None else "",
     )
@@ -152,6 +169,16 @@ def render(view: RunView, job: JobState | None, run_path: str) -> RenderableType
         parts.append(_switches_table(view.switches[-6:]))
     parts.append(_events_table(view.recent))
     return Group(*parts)
+
+
+QUEUED = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING", "RUNNING")
+
+
+def requeued(view: RunView, job: JobState | None) -> str:
+    """The run's status, saying ``requeued`` for a preempted run whose job waits to start again."""
+    if view.status == "preempted" and job is not None and job.state in QUEUED:
+        return "requeued"
+    return view.status
 
 
 def _bar(value: int, total: int, width: int = 20) -> str:

@@ -1,0 +1,180 @@
+"""Faults injected into real runs: every failure ends the run within a bound, names what failed,
+and leaves nothing half written or running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import REPO, gyre
+from test_local_run import FAST, ROOT_OK, SMOKE, processes_of, wait_for
+
+from gyre_hpc.agents.journal import Journal
+from gyre_hpc.observability import events as ev
+from gyre_hpc.rundir import RunDir
+from gyre_hpc.trajectory.codec import by_run, read_records
+from gyre_hpc.trajectory.records import TitoRecord
+from gyre_hpc.trajectory.tree import TrajectoryTree
+
+pytestmark = pytest.mark.mpi
+
+
+def start(runs_dir: Path, *sets: str) -> subprocess.Popen[str]:
+    args = [sys.executable, "-m", "gyre_hpc", "run", SMOKE, "--set", f"run.runs_dir={runs_dir}"]
+    for s in (*FAST, *sets):
+        args += ["--set", s]
+    return subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, **ROOT_OK},
+    )
+
+
+def the_run(runs_dir: Path) -> RunDir:
+    wait_for(lambda: any(runs_dir.iterdir()), 60, "the run directory")
+    return RunDir(next(runs_dir.iterdir()))
+
+
+def events_of(run: RunDir) -> list[ev.Event]:
+    try:
+        return run.read_events()
+    except OSError:
+        return []
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):  # noqa: ANN201
+    """A 64 MB file system of its own (tmpfs), so that filling it harms nothing else."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot mount a tmpfs here (root needed)")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_a_full_disk_ends_the_run_within_a_bound_and_says_why(small_disk: Path) -> None:
+    proc = start(small_disk, "run.steps=3")
+    run = the_run(small_disk)
+    # Fill the disk once step 1's executions have all ended: the core's checkpoint, the event
+    # log and the rank's own log all fail to write from then on.
+    wait_for(
+        lambda: sum(isinstance(e, ev.Finished) for e in events_of(run)) >= 32, 240, "step 1's executions"
+    )
+    with (small_disk / "filler").open("wb") as fh:
+        try:
+            while True:
+                fh.write(b"\0" * (1 << 20))
+                fh.flush()
+        except OSError:
+            pass
+    started = time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    # The failing rank aborts the world at once: well before cells.heartbeat_timeout_s (60 s).
+    assert proc.returncode == 1 and time.monotonic() - started < 45
+    # Whichever rank writes first fails first (the controller's event log or the core's checkpoint).
+    assert "run failed: rank " in err and "No space left on device" in err, err[-2000:]
+    assert not list(run.checkpoints.glob(".tmp-*"))  # a checkpoint is whole or absent
+    assert processes_of(run) == []
+
+
+def test_a_hung_cell_is_reported_lost_and_the_run_ends_within_a_bound(tmp_path: Path) -> None:
+    proc = start(tmp_path, "run.steps=100", "cells.heartbeat_timeout_s=5")
+    run = the_run(tmp_path)
+    wait_for(lambda: any(isinstance(e, ev.Step) for e in events_of(run)), 240, "a first step")
+    cell = next(r for r in run.read_ranks() if r["rank"] == 2)
+    os.kill(cell["pid"], signal.SIGSTOP)  # alive, but silent
+    started = time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        try:
+            os.kill(cell["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 1 and time.monotonic() - started < 60  # 5 s of silence, then a bounded stop
+    failed = [e for e in run.read_events() if isinstance(e, ev.RankFailed)]
+    assert failed and failed[0].error.startswith("CellLost: cell 1 (rank 2"), failed  # the first error told
+    assert "CellLost: cell 1 (rank 2" in err
+
+
+def records_by_run(run: RunDir) -> dict[str, list[TitoRecord]]:
+    trees = {r: TrajectoryTree.from_encoded(recs) for r, recs in by_run(read_records(run.tito_log).records)}
+    return {r: list(t.records()) for r, t in trees.items()}
+
+
+def test_a_restart_continues_the_steps_executions_from_their_last_call(tmp_path: Path) -> None:
+    sets = ["run.steps=1", "agent.max_calls=6", "cells.heartbeat_timeout_s=10"]
+    proc = start(tmp_path, *sets)
+    run = the_run(tmp_path)
+    # ~80 % of step 1's 32 executions have ended: the controller's rank dies (mpirun ends the rest).
+    wait_for(lambda: sum(isinstance(e, ev.Finished) for e in events_of(run)) >= 26, 240, "26 executions")
+    os.kill(next(r["pid"] for r in run.read_ranks() if r["rank"] == 0), signal.SIGKILL)
+    assert proc.wait(timeout=120) == 1
+    wait_for(lambda: processes_of(run) == [], 60, "every rank to stop")
+    journal = Journal(run.journal(1))
+    before = {r: journal.load(r) for r in journal.run_ids()}
+    finished = {r for r, e in before.items() if e is not None and e.finished}
+    running = {r: e.calls for r, e in before.items() if e is not None and not e.finished and e.calls}
+    assert len(finished) >= 26 and running, (len(finished), running)
+    calls_before = records_by_run(run)
+
+    resumed = gyre("run", "--resume", str(run.path))
+
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    point = next(e for e in run.read_events() if isinstance(e, ev.Resumed))
+    assert (point.step, point.kept_finished, point.continued) == (1, len(finished), len(running))
+    after = records_by_run(run)
+    for r in finished:  # not run again: not one call more
+        assert after[r] == calls_before[r]
+    for r, calls in running.items():  # the journalled calls stay, and the next one extends them
+        assert after[r][:calls] == calls_before[r][:calls]
+        if len(after[r]) > calls:
+            last, nxt = after[r][calls - 1], after[r][calls]
+            context = np.concatenate([last.input_ids, last.output_ids])
+            assert np.array_equal(nxt.input_ids[: len(context)], context), r
+    assert any(len(after[r]) > calls for r, calls in running.items())  # some did call again
+    step = next(e for e in run.read_events() if isinstance(e, ev.Step))
+    assert step.executions == 32
+
+
+def test_a_rank_that_dies_is_restarted_by_itself_and_resume_overrides_are_kept_apart(tmp_path: Path) -> None:
+    proc = start(tmp_path, "run.steps=4", "run.max_restarts=1", "trainer.checkpoint_every=1")
+    run = the_run(tmp_path)
+    wait_for(lambda: sum(isinstance(e, ev.Step) for e in events_of(run)) >= 2, 240, "two steps")
+    os.kill(next(r["pid"] for r in run.read_ranks() if r["rank"] == 2), signal.SIGKILL)  # a lost node
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "restarting (attempt 2)" in err and "rank 2 (cell 1" in err
+    events = run.read_events()
+    assert [e.attempt for e in events if isinstance(e, ev.WorldUp)] == [1, 2]
+    restart = next(e for e in events if isinstance(e, ev.Restarting))
+    assert restart.reason.startswith("rank 2 (cell 1 on"), restart
+    resumed = next(e for e in events if isinstance(e, ev.Resumed))
+    steps = [e.step for e in events if isinstance(e, ev.Step)]
+    assert steps[-1] == 4 and resumed.step == steps[steps.index(resumed.step - 1) + 1]
+    assert [e.status for e in events if isinstance(e, ev.RunEnd)] == ["completed"]
+
+    created = run.recipe_path.read_text()
+    more = gyre("run", "--resume", str(run.path), "--set", "run.steps=5")
+    assert more.returncode == 0, more.stderr[-2000:]
+    assert run.recipe_path.read_text() == created  # the recipe as created stays
+    assert run.overrides() == ["run.steps=5"] and run.read_recipe().run.steps == 5
+    assert [e.step for e in run.read_events() if isinstance(e, ev.Step)][-1] == 5

@@ -110,3 +110,10 @@ def test_scorers_by_name_or_dotted_path() -> None:
     )
     with pytest.raises(RecipeError, match="neither a built-in \\(hidden-tests, milestones, coin\\)"):
         load_scorer(ScoringConfig(scorer="exact-match"))
+
+
+def test_a_task_without_hidden_tests_is_an_evaluation_error_not_the_current_directory(tmp_path: Path) -> None:
+    scorer = load_scorer(ScoringConfig(scorer="hidden-tests"))
+    for task in ({"id": "t"}, {"id": "t", "hidden_tests": ""}):
+        with pytest.raises(EvaluationError, match="no hidden tests"):
+            scorer.score(RunArtifacts("r", tmp_path, "finished", task))

@@ -18,8 +18,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from gyre_hpc.agents.external import CommandHarness, Endpoint, PythonHarness
 from gyre_hpc.agents.harness import Execution, Harness
 from gyre_hpc.agents.journal import Journal
+from gyre_hpc.recipe.schema import AgentConfig
 from gyre_hpc.scoring import RunArtifacts, ScoreResult, ScoringRunner
 from gyre_hpc.tasks.task import Task
 
@@ -43,17 +45,57 @@ class Outcome:
         )
 
 
+AnyHarness = Harness | CommandHarness | PythonHarness
+
+
+def make_harness(
+    config: AgentConfig, endpoint: Endpoint, sampling: dict[str, Any], seed: int | None, logs: Path
+) -> AnyHarness:
+    """The harness ``agent.kind`` names, talking to the model through ``endpoint`` (the proxy)."""
+    if config.kind == "command":
+        return CommandHarness(config, endpoint, logs)
+    if config.kind == "python":
+        return PythonHarness(config, endpoint)
+    return Harness(endpoint.base_url + "/v1", endpoint.key_for, config, sampling, endpoint.model, seed)
+
+
+SETUP_TIMEOUT_S = 900.0
+
+
+async def setup(task: Task, workspace: Path) -> str | None:
+    """Run the task's ``setup`` command in its workspace; what went wrong, or None."""
+    if not task.setup:
+        return None
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            "bash", "-c", task.setup, cwd=workspace, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    except OSError as err:
+        return f"setup could not start: {err}"
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), SETUP_TIMEOUT_S)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return f"setup timed out after {SETUP_TIMEOUT_S:g} s"
+    if proc.returncode:
+        tail = out.decode(errors="replace").strip().splitlines()[-1:]
+        return f"setup exited {proc.returncode}: {' '.join(tail)}"
+    return None
+
+
 def artifacts(ex: Execution, task: Task, task_dir: Path) -> RunArtifacts:
     """A run that never reached the model at all left nothing of its own: it gets a placeholder."""
     workspace = ex.workspace if not (ex.status == "crashed" and ex.calls == 0) else ex.workspace / "missing"
     status = "finished" if ex.status == "finished" else "timed_out" if ex.status == "timed_out" else "crashed"
-    return RunArtifacts(ex.run_id, workspace, status, task.verifier(task_dir))
+    return RunArtifacts(ex.run_id, workspace, status, task.for_scorer(task_dir))
 
 
 class Dispatcher:
     def __init__(
         self,
-        harness: Harness,
+        harness: AnyHarness,
         scoring: Callable[[Task], ScoringRunner],
         workspaces: Path,
         task_dir: Path,
@@ -87,7 +129,13 @@ class Dispatcher:
             if entry is None or entry.calls == 0:
                 shutil.rmtree(workspace, ignore_errors=True)  # an abandoned attempt's files go
                 task.materialize(workspace)
-            ex = await self.harness.run(task, workspace, run_id, self.journal, entry)
+                failed = await setup(task, workspace)
+            else:
+                failed = None
+            if failed is not None:
+                ex = Execution(run_id, task.id, workspace, status="crashed", error=failed)
+            else:
+                ex = await self.harness.run(task, workspace, run_id, self.journal, entry)
             score = await asyncio.to_thread(self.scoring(task).score, artifacts(ex, task, self.task_dir))
             outcome = Outcome(ex, score)
             if self.journal is not None and ex.status != "crashed":

@@ -12,8 +12,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from gyre_hpc.agents.dispatch import Dispatcher, Outcome
-from gyre_hpc.agents.harness import Harness
+from gyre_hpc.agents.dispatch import Dispatcher, Outcome, make_harness
+from gyre_hpc.agents.external import Endpoint
 from gyre_hpc.cli.recipe import RecipeArg, SetOption, load
 from gyre_hpc.models.registry import resolve_model
 from gyre_hpc.observability import events as ev
@@ -89,7 +89,8 @@ async def _run(r: Recipe, model: Path, tasks: list[Task], run_dir: RunDir, conso
                 progress.advance(bar)
 
         async with LocalServing(model, run_dir.path, r.cells.count, r.proxy, r.cells.capacity) as serving:
-            harness = Harness(serving.url, serving.key, r.agent, sampling, model=model.name, seed=r.run.seed)
+            endpoint = Endpoint(serving.proxy_url, serving.key, model.name, serving.proxy.usage)
+            harness = make_harness(r.agent, endpoint, sampling, r.run.seed, run_dir.logs / "executions")
             dispatcher = Dispatcher(
                 harness,
                 lambda task: runners.get(task.scorer),

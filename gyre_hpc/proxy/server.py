@@ -113,6 +113,14 @@ class Proxy:
             self.runs[run_id] = chats
         return self.runs[run_id]
 
+    def usage(self, run_id: str) -> tuple[int, int]:
+        """Calls recorded for ``run_id``, and the tokens they processed (input + output)."""
+        tree = self.tito.trees.get(run_id)
+        if tree is None:
+            return 0, 0
+        records = [tree.record(i) for i in range(tree.num_records)]
+        return len(records), sum(len(r.input_ids) + len(r.output_ids) for r in records)
+
     def next_call_id(self, run_id: str) -> str:
         """``call_<n>``, unique in the run across proxy restarts (counting on from its log)."""
         if run_id not in self._calls:

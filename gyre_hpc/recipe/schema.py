@@ -19,6 +19,8 @@ from gyre_hpc.errors import RecipeError
 from gyre_hpc.trajectory.records import ROLE_PRIORITY
 
 Mode = Literal["elastic", "async", "colocate"]
+COMMAND_FIELDS = ("workspace", "instruction", "task_id", "run_id", "timeout_s")
+"""What ``agent.command`` may name (``agents.external.fields`` fills them per execution)."""
 
 
 def knob(default: Any, doc: str, *, min: float | None = None, max: float | None = None) -> Any:
@@ -177,9 +179,17 @@ class ProxyConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AgentConfig:
-    """The built-in agent harness."""
+    """The agent harness each execution runs: the built-in one, a program, or a Python function."""
 
-    max_calls: int = knob(64, "Model calls one execution may make (sub-agents included).", min=1)
+    kind: Literal["builtin", "command", "python"] = knob(
+        "builtin", "builtin: gyre_hpc's harness; command: run agent.command; python: await agent.entry."
+    )
+    command: list[str] = knob(
+        [], "kind=command: argv template ({workspace}, {instruction}, {task_id}, {run_id}, {timeout_s})."
+    )
+    entry: str = knob("", "kind=python: module:function, an async function of an AgentContext.")
+
+    max_calls: int = knob(64, "Built-in: model calls one execution may make (sub-agents included).", min=1)
     context_limit_tokens: int = knob(8192, "Compact the main context past this many tokens.", min=64)
     timeout_s: float = knob(1800.0, "Wall-clock limit of one execution; then it is partially scored.", min=1)
     max_subagents: int = knob(4, "Sub-agents one execution may delegate to.", min=0)
@@ -275,6 +285,19 @@ class Recipe:
 
     def __post_init__(self) -> None:
         cells, sched, trainer = self.cells, self.scheduler, self.trainer
+        if self.agent.kind == "command" and not self.agent.command:
+            example = '["my-agent", "{instruction}"]'
+            raise RecipeError(f'agent.kind = "command" needs agent.command, an argv list (e.g. {example})')
+        for arg in self.agent.command:
+            try:
+                arg.format(**dict.fromkeys(COMMAND_FIELDS, ""))
+            except (KeyError, IndexError, ValueError) as err:
+                raise RecipeError(
+                    f"agent.command: {arg!r} names {err}; valid fields: {', '.join(COMMAND_FIELDS)}"
+                    " (double a brace to mean it: {{ }})"
+                ) from None
+        if self.agent.kind == "python" and not self.agent.entry:
+            raise RecipeError('agent.kind = "python" needs agent.entry = "module:function"')
         if cells.ranks_per_cell % self.slurm.nodes_per_cell:
             raise RecipeError(
                 f"cells.ranks_per_cell = {cells.ranks_per_cell} must be a multiple of "

@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from gyre_hpc.agents.dispatch import Dispatcher, Outcome
-from gyre_hpc.agents.harness import Harness
+from gyre_hpc.agents.dispatch import Dispatcher, Outcome, make_harness
+from gyre_hpc.agents.external import Endpoint
 from gyre_hpc.agents.journal import Journal
 from gyre_hpc.proxy.server import Proxy
 from gyre_hpc.recipe.schema import AgentConfig, EngineConfig, ProxyConfig, ScoringConfig
@@ -75,9 +75,9 @@ class Serving:
         self.url = f"http://{self.proxy_cfg.host}:{port}"
         e = self.engine_cfg
         sampling = {"temperature": e.temperature, "top_p": e.top_p, "max_tokens": e.max_new_tokens}
-        self.harness = Harness(
-            self.url + "/v1", self.proxy.keys.mint, self.agent_cfg, sampling, self.model_dir.name, self.seed
-        )
+        endpoint = Endpoint(self.url, self.proxy.keys.mint, self.model_dir.name, self.proxy.usage)
+        logs = self.run_dir.logs / "executions"
+        self.harness = make_harness(self.agent_cfg, endpoint, sampling, self.seed, logs)
         return self.url
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = 60) -> T:

@@ -1,5 +1,5 @@
-"""Built-in scorers: the fraction of hidden tests passing, rule-based milestones, and a seeded
-coin for emulated runs."""
+"""Built-in scorers: the fraction of hidden tests passing, rule-based milestones, a task's own
+verifier command, and a seeded coin for emulated runs."""
 
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ class HiddenTestsScorer:
         self.timeout_s = config.timeout_s
 
     def score(self, artifacts: RunArtifacts) -> float:
-        hidden = Path(artifacts.task.get("hidden_tests", ""))
-        if not hidden.is_dir():
+        where = artifacts.task.get("hidden_tests") or ""
+        hidden = Path(where)
+        if not where or not hidden.is_dir():  # Path("") is the current directory: never test that
             raise EvaluationError(f"task has no hidden tests directory ({hidden})")
         with tempfile.TemporaryDirectory(prefix="gyre-score-") as tmp:
             work = Path(tmp) / "workspace"
@@ -135,6 +136,38 @@ class MilestonesScorer:
             return False
 
 
+class VerifierScorer:
+    """Runs ``task["verifier"]`` (a shell command) in a copy of the workspace: the reward is the
+    number its last line of output prints, if it is one in [0, 1]; else 1.0 when it exits 0,
+    0.0 otherwise. What a task for a black-box harness brings instead of hidden tests."""
+
+    def __init__(self, config: ScoringConfig) -> None:
+        self.timeout_s = config.timeout_s
+
+    def score(self, artifacts: RunArtifacts) -> float:
+        command = artifacts.task.get("verifier")
+        if not command:
+            raise EvaluationError("task has no verifier command")
+        with tempfile.TemporaryDirectory(prefix="gyre-score-") as tmp:
+            work = Path(tmp) / "workspace"
+            shutil.copytree(artifacts.workspace, work, symlinks=True)
+            try:
+                proc = subprocess.run(
+                    ["bash", "-c", command], cwd=work, capture_output=True, text=True,
+                    timeout=self.timeout_s, env=_clean_env(),
+                )  # fmt: skip
+            except subprocess.TimeoutExpired:
+                raise EvaluationError(f"verifier timed out after {self.timeout_s:g} s") from None
+        lines = proc.stdout.strip().splitlines()
+        try:
+            value = float(lines[-1]) if lines else None
+        except ValueError:
+            value = None
+        if value is not None and 0.0 <= value <= 1.0:
+            return value
+        return 1.0 if proc.returncode == 0 else 0.0
+
+
 def _inside(ws: Path, rel: str) -> Path:
     path = (ws / rel).resolve()
     if not path.is_relative_to(ws.resolve()):
@@ -161,5 +194,6 @@ class CoinScorer:
 BUILTIN: dict[str, Callable[[ScoringConfig], Scorer]] = {
     "hidden-tests": HiddenTestsScorer,
     "milestones": MilestonesScorer,
+    "verifier": VerifierScorer,
     "coin": CoinScorer,
 }

@@ -4,13 +4,21 @@ One task per line::
 
     {"id": "calc-1",
      "spec": "Create a package `calc` with add(a, b) ...",            # natural language
+                                                  # ("instruction" is the same, for agent CLIs)
      "seed": {"files": {"README.md": "..."}} | {"dir": "seeds/calc"}, # workspace seed (optional)
      "scorer": "hidden-tests" | "milestones" | "package.module:Class",
      "hidden_tests": {"files": {"test_calc.py": "..."}} | {"dir": "hidden/calc"},
      "hidden_test_count": 12,                                          # optional
      "visible_tests": {"files": {...}} | {"dir": ...},                 # copied into tests_visible/
      "milestones": [{"weight": 1, "file_exists": "out.txt"}, ...],    # for the milestones scorer
+     "setup": "git init -q && pip install -q -e .",                   # run in the workspace first
+     "verifier": "pytest -q tests && echo 1",                         # the verifier scorer's check
      "timeout_s": 1800}
+
+A task with a ``verifier`` and no ``scorer`` is scored by it (``scoring.builtin.VerifierScorer``).
+``setup`` runs in the seeded workspace before the agent starts (an execution whose setup fails
+is ``crashed``). Together they let a suite carry what an external harness needs without hidden
+test files: ``examples/verifier-tasks.jsonl``.
 
 ``dir`` paths are relative to the JSONL file. Unknown keys are refused with the list of valid
 ones, so a misspelt key never silently drops a verifier.
@@ -42,6 +50,10 @@ class Task:
     visible_tests: dict[str, str] = field(default_factory=dict)
     milestones: list[dict[str, Any]] = field(default_factory=list)
     timeout_s: float | None = None
+    setup: str = ""
+    """A shell command run in the seeded workspace before the agent starts."""
+    verifier: str = ""
+    """A shell command run in a copy of the finished workspace (the ``verifier`` scorer)."""
 
     @property
     def test_command(self) -> str | None:
@@ -55,12 +67,13 @@ class Task:
         for rel, content in self.visible_tests.items():
             _write(workspace / VISIBLE_DIR / rel, content)
 
-    def verifier(self, task_dir: Path) -> dict[str, Any]:
+    def for_scorer(self, task_dir: Path) -> dict[str, Any]:
         """What the scorer needs, with hidden tests written where the agent cannot see them."""
         out: dict[str, Any] = {
             "id": self.id,
             "milestones": self.milestones,
             "hidden_test_count": self.hidden_test_count,
+            "verifier": self.verifier,
         }
         if self.hidden_tests:
             hidden = task_dir / self.id / "hidden"
@@ -75,7 +88,7 @@ class Task:
         for key in ("seed", "hidden_tests", "visible_tests"):
             if getattr(self, key):
                 d[key] = {"files": getattr(self, key)}
-        for key in ("hidden_test_count", "milestones", "timeout_s"):
+        for key in ("hidden_test_count", "milestones", "timeout_s", "setup", "verifier"):
             if getattr(self, key):
                 d[key] = getattr(self, key)
         return d
@@ -91,14 +104,22 @@ TASK_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,95}")
 
 
 def task_from_json(d: Mapping[str, Any], base: Path, where: str) -> Task:
-    unknown = set(d) - set(_VALID)
+    unknown = set(d) - set(_VALID) - {"instruction"}
     if unknown:
-        raise GyreError(
-            f"{where}: unknown key(s) {', '.join(sorted(unknown))}; valid keys: {', '.join(_VALID)}"
-        )
+        valid = ", ".join([*_VALID, "instruction"])
+        raise GyreError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; valid keys: {valid}")
+    if "instruction" in d:
+        if "spec" in d:
+            raise GyreError(f"{where}: give spec or instruction (the same field), not both")
+        d = {**{k: v for k, v in d.items() if k != "instruction"}, "spec": d["instruction"]}
+    if d.get("verifier") and not d.get("scorer"):
+        d = {**d, "scorer": "verifier"}
     for key in ("id", "spec"):
         if not isinstance(d.get(key), str) or not d[key]:
             raise GyreError(f"{where}: {key} must be a non-empty string")
+    for key in ("setup", "verifier"):
+        if not isinstance(d.get(key, ""), str):
+            raise GyreError(f"{where}: {key} must be a shell command (a string)")
     if not TASK_ID.fullmatch(d["id"]):  # it names runs and workspaces: a name, not a path
         raise GyreError(f"{where}: id {d['id']!r} is not valid: letters, digits and ._- (at most 96)")
     values = dict(d)

@@ -1,0 +1,235 @@
+"""Harnesses we do not write: a program (``agent.kind = "command"``) or a Python function
+(``agent.kind = "python"``), trained through the proxy exactly like the built-in one.
+
+```
+ execution ─▶ workspace/ (task seed) ─▶ the user's agent ──OpenAI API──▶ proxy ─▶ engines
+                                          │  one key per run and role (env or AgentContext)
+                                          └─ exit / return / timeout ─▶ Execution ─▶ scoring
+```
+
+The proxy sees every model call and records its exact ids under the execution's key: the trees,
+selection and training need nothing from the agent but its calls. What the agent is told:
+
+=========================  ==================================================================
+``OPENAI_BASE_URL``        the proxy's OpenAI endpoint (``…/v1``); ``OPENAI_API_KEY``: the key
+``GYRE_MODEL``             the model name to ask for
+``GYRE_KEY_<ROLE>``        one key per role: ``MAIN``, ``MAIN_SUMMARY`` (a call that compacts the
+                           main context), ``SUB_AGENT``, ``SUB_AGENT_SUMMARY``. A call made with a
+                           role's key is recorded under that role: that is how a black-box
+                           harness marks its summaries and sub-agents for the trees
+``GYRE_RUN_ID``            the execution; ``GYRE_WORKSPACE``: its directory (also the cwd)
+``GYRE_INSTRUCTION``       the task's instruction (also ``{instruction}`` in the command)
+=========================  ==================================================================
+
+A program runs in its own process group, with the execution's time limit: at the limit the
+whole group is killed and the execution is ``timed_out`` (partially scored); a non-zero exit is
+``crashed``. Its output goes to ``logs/executions/<run>.log`` in the run directory. A restarted
+run starts an unfinished black-box execution again (only the built-in harness journals its calls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import importlib.util
+import inspect
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+
+from gyre_hpc.agents.harness import Execution
+from gyre_hpc.agents.journal import Entry, Journal
+from gyre_hpc.errors import GyreError
+from gyre_hpc.recipe.schema import AgentConfig
+from gyre_hpc.tasks.task import Task
+
+ROLES = ("main", "main-summary", "sub-agent", "sub-agent-summary")
+Usage = Callable[[str], tuple[int, int]]
+"""Calls the proxy recorded for a run, and the tokens they processed (input + output)."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where an execution's model calls go, and how they are keyed."""
+
+    base_url: str
+    """The proxy's root URL (its OpenAI API is under ``/v1``)."""
+    key_for: Callable[[str, str], str]
+    model: str
+    usage: Usage = lambda run_id: (0, 0)
+
+
+@dataclass(frozen=True)
+class AgentContext:
+    """What a Python agent (``agent.kind = "python"``) gets for one execution."""
+
+    task: Task
+    workspace: Path
+    run_id: str
+    model: str
+    client: openai.AsyncOpenAI
+    """Bound to the execution's ``main`` key."""
+    clients: Mapping[str, openai.AsyncOpenAI]
+    """One client per role (``main``, ``main-summary``, ``sub-agent``, ``sub-agent-summary``)."""
+    timeout_s: float
+
+
+PythonAgent = Callable[[AgentContext], Awaitable[str | None]]
+
+
+def instruction(task: Task) -> str:
+    return task.spec
+
+
+def fields(task: Task, workspace: Path, run_id: str, timeout_s: float) -> dict[str, str]:
+    """What a command's argv may name: ``{workspace}``, ``{instruction}``, ``{task_id}``, …"""
+    return {
+        "workspace": str(workspace),
+        "instruction": instruction(task),
+        "task_id": task.id,
+        "run_id": run_id,
+        "timeout_s": f"{timeout_s:g}",
+    }
+
+
+def environment(endpoint: Endpoint, run_id: str, task: Task, workspace: Path) -> dict[str, str]:
+    keys = {role: endpoint.key_for(run_id, role) for role in ROLES}
+    env = {
+        "OPENAI_BASE_URL": endpoint.base_url + "/v1",
+        "OPENAI_API_KEY": keys["main"],
+        "GYRE_MODEL": endpoint.model,
+        "GYRE_RUN_ID": run_id,
+        "GYRE_WORKSPACE": str(workspace),
+        "GYRE_INSTRUCTION": instruction(task),
+    }
+    env |= {f"GYRE_KEY_{role.upper().replace('-', '_')}": key for role, key in keys.items()}
+    return env
+
+
+def _finish(ex: Execution, endpoint: Endpoint, started: float) -> Execution:
+    ex.seconds = time.monotonic() - started
+    ex.calls, ex.tokens = endpoint.usage(ex.run_id)
+    return ex
+
+
+class CommandHarness:
+    """Each execution runs ``agent.command`` (an argv template) in its workspace."""
+
+    def __init__(self, config: AgentConfig, endpoint: Endpoint, logs: Path) -> None:
+        self.config, self.endpoint, self.logs = config, endpoint, logs
+
+    async def run(
+        self,
+        task: Task,
+        workspace: Path,
+        run_id: str,
+        journal: Journal | None = None,
+        resume: Entry | None = None,
+    ) -> Execution:
+        ex = Execution(run_id, task.id, workspace)
+        limit = task.timeout_s or self.config.timeout_s
+        argv = [a.format(**fields(task, workspace, run_id, limit)) for a in self.config.command]  # checked
+        self.logs.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **environment(self.endpoint, run_id, task, workspace)}
+        started = time.monotonic()
+        with (self.logs / f"{run_id}.log").open("ab") as out:
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *argv, cwd=workspace, env=env, stdin=asyncio.subprocess.DEVNULL,
+                    stdout=out, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                )  # fmt: skip
+            except OSError as err:
+                ex.status, ex.error = "crashed", f"{argv[0]}: {err.strerror or err}"
+                return _finish(ex, self.endpoint, started)
+            try:
+                code = await asyncio.wait_for(proc.wait(), timeout=limit)
+            except TimeoutError:
+                ex.status, ex.error = "timed_out", f"killed at its time limit ({limit:g} s)"
+                await _kill_group(proc)
+                return _finish(ex, self.endpoint, started)
+            except BaseException:  # the run stops: nothing it started may outlive it
+                await _kill_group(proc)
+                raise
+        await _kill_group(proc)  # what it left running in the background
+        if code == 0:
+            ex.status = "finished"
+        else:
+            ex.status, ex.error = "crashed", f"exit code {code} (see logs/executions/{run_id}.log)"
+        return _finish(ex, self.endpoint, started)
+
+
+async def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    if proc.returncode is None:
+        await proc.wait()
+
+
+class PythonHarness:
+    """Each execution awaits ``agent.entry`` (``module:function``) with an ``AgentContext``."""
+
+    def __init__(self, config: AgentConfig, endpoint: Endpoint) -> None:
+        self.config, self.endpoint = config, endpoint
+        self.agent = load_entry(config.entry)
+
+    async def run(
+        self,
+        task: Task,
+        workspace: Path,
+        run_id: str,
+        journal: Journal | None = None,
+        resume: Entry | None = None,
+    ) -> Execution:
+        ex = Execution(run_id, task.id, workspace)
+        limit = task.timeout_s or self.config.timeout_s
+        clients = {
+            role: openai.AsyncOpenAI(
+                base_url=self.endpoint.base_url + "/v1",
+                api_key=self.endpoint.key_for(run_id, role),
+                max_retries=0,
+                timeout=limit,
+            )
+            for role in ROLES
+        }
+        ctx = AgentContext(task, workspace, run_id, self.endpoint.model, clients["main"], clients, limit)
+        started = time.monotonic()
+        try:
+            summary = await asyncio.wait_for(self.agent(ctx), timeout=limit)
+            ex.status, ex.summary = "finished", summary or ""
+        except TimeoutError:
+            ex.status, ex.error = "timed_out", f"stopped at its time limit ({limit:g} s)"
+        except Exception as err:  # the agent's own bug: this execution crashed, the run goes on
+            ex.status, ex.error = "crashed", f"{type(err).__name__}: {err}"
+        finally:
+            for client in clients.values():
+                await client.close()
+        return _finish(ex, self.endpoint, started)
+
+
+def load_entry(entry: str) -> PythonAgent:
+    """``module:function`` or ``path/to/file.py:function`` → the function; one line naming what is
+    wrong otherwise. A relative path is taken from the current directory."""
+    where, _, name = entry.rpartition(":")
+    if not where or not name:
+        raise GyreError(f"agent.entry = {entry!r}: expected module:function or path/to/file.py:function")
+    try:
+        if where.endswith(".py"):
+            spec = importlib.util.spec_from_file_location(Path(where).stem, Path(where).resolve())
+            if spec is None or spec.loader is None:
+                raise ImportError(f"cannot load {where}")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+        fn = getattr(module, name)
+    except (ImportError, AttributeError, OSError) as err:
+        raise GyreError(f"agent.entry = {entry!r}: {err}") from None
+    if not inspect.iscoroutinefunction(fn):
+        raise GyreError(f"agent.entry = {entry!r}: not an async function")
+    return fn

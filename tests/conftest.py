@@ -91,3 +91,11 @@ def flat_of(model: torch.nn.Module) -> torch.Tensor:
     """The model's parameters in registration order, tied ones once: the flat layout, derived
     here independently of ``models.flat``."""
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model trained to answer every turn with a tool call (built once per session)."""
+    from loopback import tool_calling_model
+
+    return tool_calling_model(tmp_path_factory.mktemp("models") / "tools")

@@ -12,7 +12,7 @@ import numpy as np
 import openai
 import pytest
 import torch
-from loopback import TOOLS, Stack, tool_calling_model
+from loopback import TOOLS, Stack
 
 from gyre_hpc.engines.embedded import Engine
 from gyre_hpc.engines.sampling import SamplingParams
@@ -24,11 +24,6 @@ from gyre_hpc.recipe.schema import ProxyConfig
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.trajectory.codec import by_run, read_records
 from gyre_hpc.trajectory.tree import TrajectoryTree
-
-
-@pytest.fixture(scope="module")
-def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tool_calling_model(tmp_path_factory.mktemp("models") / "tools")
 
 
 @pytest.fixture(scope="module")

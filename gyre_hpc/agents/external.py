@@ -2,7 +2,7 @@
 (``agent.kind = "python"``), trained through the proxy exactly like the built-in one.
 
 ```
- execution ─▶ workspace/ (task seed) ─▶ the user's agent ──OpenAI API──▶ proxy ─▶ engines
+ execution ─▶ workspace/ (task seed) ─▶ the user's agent ──OpenAI / Anthropic API──▶ proxy ─▶ engines
                                           │  one key per run and role (env or AgentContext)
                                           └─ exit / return / timeout ─▶ Execution ─▶ scoring
 ```
@@ -11,7 +11,9 @@ The proxy sees every model call and records its exact ids under the execution's 
 selection and training need nothing from the agent but its calls. What the agent is told:
 
 =========================  ==================================================================
-``OPENAI_BASE_URL``        the proxy's OpenAI endpoint (``…/v1``); ``OPENAI_API_KEY``: the key
+``OPENAI_BASE_URL``        the proxy's OpenAI endpoint (``…/v1``: chat completions, responses);
+                           ``OPENAI_API_KEY``: the execution's key
+``ANTHROPIC_BASE_URL``     the proxy's root (``/v1/messages``); ``ANTHROPIC_API_KEY``: the same key
 ``GYRE_MODEL``             the model name to ask for
 ``GYRE_KEY_<ROLE>``        one key per role: ``MAIN``, ``MAIN_SUMMARY`` (a call that compacts the
                            main context), ``SUB_AGENT``, ``SUB_AGENT_SUMMARY``. A call made with a
@@ -103,6 +105,8 @@ def environment(endpoint: Endpoint, run_id: str, task: Task, workspace: Path) ->
     env = {
         "OPENAI_BASE_URL": endpoint.base_url + "/v1",
         "OPENAI_API_KEY": keys["main"],
+        "ANTHROPIC_BASE_URL": endpoint.base_url,
+        "ANTHROPIC_API_KEY": keys["main"],
         "GYRE_MODEL": endpoint.model,
         "GYRE_RUN_ID": run_id,
         "GYRE_WORKSPACE": str(workspace),

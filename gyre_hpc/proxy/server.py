@@ -1,4 +1,6 @@
-"""The proxy's HTTP front: OpenAI-compatible chat completions and a token-level endpoint.
+"""The proxy's HTTP front: OpenAI chat completions, the OpenAI Responses and Anthropic Messages
+APIs (mapped onto chat completions: ``proxy.responses``, ``proxy.messages``), and a token-level
+endpoint.
 
 ```
  harness ──POST /v1/chat/completions (Bearer <run key>)──▶ key → (run, role)
@@ -23,6 +25,8 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,8 @@ from gyre_hpc.engines.sampling import BadRequest, SamplingParams
 from gyre_hpc.engines.server import read_json_object
 from gyre_hpc.models.qwen3 import Qwen3Config
 from gyre_hpc.models.tokenizer import ChatTokenizer
+from gyre_hpc.proxy import messages as anthropic
+from gyre_hpc.proxy import responses
 from gyre_hpc.proxy.chat import RunChats, parse_reply
 from gyre_hpc.proxy.keys import KeyRing
 from gyre_hpc.proxy.request import BadChat, chat_request, token_request
@@ -79,6 +85,8 @@ class Proxy:
         app = web.Application(client_max_size=self.config.max_body_mb << 20, middlewares=[_errors])
         app[PROXY] = self
         app.router.add_post("/v1/chat/completions", chat_completions)
+        app.router.add_post("/v1/messages", messages_api)
+        app.router.add_post("/v1/responses", responses_api)
         app.router.add_post("/v1/generate", generate_tokens)
         app.router.add_get("/v1/models", models)
         app.router.add_get("/health", health)
@@ -92,7 +100,8 @@ class Proxy:
 
     def authorize(self, request: web.Request) -> tuple[str, str]:
         auth = request.headers.get("Authorization", "")
-        key = auth[7:] if auth.startswith("Bearer ") else ""
+        # OpenAI clients send a bearer token, Anthropic clients an x-api-key header.
+        key = auth[7:] if auth.startswith("Bearer ") else request.headers.get("x-api-key", "")
         who = self.keys.verify(key) if key else None
         if who is None:
             raise web.HTTPUnauthorized(
@@ -182,11 +191,28 @@ def _error(message: str, code: int) -> str:
     )
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
+@dataclass(frozen=True)
+class ChatReply:
+    """One served chat call, whatever API shape it came in and goes back in."""
+
+    call_id: str
+    message: dict[str, Any]
+    """The assistant message: ``content`` and, when the model called tools, ``tool_calls``."""
+    finish: str
+    """stop | length | tool_calls"""
+    usage: dict[str, Any]
+    headers: dict[str, str]
+    stream: bool
+    model: str
+
+
+async def serve_chat(request: web.Request, body: dict[str, Any]) -> ChatReply:
+    """A chat-completions body (what every API shape is mapped onto), served exactly: the
+    run's recorded ids reused, only new text tokenised, the call durable before the reply."""
     entered = time.perf_counter()
     proxy: Proxy = request.app[PROXY]  # type: ignore[assignment]
     run_id, role = proxy.authorize(request)
-    req = chat_request(await read_json_object(request))
+    req = chat_request(body)
     # Far too long is refused before tokenising: no token is longer than max_token_chars.
     chars = sum(len(m["content"]) for m in req.messages)
     proxy.check_context(chars // proxy.tokenizer.max_token_chars, req.max_new_tokens, at_least=True)
@@ -207,29 +233,61 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         reply["tool_calls"] = tool_calls
     proxy.index.append(run_id, chats.record(messages, tools, index, reply, closed))
     finish = "tool_calls" if tool_calls else ("length" if record.meta.finish_reason == "length" else "stop")
-    message = {**reply, "content": content or (None if tool_calls else "")}
     usage = {
         "prompt_tokens": len(input_ids),
         "completion_tokens": len(output),
         "total_tokens": len(input_ids) + len(output),
         "prompt_tokens_details": {"cached_tokens": cached},
     }
-    cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     # The proxy's own time for this call (everything but waiting for engines), for dashboards and benches.
     headers = {OVERHEAD_HEADER: f"{(time.perf_counter() - entered - engine_s) * 1000:.3f}"}
-    if not req.stream:
+    return ChatReply(call_id, reply, finish, usage, headers, req.stream, proxy.model_name)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    r = await serve_chat(request, await read_json_object(request))
+    message = {**r.message, "content": r.message["content"] or (None if "tool_calls" in r.message else "")}
+    cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+    if not r.stream:
         return web.json_response(
             {
                 "id": cid,
                 "object": "chat.completion",
                 "created": created,
-                "model": proxy.model_name,
-                "usage": usage,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                "model": r.model,
+                "usage": r.usage,
+                "choices": [{"index": 0, "message": message, "finish_reason": r.finish}],
             },
-            headers=headers,
+            headers=r.headers,
         )
-    return await _stream(request, cid, created, proxy.model_name, message, finish, usage)
+    return await _stream(request, cid, created, r.model, message, r.finish, r.usage)
+
+
+async def messages_api(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/messages`` (Anthropic Messages API), served as a chat call (``proxy.messages``)."""
+    r = await serve_chat(request, anthropic.to_chat(await read_json_object(request)))
+    reply = anthropic.from_chat(r.message, r.finish, r.usage, r.model)
+    if not r.stream:
+        return web.json_response(reply, headers=r.headers)
+    return await _events(request, anthropic.stream_events(reply))
+
+
+async def responses_api(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/responses`` (OpenAI Responses API), served as a chat call (``proxy.responses``)."""
+    r = await serve_chat(request, responses.to_chat(await read_json_object(request)))
+    reply = responses.from_chat(r.message, r.finish, r.usage, r.model)
+    if not r.stream:
+        return web.json_response(reply, headers=r.headers)
+    return await _events(request, responses.stream_events(reply))
+
+
+async def _events(request: web.Request, events: Iterable[tuple[str, dict[str, Any]]]) -> web.StreamResponse:
+    """Server-sent events with names (the Messages and Responses APIs' streams)."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    for event, data in events:
+        await resp.write(f"event: {event}\ndata: {json.dumps(data)}\n\n".encode())
+    return resp
 
 
 async def _stream(

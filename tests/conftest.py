@@ -19,9 +19,11 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-CAPABILITIES = ("mpi", "slurm", "gpu", "rdma", "megatron", "sglang")
+CAPABILITIES = ("mpi", "slurm", "gpu", "rdma", "megatron", "sglang", "agents")
 SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
 """The environment ``tools/setup.sh --sglang`` builds: SGLang and this package, side by side."""
+MINI_SWE_AGENT = REPO / ".venv-agents" / "bin" / "mini"
+"""mini-swe-agent, in the environment ``tools/setup.sh --agents`` builds."""
 
 
 @functools.cache
@@ -52,6 +54,8 @@ def why_missing(capability: str) -> str | None:
             [str(SGLANG_PYTHON), "-c", "import gyre_hpc, sglang.launch_server"], capture_output=True
         )
         return None if probe.returncode == 0 else f"{SGLANG_PYTHON} cannot import sglang"
+    if capability == "agents":
+        return None if MINI_SWE_AGENT.exists() else "no agent programs (bash tools/setup.sh --agents)"
     if capability == "gpu":
         return None if torch.cuda.is_available() else "no CUDA GPU"
     if capability == "rdma":

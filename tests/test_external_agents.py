@@ -4,13 +4,15 @@ talking to the real proxy on loopback, scored like the built-in harness."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
-from conftest import REPO, gyre
+from conftest import MINI_SWE_AGENT, REPO, gyre
 from loopback import Stack
 from test_local_run import SMOKE
 
@@ -23,6 +25,7 @@ from gyre_hpc.recipe import load_recipe
 from gyre_hpc.recipe.schema import AgentConfig, ScoringConfig
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.scoring import ScoringRunners
+from gyre_hpc.tasks.suites import repo_mini
 from gyre_hpc.tasks.task import Task, write_jsonl
 from gyre_hpc.trajectory.codec import by_run, read_records
 from gyre_hpc.trajectory.records import TitoRecord
@@ -214,3 +217,53 @@ def test_a_suite_for_black_box_harnesses_sets_up_and_verifies_in_the_workspace(
     broken = Task(id="b", spec="x", setup="echo no network; exit 4", verifier="true")
     failed, _ = run_one(tiny, tmp_path / "d", AgentConfig(kind="command", command=["true"]), broken)
     assert failed.execution.status == "crashed" and failed.execution.error == "setup exited 4: no network"
+
+
+def mini_swe_agent_command(step_limit: int = 3) -> str:
+    """agent.command running mini-swe-agent non-interactively against the proxy (OPENAI_BASE_URL)."""
+    argv = [
+        "env", "MSWEA_CONFIGURED=1", "MSWEA_COST_TRACKING=ignore_errors", "MSWEA_SILENT_STARTUP=1",
+        str(MINI_SWE_AGENT), "-t", "{instruction}", "--yolo", "--exit-immediately", "-m", "openai/gyre",
+        "-l", "0", "-o", "{workspace}/../{run_id}.traj.json",
+        "-c", "mini.yaml", "-c", f"agent.step_limit={step_limit}", "-c", "model.model_kwargs.max_tokens=48",
+    ]  # fmt: skip
+    return json.dumps(argv)
+
+
+@pytest.mark.mpi
+@pytest.mark.agents
+def test_mini_swe_agent_is_trained_through_the_proxy_in_elastic_mode(tmp_path: Path) -> None:
+    # repo-mini's instructions and seeds; the tiny model solves none of them in mini-swe-agent's
+    # format, so a coin verifier gives the differing rewards a step needs to apply.
+    coin = "python3 -c 'import random; print(random.random())'"
+    tasks = [
+        Task(id=t.id, spec=t.spec, seed=t.seed, verifier=coin, scorer="verifier") for t in repo_mini(4, 0)
+    ]
+    write_jsonl(tmp_path / "repo-mini.jsonl", tasks)
+    sets = [
+        f"run.runs_dir={tmp_path / 'runs'}", "run.model=tiny", "run.steps=2", "scheduler.mode=elastic",
+        f"tasks.suite={tmp_path / 'repo-mini.jsonl'}", "tasks.prompts_per_step=4", "tasks.eval_every=0",
+        "agent.kind=command", f"agent.command={mini_swe_agent_command()}",
+    ]  # fmt: skip
+    proc = gyre("run", SMOKE, *(a for s in sets for a in ("--set", s)), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = RunDir(next((tmp_path / "runs").iterdir()))
+    steps = [e for e in run.read_events() if isinstance(e, ev.Step)]
+    assert [s.executions for s in steps] == [16, 16] and steps[-1].version >= 1  # scored, trained
+    assert all(s.statuses == {"finished": 16} for s in steps), [s.statuses for s in steps]
+    trees = {r: TrajectoryTree.from_encoded(recs) for r, recs in by_run(read_records(run.tito_log).records)}
+    assert len(trees) == 32
+    for tree in trees.values():
+        records = [tree.record(i) for i in range(tree.num_records)]
+        assert len(records) == 3  # agent.step_limit
+        # mini-swe-agent drops a malformed reply from its history (the tiny model never makes its
+        # bash call), so its calls branch after the shared prompt; that prompt's ids are reused
+        # exactly, never re-tokenised.
+        head = records[0].input_ids
+        n = min(len(head), len(records[1].input_ids))
+        shared = next((i for i in range(n) if head[i] != records[1].input_ids[i]), n)
+        assert shared > len(head) // 2
+        for r in records[1:]:
+            assert np.array_equal(r.input_ids[:shared], head[:shared])
+    shown = gyre("traj", "show", str(run.path), "--run", next(iter(trees)))
+    assert "3 calls" in shown.stdout and "main ×1" in shown.stdout, shown.stdout

@@ -6,15 +6,18 @@
 #   bash tools/setup.sh --test    # also the test tools (pytest, hypothesis, ruff) and megatron-core
 #   bash tools/setup.sh --sglang  # also .venv-sglang: SGLang 0.5.23 on this machine's CPU, and this
 #                                 # package beside it (what recipes with engine.backend = "sglang" run in)
+#   bash tools/setup.sh --agents  # also .venv-agents: third-party agent programs trained through the
+#                                 # proxy with agent.kind = "command" (mini-swe-agent 2.4)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras="" sglang=""
+extras="" sglang="" agents=""
 for arg in "$@"; do
   case "$arg" in
     --test) extras="[test,megatron]" ;;
     --sglang) sglang=1 ;;
-    *) echo "setup: unknown option $arg; valid: --test, --sglang" >&2; exit 2 ;;
+    --agents) agents=1 ;;
+    *) echo "setup: unknown option $arg; valid: --test, --sglang, --agents" >&2; exit 2 ;;
   esac
 done
 
@@ -58,4 +61,13 @@ if [ -n "$sglang" ]; then
   .venv-sglang/bin/python -c "import gyre_hpc, sglang.launch_server" \
     || { echo "setup: the SGLang install failed" >&2; exit 1; }
   echo "setup: .venv-sglang ready (sglang $(.venv-sglang/bin/python -c 'import sglang; print(sglang.__version__)'))"
+fi
+
+if [ -n "$agents" ]; then
+  # Its own environment: an agent program is a black box to us, with dependencies of its own.
+  [ -x .venv-agents/bin/python ] || python3 -m venv .venv-agents
+  pip_install .venv-agents "mini-swe-agent==2.4.6"
+  .venv-agents/bin/mini --help >/dev/null || { echo "setup: the mini-swe-agent install failed" >&2; exit 1; }
+  version=$(MSWEA_SILENT_STARTUP=1 .venv-agents/bin/python -c 'import minisweagent; print(minisweagent.__version__)')
+  echo "setup: .venv-agents ready (mini-swe-agent $version)"
 fi

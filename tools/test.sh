@@ -3,9 +3,9 @@
 # the whole test suite. Idempotent. CI runs exactly this; extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash tools/setup.sh --test --sglang
+bash tools/setup.sh --test --sglang --agents
 bash tools/local_slurm.sh start
-# Here the mpi, slurm, megatron and SGLang tests must run: a missing launcher or package is an
+# Here the mpi, slurm, megatron, SGLang and agent-program tests must run: a missing launcher or package is an
 # error, not a skip.
-export GYRE_REQUIRE="${GYRE_REQUIRE-mpi,slurm,megatron,sglang}"
+export GYRE_REQUIRE="${GYRE_REQUIRE-mpi,slurm,megatron,sglang,agents}"
 exec .venv/bin/python -m pytest "$@"

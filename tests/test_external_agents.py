@@ -267,3 +267,22 @@ def test_mini_swe_agent_is_trained_through_the_proxy_in_elastic_mode(tmp_path: P
             assert np.array_equal(r.input_ids[:shared], head[:shared])
     shown = gyre("traj", "show", str(run.path), "--run", next(iter(trees)))
     assert "3 calls" in shown.stdout and "main ×1" in shown.stdout, shown.stdout
+
+
+def test_a_program_marks_its_summary_and_sub_agent_calls_with_their_roles_keys(
+    tiny: Path, tmp_path: Path
+) -> None:
+    program = tmp_path / "roles.py"
+    program.write_text(
+        "import os\nfrom openai import OpenAI\n"
+        "keys = ('OPENAI_API_KEY', 'GYRE_KEY_MAIN_SUMMARY', 'GYRE_KEY_SUB_AGENT',\n"
+        "        'GYRE_KEY_SUB_AGENT_SUMMARY')\n"
+        "for var in keys:\n"
+        "    client = OpenAI(api_key=os.environ[var], max_retries=0)\n"
+        "    client.chat.completions.create(model=os.environ['GYRE_MODEL'], max_tokens=4,\n"
+        "                                   messages=[{'role': 'user', 'content': var}])\n"
+    )
+    config = AgentConfig(kind="command", command=[sys.executable, str(program)])
+    outcome, records = run_one(tiny, tmp_path, config)
+    assert outcome.execution.status == "finished", (tmp_path / "logs" / "ext-1.log").read_text()
+    assert [r.role for r in records] == ["main", "main-summary", "sub-agent", "sub-agent-summary"]

@@ -84,7 +84,8 @@ def _cut_log(path: Path, keep_bytes: int, calls: dict[str, int], version: int) -
     records now in the log, and how many were dropped."""
     data = path.read_bytes() if path.exists() else b""
     head = read_frames(data[:keep_bytes]).records
-    tail = read_frames(data[keep_bytes:]).records
+    after = read_frames(data[keep_bytes:])
+    tail = after.records
     kept: dict[str, int] = {}
     for r in head:
         kept[r.run_id] = kept.get(r.run_id, 0) + 1
@@ -94,7 +95,7 @@ def _cut_log(path: Path, keep_bytes: int, calls: dict[str, int], version: int) -
     for r in ours:
         kept[r.run_id] = kept.get(r.run_id, 0) + 1
     dropped = len(tail) - len(ours)
-    if dropped or len(data) != keep_bytes + sum(len(encode_frame(r)) for r in tail):
+    if dropped or after.torn_bytes:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_bytes(data[:keep_bytes] + b"".join(encode_frame(r) for r in ours))
         os.replace(tmp, path)

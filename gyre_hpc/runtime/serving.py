@@ -90,7 +90,6 @@ class Serving:
         on_outcome: Callable[[Outcome], None] = lambda outcome: None,
         journal: Path | None = None,
     ) -> concurrent.futures.Future[list[Outcome]]:
-        keep = journal is not None and self.agent_cfg.journal
         dispatcher = Dispatcher(
             self.harness,
             lambda task: self.scoring.get(task.scorer),
@@ -99,7 +98,7 @@ class Serving:
             max(len(jobs), 1),  # the proxy's admission limits pace the engines
             self.on_event,
             on_outcome,
-            Journal(journal) if keep and journal is not None else None,
+            Journal(journal) if journal is not None and self.agent_cfg.journal else None,
         )
         return asyncio.run_coroutine_threadsafe(dispatcher.run_all(jobs), self.loop)
 

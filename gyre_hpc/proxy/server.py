@@ -25,9 +25,10 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from aiohttp import web
@@ -36,8 +37,8 @@ from gyre_hpc.engines.sampling import BadRequest, SamplingParams
 from gyre_hpc.engines.server import read_json_object
 from gyre_hpc.models.qwen3 import Qwen3Config
 from gyre_hpc.models.tokenizer import ChatTokenizer
-from gyre_hpc.proxy import messages as anthropic
-from gyre_hpc.proxy import responses
+from gyre_hpc.proxy import messages as anthropic_messages
+from gyre_hpc.proxy import responses as openai_responses
 from gyre_hpc.proxy.chat import RunChats, parse_reply
 from gyre_hpc.proxy.keys import KeyRing
 from gyre_hpc.proxy.request import BadChat, chat_request, token_request
@@ -85,8 +86,8 @@ class Proxy:
         app = web.Application(client_max_size=self.config.max_body_mb << 20, middlewares=[_errors])
         app[PROXY] = self
         app.router.add_post("/v1/chat/completions", chat_completions)
-        app.router.add_post("/v1/messages", messages_api)
-        app.router.add_post("/v1/responses", responses_api)
+        app.router.add_post("/v1/messages", mapped_api(anthropic_messages))
+        app.router.add_post("/v1/responses", mapped_api(openai_responses))
         app.router.add_post("/v1/generate", generate_tokens)
         app.router.add_get("/v1/models", models)
         app.router.add_get("/health", health)
@@ -263,22 +264,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _stream(request, cid, created, r.model, message, r.finish, r.usage)
 
 
-async def messages_api(request: web.Request) -> web.StreamResponse:
-    """``POST /v1/messages`` (Anthropic Messages API), served as a chat call (``proxy.messages``)."""
-    r = await serve_chat(request, anthropic.to_chat(await read_json_object(request)))
-    reply = anthropic.from_chat(r.message, r.finish, r.usage, r.model)
-    if not r.stream:
-        return web.json_response(reply, headers=r.headers)
-    return await _events(request, anthropic.stream_events(reply))
+def mapped_api(shape: ModuleType) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """The handler of an API ``shape`` mapped onto chat completions: ``proxy.messages`` (Anthropic
+    Messages, ``/v1/messages``) or ``proxy.responses`` (OpenAI Responses, ``/v1/responses``)."""
 
+    async def handler(request: web.Request) -> web.StreamResponse:
+        r = await serve_chat(request, shape.to_chat(await read_json_object(request)))
+        reply = shape.from_chat(r.message, r.finish, r.usage, r.model)
+        if not r.stream:
+            return web.json_response(reply, headers=r.headers)
+        return await _events(request, shape.stream_events(reply))
 
-async def responses_api(request: web.Request) -> web.StreamResponse:
-    """``POST /v1/responses`` (OpenAI Responses API), served as a chat call (``proxy.responses``)."""
-    r = await serve_chat(request, responses.to_chat(await read_json_object(request)))
-    reply = responses.from_chat(r.message, r.finish, r.usage, r.model)
-    if not r.stream:
-        return web.json_response(reply, headers=r.headers)
-    return await _events(request, responses.stream_events(reply))
+    return handler
 
 
 async def _events(request: web.Request, events: Iterable[tuple[str, dict[str, Any]]]) -> web.StreamResponse:

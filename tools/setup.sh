@@ -67,7 +67,7 @@ if [ -n "$agents" ]; then
   # Its own environment: an agent program is a black box to us, with dependencies of its own.
   [ -x .venv-agents/bin/python ] || python3 -m venv .venv-agents
   pip_install .venv-agents "mini-swe-agent==2.4.6"
-  .venv-agents/bin/mini --help >/dev/null || { echo "setup: the mini-swe-agent install failed" >&2; exit 1; }
-  version=$(MSWEA_SILENT_STARTUP=1 .venv-agents/bin/python -c 'import minisweagent; print(minisweagent.__version__)')
+  version=$(MSWEA_SILENT_STARTUP=1 .venv-agents/bin/python -c 'import minisweagent; print(minisweagent.__version__)') \
+    && [ -x .venv-agents/bin/mini ] || { echo "setup: the mini-swe-agent install failed" >&2; exit 1; }
   echo "setup: .venv-agents ready (mini-swe-agent $version)"
 fi

@@ -108,7 +108,9 @@ def test_scorers_by_name_or_dotted_path() -> None:
     assert type(load_scorer(ScoringConfig(scorer="gyre_hpc.scoring.builtin:HiddenTestsScorer"))).__name__ == (
         "HiddenTestsScorer"
     )
-    with pytest.raises(RecipeError, match="neither a built-in \\(hidden-tests, milestones, coin\\)"):
+    with pytest.raises(
+        RecipeError, match="neither a built-in \\(hidden-tests, milestones, verifier, coin\\)"
+    ):
         load_scorer(ScoringConfig(scorer="exact-match"))
 
 

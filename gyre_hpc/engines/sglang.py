@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import os
 import signal
 import socket
@@ -43,6 +44,9 @@ from gyre_hpc.models.qwen3 import Qwen3Config
 from gyre_hpc.recipe.schema import EngineConfig
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+UPDATED_NOT_FLUSHED = "Weights were updated, but the cache was not flushed"
+"""SGLang's 400 when the update succeeded but calls were running, so the cache stayed."""
 
 CPU_TOKENS = 16384
 """KV cache tokens of a CPU server when ``engine.max_total_tokens`` is 0."""
@@ -128,7 +132,15 @@ class WeightGroup:
             )
             received = pool.submit(call, self.url, update)
             torch.distributed.broadcast(buffer, src=0, group=self.group)
-            reply = received.result()
+            try:
+                reply = received.result()
+            except EngineError as err:
+                if UPDATED_NOT_FLUSHED not in str(err):
+                    raise
+                # The weights are in; only the prefix cache could not be dropped, because calls
+                # reached a server that had just come back. What it computed is in the TITO log.
+                log.warning("%s: version %s loaded, prefix cache kept: %s", self.url, version, err)
+                return
         if not reply.get("success"):
             raise EngineError(f"{self.url}: update_weights_from_distributed failed: {reply.get('message')}")
 

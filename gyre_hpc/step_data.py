@@ -25,6 +25,7 @@ from gyre_hpc.recipe.schema import TasksConfig, TrajectoryConfig
 from gyre_hpc.tasks.suites import SUITES, load_suite
 from gyre_hpc.tasks.task import Task
 from gyre_hpc.trajectory.batch import TrainSequence, build_batch, group_advantages, pack_micro_steps
+from gyre_hpc.trajectory.packing import forwarded_tokens, pack_tree_micro_steps, run_chunks
 from gyre_hpc.trajectory.select import select_paths
 from gyre_hpc.trajectory.tree import TrajectoryTree
 
@@ -88,7 +89,13 @@ def group_sequences(
     return batch.sequences, batch.num_runs
 
 
-def pack(sequences: Sequence[TrainSequence], micro_step_tokens: int) -> list[list[TrainSequence]]:
+def pack(
+    sequences: Sequence[TrainSequence], micro_step_tokens: int, packing: str = "paths"
+) -> list[list[TrainSequence]]:
+    """Micro-steps of at most ``micro_step_tokens`` forwarded tokens: unique tokens of each
+    micro-step's tree when packing trees, path lengths otherwise."""
+    if packing == "tree":
+        return pack_tree_micro_steps(sequences, micro_step_tokens)
     bins = pack_micro_steps([len(s) for s in sequences], micro_step_tokens)
     return [[sequences[i] for i in b] for b in bins]
 
@@ -109,9 +116,9 @@ def step_batch(
         seqs, n = group_sequences(group, trees, trajectory, group_rng(seed, step, task_id))
         sequences += seqs
         runs += n
-        work.append(group_work(group, trees, seqs))
-    queue = pack(sequences, micro_step_tokens)
-    return StepBatch(queue, runs, step_stats(outcomes, queue, runs, work), trees)
+        work.append(group_work(group, trees, seqs, trajectory.packing, micro_step_tokens))
+    queue = pack(sequences, micro_step_tokens, trajectory.packing)
+    return StepBatch(queue, runs, step_stats(outcomes, queue, runs, work, trajectory.packing), trees)
 
 
 class StreamingBatch:
@@ -151,13 +158,13 @@ class StreamingBatch:
         rng = group_rng(self.seed, self.step, outcome.execution.task_id)
         seqs, n = group_sequences(group, self.trees, self.trajectory, rng)
         self.num_runs += n
-        self.work.append(group_work(group, self.trees, seqs))
-        new = pack(seqs, self.tokens)
+        self.work.append(group_work(group, self.trees, seqs, self.trajectory.packing, self.tokens))
+        new = pack(seqs, self.tokens, self.trajectory.packing)
         self.queue += new
         return new
 
     def stats(self) -> dict[str, object]:
-        return step_stats(self.outcomes, self.queue, self.num_runs, self.work)
+        return step_stats(self.outcomes, self.queue, self.num_runs, self.work, self.trajectory.packing)
 
 
 def group_rng(seed: int, step: int, task_id: str) -> random.Random:
@@ -173,18 +180,27 @@ def by_task(outcomes: Sequence[Outcome]) -> dict[str, list[Outcome]]:
 
 
 def group_work(
-    group: Sequence[Outcome], trees: Mapping[str, TrajectoryTree], sequences: Sequence[TrainSequence]
+    group: Sequence[Outcome],
+    trees: Mapping[str, TrajectoryTree],
+    sequences: Sequence[TrainSequence],
+    packing: str = "paths",
+    micro_step_tokens: int = 0,
 ) -> dict[str, object]:
     """What one group cost, independent of timing: the tokens each run generated (sampling work),
-    in the order of the sorted run ids, and the length of each sequence it trains (training
-    work). The simulator replays these."""
+    in the order of the sorted run ids, and the tokens of each item it bins into micro-steps
+    (training work: a sequence, or with tree packing a run's sequences as one tree). The
+    simulator replays these."""
     runs = sorted(o.execution.run_id for o in group)
     return {
         "task": group[0].execution.task_id,
         "run_tokens": [
             sum(len(r.output_ids) for r in trees[run].records()) if run in trees else 0 for run in runs
         ],
-        "sequence_tokens": [len(s) for s in sequences],
+        "sequence_tokens": (
+            [size for size, _ in run_chunks(sequences, micro_step_tokens)]
+            if packing == "tree"
+            else [len(s) for s in sequences]
+        ),
     }
 
 
@@ -193,6 +209,7 @@ def step_stats(
     queue: list[list[TrainSequence]],
     runs: int,
     work: Sequence[dict[str, object]] = (),
+    packing: str = "paths",
 ) -> dict[str, object]:
     counted = [o for o in outcomes if o.score.counts_in_group]
     rewards = [o.score.reward or 0.0 for o in counted]
@@ -206,6 +223,9 @@ def step_stats(
         "sequences": len(sequences),
         "micro_steps": len(queue),
         "tokens": sum(len(s) for s in sequences),
+        "forwarded_tokens": sum(
+            forwarded_tokens(mb) if packing == "tree" else sum(len(s) for s in mb) for mb in queue
+        ),
         "loss_tokens": int(sum(s.loss_mask.sum() for s in sequences)),
         "calls": sum(o.execution.calls for o in outcomes),
         "statuses": dict(sorted(Counter(o.execution.status for o in outcomes).items())),

@@ -216,9 +216,10 @@ def test_bfloat16_computes_in_bf16_and_steps_fp32_master_weights(tmp_path: Path)
 def test_the_megatron_benchmark_runs_at_tiny_size(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "tools/bench_megatron.py", "--size", "tiny", "--seq", "64", "--steps", "1",
-         "--dir", str(tmp_path)],
+         "--dir", str(tmp_path), "--tree", "256", "--leaves", "4"],
         capture_output=True, text=True, timeout=300, cwd=HERE.parent,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     figures = json.loads((tmp_path / "bench_megatron.json").read_text())
     assert figures["train_tokens_per_s"] > 0 and figures["snapshot_export_gb_per_s"] > 0
+    assert figures["tree_unique_tokens"] == 256 and figures["tree_path_tokens"] == 4 * (192 + 16)

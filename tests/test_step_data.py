@@ -65,3 +65,20 @@ def test_step_batch_advantages_drops_and_packing() -> None:
     assert [len(mb) for mb in batch.queue] == [2]  # 15 + 15 tokens fit one 30-token micro-step
     assert batch.stats["dropped"] == 1 and batch.stats["pass_rate"] == 1 / 5
     assert all(s.token_weight == 1 / 5 for mb in batch.queue for s in mb)
+
+
+def test_tree_packing_fills_micro_steps_by_unique_tokens() -> None:
+    """Three calls forked from one 40-token context: 150 path tokens, 70 unique."""
+    records = [
+        TitoRecord("a0", f"call_{i}", "main", np.arange(40), np.arange(10) + 100 * (i + 1), -np.ones(10))
+        for i in range(3)
+    ]
+    outcomes = [outcome("a0", "a", "scored", 1.0), outcome("a1", "a", "scored", 0.0)]
+    trees = {"a0": TrajectoryTree.from_records(records), "a1": tree("a1", 5, 5)}
+    by = {
+        packing: step_batch(outcomes, trees, TrajectoryConfig(packing=packing), 80, seed=0, step=1)
+        for packing in ("tree", "paths")
+    }
+    assert by["paths"].stats["tokens"] == by["tree"].stats["tokens"] == 160
+    assert by["paths"].stats["forwarded_tokens"] == 160 and len(by["paths"].queue) == 3
+    assert by["tree"].stats["forwarded_tokens"] == 70 + 10 and len(by["tree"].queue) == 1

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """The megatron trainer's costs on one device: HF → Megatron load, training tokens/s per
-micro-step, snapshot export to (pinned) host memory, and Megatron → HF conversion.
+micro-step, snapshot export to (pinned) host memory, and Megatron → HF conversion; with
+``--tree N``, one tree-packed micro-step of N unique tokens (a deep prefix forked into leaves).
 
 python tools/bench_megatron.py                       # a ~1.7B Qwen3-shaped model in bf16 on a GPU
 python tools/bench_megatron.py --size tiny --seq 256 # the same measurements on the CPU, in seconds
+python tools/bench_megatron.py --tree 32768          # + a 32K-token packed tree (block mask on CUDA)
 
 Random weights are written once as a Hugging Face directory (bf16 safetensors), then loaded the
 way a cell loads them. Prints one table and writes the figures as JSON next to the model.
@@ -76,6 +78,34 @@ def timed(fn, repeat: int = 1) -> tuple[float, object]:  # noqa: ANN001
     return best, out
 
 
+def tree_micro_step(trainer: MegatronTrainer, c: Qwen3Config, unique: int, leaves: int, steps: int) -> dict:
+    """One micro-step of a deep shared prefix (3/4 of ``unique``) forked into ``leaves`` paths,
+    packed as a tree: its time and the device's peak memory; the paths would forward far more."""
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(0, c.vocab_size, unique * 3 // 4)
+    tail = (unique - len(prefix)) // leaves
+    seqs = []
+    for _ in range(leaves):
+        tokens = np.concatenate([prefix, rng.integers(0, c.vocab_size, tail)]).astype(np.int32)
+        mask = (np.arange(len(tokens)) >= len(prefix)).astype(np.float32)
+        seqs.append(TrainSequence("tree", tokens, mask, np.where(mask > 0, -2.0, 0.0).astype(np.float32),
+                                  1.0, 1.0 / (leaves * tail)))  # fmt: skip
+    trainer.packing = "tree"
+    trainer.micro_step(seqs)  # warm-up (on CUDA: compiles the block-sparse attention)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    tree_s, stats = timed(lambda: trainer.micro_step(seqs), steps)
+    trainer.packing = "paths"
+    cuda = torch.cuda.is_available()
+    return {
+        "tree_unique_tokens": stats.tokens,
+        "tree_path_tokens": sum(len(s) for s in seqs),
+        "tree_micro_step_s": round(tree_s, 4),
+        "tree_tokens_per_s": round(stats.tokens / tree_s, 1),
+        "tree_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=list(SIZES), default="1.7b" if torch.cuda.is_available() else "tiny")
@@ -83,8 +113,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed micro-steps (after one warm-up)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--dir", type=Path, default=None, help="where the random model is written")
+    ap.add_argument("--tree", type=int, default=0, help="unique tokens of a tree-packed micro-step; 0: none")
+    ap.add_argument("--leaves", type=int, default=8, help="leaves of that tree")
     args = ap.parse_args()
-    c = replace(SIZES[args.size], max_position_embeddings=max(args.seq, 4096))
+    c = replace(SIZES[args.size], max_position_embeddings=max(args.seq, args.tree, 4096))
     root = args.dir or Path(tempfile.mkdtemp(prefix="bench-megatron-"))
     model_dir = write_model(c, root / args.size)
 
@@ -113,6 +145,7 @@ def main() -> None:
         ),
         3,
     )
+    tree = tree_micro_step(trainer, c, args.tree, args.leaves, args.steps) if args.tree else {}
     apply_s, _ = timed(lambda: trainer.apply(1))
     FlatLayout.of(c).views(trainer.weights())  # the snapshot is readable as HF tensors
 
@@ -131,6 +164,7 @@ def main() -> None:
         "megatron_to_hf_s": round(to_hf_s, 4),
         "apply_s": round(apply_s, 4),
         "host_buffer_pinned": bool(torch.from_numpy(trainer.flat).is_pinned()),
+        **tree,
     }
     width = max(map(len, figures))
     for k, v in figures.items():

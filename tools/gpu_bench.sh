@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # tools/bench_megatron.py on a lent GPU machine, then the GPU tests (the embedded engine on CUDA
-# against the CPU). Its Python (3.12, CUDA torch) has everything the benchmark imports except
-# megatron-core and tomli_w, and it cannot reach PyPI, so those wheels (and pytest's) are fetched
-# here and carried there.
+# against the CPU, tree packing with block masks). Its Python (3.12, CUDA torch) has everything the
+# benchmark imports except megatron-core and tomli_w, and it cannot reach PyPI, so those wheels
+# (and pytest's and hypothesis') are fetched here and carried there.
 #
 #   here:   bash tools/gpu_bench.sh prepare            # wheels for CPython 3.12 into .whl/ (git-ignored)
 #   there:  bash tools/gpu_bench.sh run [BENCH ARGS]   # the device tool's run, with carry [".whl"];
@@ -15,7 +15,7 @@ prepare)
     grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 \
-        -d .whl "$MEGATRON" tomli_w pytest pluggy iniconfig
+        -d .whl "$MEGATRON" tomli_w pytest pluggy iniconfig hypothesis attrs sortedcontainers
     ls .whl
     ;;
 run)
@@ -25,11 +25,13 @@ run)
     out="${OUT:-/tmp/bench}"  # what comes back from the device
     mkdir -p "$out"
     rm -rf /tmp/bench-megatron  # the random model: gigabytes, never sent back
-    PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 python3 tools/bench_megatron.py --dir /tmp/bench-megatron "$@" \
+    # --tree: one tree-packed micro-step of 32K unique tokens (FlexAttention block mask).
+    PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 python3 tools/bench_megatron.py --dir /tmp/bench-megatron \
+        --tree 32768 "$@" \
         2>&1 | tee "$out/bench.log"
     cp /tmp/bench-megatron/bench_megatron.json "$out/"
     # The tests marked gpu (here: the embedded engine on CUDA); their log comes back too.
-    PYTHONPATH="/tmp/site:$PWD" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_engine.py \
+    PYTHONPATH="/tmp/site:$PWD" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_engine.py tests/test_tree_packing.py \
         2>&1 | tee "$out/gpu_tests.log" || true
     ;;
 *)

@@ -202,11 +202,16 @@ class Step(Event):
     sequences: int = 0
     micro_steps: int = 0
     tokens: int = 0
+    """Tokens of the trained paths."""
+    forwarded_tokens: int = 0
+    """Tokens the micro-steps forward as one tree per run (``trajectory.packing``): fewer than
+    ``tokens`` where a run's paths share prefixes; a forest of runs shares their prompt too."""
     loss_tokens: int = 0
     calls: int = 0
     statuses: dict[str, int] = field(default_factory=dict)
     groups: list[dict[str, Any]] = field(default_factory=list)
-    """Each prompt group's work: ``task``, ``run_tokens`` (by sorted run id), ``sequence_tokens``."""
+    """Each prompt group's work: ``task``, ``run_tokens`` (by sorted run id), ``sequence_tokens``
+    (of each item binned into micro-steps: a path, or with tree packing a run's paths as a tree)."""
     staleness: dict[str, int] = field(default_factory=dict)
     """Calls by versions between the one trained from and the one that served them."""
     loss: float = 0.0

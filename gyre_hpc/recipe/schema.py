@@ -215,6 +215,11 @@ class TrajectoryConfig:
     jmax: int = knob(8, "Paths selected per run at most.", min=1)
     priority: list[str] = knob(list(ROLE_PRIORITY), "Role classes in selection priority order.")
     std_normalize: bool = knob(False, "Divide group-relative advantages by the group's std.")
+    packing: Literal["tree", "paths"] = knob(
+        "tree",
+        "tree: a micro-step's paths forwarded as one packed tree, each shared prefix once; "
+        "paths: each path forwarded on its own.",
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

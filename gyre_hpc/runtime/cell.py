@@ -70,6 +70,8 @@ class CellSetup:
     transport: Transport
     engines: Path
     """Where engine processes keep their logs and weights on disk (``unit-<n>/``)."""
+    packing: str = "tree"
+    """How the trainer forwards a micro-step (``trajectory.packing``)."""
 
 
 @dataclass
@@ -148,6 +150,7 @@ class Cell:
             self.trainer_cfg,
             core=self.is_core,
             grad_buffer=None if self.is_core else s.transport.gradient_buffer(),
+            packing=s.packing,
             **({"world": self.megatron} if self.megatron is not None else {}),
         )
         self.trainer = (
@@ -337,7 +340,11 @@ class Cell:
 
         assert self.setup is not None
         trainer = MegatronTrainer(
-            self.setup.model_dir, self.trainer_cfg, core=self.is_core, world=self.megatron
+            self.setup.model_dir,
+            self.trainer_cfg,
+            core=self.is_core,
+            world=self.megatron,
+            packing=self.setup.packing,
         )
         self.scratch = np.empty(trainer.numel, dtype=np.float32)  # broadcast snapshots land here
         return trainer

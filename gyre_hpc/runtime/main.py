@@ -88,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         if world.is_controller:
             controller(world, recipe, run_dir, events, model_dir, transport, checkpoint_now).run()
         else:
-            setup = CellSetup(model_dir, run_dir.checkpoints, transport, run_dir.engines)
+            setup = CellSetup(
+                model_dir, run_dir.checkpoints, transport, run_dir.engines, recipe.trajectory.packing
+            )
             Cell(world, recipe.cells, recipe.engine, recipe.trainer, setup).run()
         transport.close()  # collective: only on the way out of a run every rank completed
     except Interrupted as sig:

@@ -21,6 +21,7 @@ import torch
 
 from gyre_hpc.loss.policy import weighted_policy_loss
 from gyre_hpc.trajectory.batch import TrainSequence
+from gyre_hpc.trajectory.packing import PackedTree
 
 
 def mean_gradient_scale(sum_norm: float, num_runs: int, grad_clip: float) -> tuple[float, float]:
@@ -115,8 +116,44 @@ def sequence_loss(
     return loss, clipped
 
 
-def micro_stats(sequences: list[TrainSequence], loss_sum: float, clipped: int) -> MicroStats:
-    """A micro-step's counts; the loss and clip count come from wherever it was computed."""
-    tokens = sum(len(s) for s in sequences)
+def packed_loss(
+    tree: PackedTree, logp: torch.Tensor, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, int]:
+    """A packed tree's weighted policy loss from its entries' log-probs [M] (``entry_rows``),
+    and how many entries had their importance ratio clipped: the sum of ``sequence_loss`` over
+    the paths it packs."""
+    device = logp.device
+    behaviour = torch.from_numpy(tree.behaviour).to(device)
+    adv = torch.from_numpy(tree.advantages).to(device)
+    weights = torch.from_numpy(tree.weights).to(device)
+    loss = weighted_policy_loss(logp, behaviour, adv, weights, torch.ones_like(logp), clip_low, clip_high)
+    with torch.no_grad():
+        ratio = torch.exp(logp - behaviour)
+        clipped = int(((ratio < 1 - clip_low) | (ratio > 1 + clip_high)).sum())
+    return loss, clipped
+
+
+def entry_rows(tree: PackedTree, device: torch.device | None = None) -> tuple[torch.Tensor, ...]:
+    """Where each loss entry's log-prob is read: the logits row of its token's parent, the token
+    itself, and whether it has a parent (a path's first token has none and gets log-prob 0, as
+    ``loss.policy.token_logprobs`` gives it)."""
+    parents = tree.parents[tree.targets]
+    rows = torch.from_numpy(np.maximum(parents, 0)).to(device)
+    tokens = torch.from_numpy(tree.tokens[tree.targets]).to(device)
+    return rows, tokens, torch.from_numpy(parents >= 0).to(device)
+
+
+def tree_inputs(tree: PackedTree, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed tokens and their positions, each [1, N]."""
+    ids = torch.from_numpy(tree.tokens)[None].to(device)
+    return ids, torch.from_numpy(tree.positions)[None].to(device)
+
+
+def micro_stats(
+    sequences: list[TrainSequence], loss_sum: float, clipped: int, tokens: int | None = None
+) -> MicroStats:
+    """A micro-step's counts; the loss and clip count come from wherever it was computed, and
+    ``tokens`` (forwarded) defaults to the paths' lengths."""
+    tokens = sum(len(s) for s in sequences) if tokens is None else tokens
     loss_tokens = int(sum(float(np.asarray(s.loss_mask).sum()) for s in sequences))
     return MicroStats(len(sequences), tokens, loss_tokens, loss_sum, clipped)

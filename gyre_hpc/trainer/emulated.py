@@ -14,9 +14,11 @@ import time
 from gyre_hpc.trainer.base import MicroStats, micro_stats
 from gyre_hpc.trainer.torch_backend import TorchTrainer
 from gyre_hpc.trajectory.batch import TrainSequence
+from gyre_hpc.trajectory.packing import forwarded_tokens
 
 
 class EmulatedTrainer(TorchTrainer):
     def micro_step(self, sequences: list[TrainSequence]) -> MicroStats:
-        time.sleep(sum(len(s) for s in sequences) * self.config.emulated_s_per_token)
-        return micro_stats(sequences, 0.0, 0)
+        tokens = forwarded_tokens(sequences) if self.packing == "tree" else sum(len(s) for s in sequences)
+        time.sleep(tokens * self.config.emulated_s_per_token)
+        return micro_stats(sequences, 0.0, 0, tokens)

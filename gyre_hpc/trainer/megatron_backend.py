@@ -2,7 +2,8 @@
 
 ```
  HF flat snapshot (transport) ──load_snapshot──▶ Megatron params (fused QKV, [gate|up] fc1)
- micro_step: GPTModel forward (explicit causal mask) → the torch backend's loss → backward
+ micro_step: GPTModel forward (explicit causal mask per path, or one packed tree: its mask,
+           rope at the tokens' depths) → the torch backend's loss → backward
            └─▶ Megatron grads ──to HF layout──▶ the flat gradient buffer the transport exposes
  core: apply(R): summed HF gradient ──▶ Megatron grads → /R → clip → AdamW → weights() in HF layout
 ```
@@ -33,7 +34,7 @@ the two take the summed gradient of both uses, so they stay equal.
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,21 +44,24 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from gyre_hpc.loss.policy import token_logprobs
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.qwen3 import Qwen3Config
 from gyre_hpc.recipe.schema import TrainerConfig
 from gyre_hpc.trainer.base import (
     ApplyStats,
     MicroStats,
+    entry_rows,
     mean_gradient_scale,
     micro_stats,
-    policy_micro_step,
+    packed_loss,
     sequence_loss,
+    tree_inputs,
 )
 from gyre_hpc.trainer.megatron_cpu import redirect_cuda_to_cpu
 from gyre_hpc.trainer.megatron_weights import Layout, hf_to_megatron, megatron_to_hf
+from gyre_hpc.trainer.tree_attention import block_mask, dense_mask, flex, is_block_mask
 from gyre_hpc.trajectory.batch import TrainSequence
+from gyre_hpc.trajectory.packing import PackedTree, by_run, forward_trees
 
 
 def transformer_config(c: Qwen3Config, layout: Layout, dtype: torch.dtype) -> Any:
@@ -94,14 +98,20 @@ def transformer_config(c: Qwen3Config, layout: Layout, dtype: torch.dtype) -> An
     )
 
 
-def build_model(c: Qwen3Config, layout: Layout, dtype: torch.dtype, stage: int = 0) -> Any:
-    """The GPTModel part of this rank's stage (model parallel state must be initialised)."""
+def build_model(
+    c: Qwen3Config, layout: Layout, dtype: torch.dtype, stage: int = 0, block_masks: bool = False
+) -> Any:
+    """The GPTModel part of this rank's stage (model parallel state must be initialised).
+    ``block_masks``: its attention also takes FlexAttention block masks (packed trees on CUDA)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    if block_masks:
+        spec.submodules.self_attention.submodules.core_attention = block_mask_attention()
     return GPTModel(
         transformer_config(c, layout, dtype),
-        get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"),
+        spec,
         vocab_size=layout.padded_vocab,
         max_sequence_length=c.max_position_embeddings,
         position_embedding_type="rope",
@@ -112,6 +122,55 @@ def build_model(c: Qwen3Config, layout: Layout, dtype: torch.dtype, stage: int =
         post_process=stage == layout.pp - 1,
         parallel_output=True,  # each TP rank keeps its vocabulary shard: log-probs are vocab-parallel
     )
+
+
+def block_mask_attention() -> type:
+    """Megatron's local core attention, which also takes a FlexAttention block mask: a packed
+    tree's attention without the [heads, N, N] scores the local kernel materialises."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class BlockMaskAttention(DotProductAttention):
+        def forward(self, query, key, value, attention_mask, **kwargs):  # noqa: ANN001, ANN003, ANN202
+            if not is_block_mask(attention_mask):
+                return super().forward(query, key, value, attention_mask, **kwargs)
+            # [s, b, heads, d] → [b, heads, s, d] and back to [s, b, heads · d]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            out = flex(q, k, v, attention_mask, scale=self.softmax_scale)
+            return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+    return BlockMaskAttention
+
+
+class PositionedRotary(torch.nn.Module):
+    """Megatron's rotary table read at given positions: a packed tree's tokens sit at their depth
+    in their path, not at their index in the packed sequence (GPTModel's rope takes a length)."""
+
+    def __init__(self, table: torch.nn.Module) -> None:
+        super().__init__()
+        self.table = table
+        self.positions: torch.Tensor | None = None
+
+    def get_rotary_seq_len(self, *args: Any, **kwargs: Any) -> int:
+        return self.table.get_rotary_seq_len(*args, **kwargs)
+
+    def forward(self, max_seq_len: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+        emb = self.table(max_seq_len, *args, **kwargs)  # [S, 1, 1, dim] for positions 0 … S-1
+        return emb if self.positions is None else emb[self.positions]
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One forward of a micro-step: a path, or a packed tree; ``loss(logits)`` on the last stage."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    hidden: Any
+    """[1, 1, T, T], True = hidden; or a FlexAttention block mask (True = attend)."""
+    loss: Callable[[torch.Tensor], tuple[torch.Tensor, int]]
+
+    @property
+    def length(self) -> int:
+        return self.ids.shape[1]
 
 
 @dataclass(frozen=True)
@@ -167,10 +226,12 @@ class MegatronTrainer:
         grad_buffer: np.ndarray | None = None,
         seed: int = 0,
         world: MegatronWorld | None = None,
+        packing: str = "paths",
     ) -> None:
         from megatron.core import parallel_state
 
         self.config = config
+        self.packing = packing
         self.model_config = Qwen3Config.load(model_dir)
         self.layout = Layout(self.model_config, tp=config.tp_size, pp=config.pp_size)
         init_megatron(world or MegatronWorld.alone(), config.tp_size, config.pp_size, seed)
@@ -192,7 +253,9 @@ class MegatronTrainer:
         )
         bf16 = config.dtype == "bfloat16"
         self.dtype = torch.bfloat16 if bf16 else torch.float32
-        self.model = build_model(self.model_config, self.layout, self.dtype, self.stage)
+        on_cuda = self.device.type == "cuda"
+        self.model = build_model(self.model_config, self.layout, self.dtype, self.stage, block_masks=on_cuda)
+        self.rotary = self.model.rotary_pos_emb = PositionedRotary(self.model.rotary_pos_emb)
         self.model.train()
         self.params = dict(self.model.named_parameters())
         # bfloat16 parameters compute; the core steps fp32 master copies and casts them back.
@@ -244,13 +307,18 @@ class MegatronTrainer:
         self.grad[:] = 0.0
 
     def micro_step(self, sequences: list[TrainSequence]) -> MicroStats:
-        c = self.config
-        mine = sequences[self.dp_rank :: self.dp]  # data-parallel replicas inside the cell split them
-        if self.layout.pp == 1:
-            logprobs = lambda ids: self._token_logprobs(self._forward(ids), ids)  # noqa: E731
-            stats = policy_micro_step(mine, logprobs, c.clip_low, c.clip_high, self.device)
+        # Data-parallel replicas inside the cell split the sequences (a tree keeps a run whole).
+        if self.packing == "tree":
+            mine = [s for run in by_run(sequences)[self.dp_rank :: self.dp] for s in run]
+            # Pipeline micro-batches are runs; on one stage, one tree of them all under block masks.
+            sparse = self.device.type == "cuda" and self.layout.pp == 1
+            units = [self._tree_unit(t) for t in forward_trees(mine, block_sparse=sparse)]
         else:
-            stats = self._pipeline_micro_step(mine)
+            mine = sequences[self.dp_rank :: self.dp]
+            units = [self._path_unit(s) for s in mine]
+        units = [u for u in units if u.length]
+        stats = self._pipeline(units) if self.layout.pp > 1 else self._forward_backward(units)
+        stats = micro_stats(mine, *stats)
         if self.dp > 1:
             stats = self._sum_over_replicas(sequences, stats)
         # The gradient leaves in the shared layout, where the core (or the transport) reads it,
@@ -260,32 +328,69 @@ class MegatronTrainer:
             p.grad = None
         return stats
 
-    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """This stage's output: the last stage's logits over this rank's vocabulary shard
-        [1, T, padded vocab / tp]; hidden states [T, 1, H] before it."""
+    def _path_unit(self, s: TrainSequence) -> _Unit:
+        ids = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))[None].to(self.device)
         n = ids.shape[1]
         # True = hidden: every position sees itself and what precedes it.
-        causal = torch.triu(torch.ones(1, 1, n, n, dtype=torch.bool, device=ids.device), diagonal=1)
-        positions = torch.arange(n, device=ids.device)[None]
-        return self.model(ids, positions, attention_mask=causal)
+        hidden = torch.triu(torch.ones(1, 1, n, n, dtype=torch.bool, device=self.device), diagonal=1)
+        positions = torch.arange(n, device=self.device)[None]
+        c = self.config
 
-    def _pipeline_micro_step(self, sequences: list[TrainSequence]) -> MicroStats:
+        def loss(logits: torch.Tensor) -> tuple[torch.Tensor, int]:
+            rows = torch.arange(n - 1, device=self.device)
+            logp = F.pad(self._logprobs(logits, rows, ids[0, 1:]), (1, 0))
+            return sequence_loss(s, logp, c.clip_low, c.clip_high)
+
+        return _Unit(ids, positions, hidden, loss)
+
+    def _tree_unit(self, tree: PackedTree) -> _Unit:
+        ids, positions = tree_inputs(tree, self.device)
+        if self.device.type == "cuda":  # block-sparse: no N² tensor (models.tree_attention)
+            hidden = block_mask(tree.ends, self.device)
+        else:
+            hidden = ~dense_mask(tree.ends, self.device)[None, None]
+        c = self.config
+
+        def loss(logits: torch.Tensor) -> tuple[torch.Tensor, int]:
+            rows, tokens, has_parent = entry_rows(tree, self.device)
+            logp = torch.where(has_parent, self._logprobs(logits, rows, tokens), 0.0)
+            return packed_loss(tree, logp, c.clip_low, c.clip_high)
+
+        return _Unit(ids, positions, hidden, loss)
+
+    def _forward(self, unit: _Unit) -> torch.Tensor:
+        """This stage's output: the last stage's logits over this rank's vocabulary shard
+        [1, T, padded vocab / tp]; hidden states [T, 1, H] before it."""
+        self.rotary.positions = unit.positions[0]
+        try:
+            return self.model(unit.ids, unit.positions, attention_mask=unit.hidden)
+        finally:
+            self.rotary.positions = None
+
+    def _forward_backward(self, units: list[_Unit]) -> tuple[float, int, int]:
+        loss_sum, clipped = 0.0, 0
+        for u in units:
+            loss, out = u.loss(self._forward(u))
+            loss.backward()
+            loss_sum, clipped = loss_sum + float(loss.detach()), clipped + out
+        return loss_sum, clipped, sum(u.length for u in units)
+
+    def _pipeline(self, units: list[_Unit]) -> tuple[float, int, int]:
         """The GPipe schedule of the module doc: every forward, then every backward, in order."""
-        c, dist = self.config, torch.distributed
+        dist = torch.distributed
         first, last = self.stage == 0, self.stage == self.layout.pp - 1
         hidden = self.model_config.hidden_size
-        kept = []  # per sequence: (input hidden state or None, output)
-        for s in sequences:
+        kept = []  # per unit: (input hidden state or None, output)
+        for u in units:
             x = None
             if not first:
-                x = torch.empty(len(s), 1, hidden, dtype=self.dtype, device=self.device)
+                x = torch.empty(u.length, 1, hidden, dtype=self.dtype, device=self.device)
                 dist.recv(x, self.prev_rank)
                 x.requires_grad_()
             self.model.set_input_tensor(x)
-            ids = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))[None].to(self.device)
-            out = self._forward(ids)
+            out = self._forward(u)
             if last:
-                out = sequence_loss(s, self._token_logprobs(out, ids), c.clip_low, c.clip_high)
+                out = u.loss(out)
             else:
                 dist.send(out.detach().contiguous(), self.next_rank)
             kept.append((x, out))
@@ -305,23 +410,23 @@ class MegatronTrainer:
         # The loss is known on the last stage; every rank reports it.
         totals = torch.tensor([loss_sum, float(clipped)], dtype=torch.float64, device=self.device)
         dist.broadcast(totals, dist.get_global_rank(self.pp_group, self.layout.pp - 1), group=self.pp_group)
-        return micro_stats(sequences, float(totals[0]), int(totals[1]))
+        return float(totals[0]), int(totals[1]), sum(u.length for u in units)
 
-    def _token_logprobs(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """``loss.policy.token_logprobs`` from this rank's vocabulary shard of the logits: the
-        softmax is reduced over the tensor-parallel group, so no rank holds the whole vocabulary.
-        Padding columns are excluded, as the engines' logits have none."""
+    def _logprobs(self, logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The log-prob of ``tokens`` [M] under the logits of ``rows`` [M], from this rank's
+        vocabulary shard: the softmax is reduced over the tensor-parallel group, so no rank holds
+        the whole vocabulary. Padding columns are excluded, as the engines' logits have none."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         vocab = self.model_config.vocab_size
         if self.layout.tp == 1:
-            return token_logprobs(logits[0, :, :vocab], ids[0])
-        shard = logits[0, :-1].float()
+            logp = torch.log_softmax(logits[0, rows, :vocab].float(), -1)
+            return logp.gather(-1, tokens[:, None])[:, 0]
+        shard = logits[0, rows].float()
         first = self.tp_rank * shard.shape[-1]
         padding = torch.arange(first, first + shard.shape[-1], device=shard.device) >= vocab
         shard = shard.masked_fill(padding, float("-inf"))
-        nll = vocab_parallel_cross_entropy(shard[:, None], ids[0, 1:, None])  # [T-1, 1]
-        return F.pad(-nll[:, 0], (1, 0))
+        return -vocab_parallel_cross_entropy(shard[:, None], tokens[:, None])[:, 0]
 
     def _sum_over_replicas(self, sequences: list[TrainSequence], mine: MicroStats) -> MicroStats:
         """Gradients and loss summed over the data-parallel replicas of the cell (as megatron's
@@ -331,9 +436,10 @@ class MegatronTrainer:
             if p.grad is None:  # this replica had no sequence
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=self.dp_group)
-        totals = torch.tensor([mine.loss_sum, float(mine.clipped)], dtype=torch.float64, device=self.device)
+        totals = [mine.loss_sum, float(mine.clipped), float(mine.tokens)]
+        totals = torch.tensor(totals, dtype=torch.float64, device=self.device)
         dist.all_reduce(totals, group=self.dp_group)
-        return micro_stats(sequences, float(totals[0]), int(totals[1]))
+        return micro_stats(sequences, float(totals[0]), int(totals[1]), int(totals[2]))
 
     def _sum_tied_embedding_grads(self) -> None:
         """A tied embedding's two copies (first stage: embedding, last: output layer) take the sum

@@ -14,10 +14,20 @@ import torch
 
 from gyre_hpc.loss.policy import token_logprobs
 from gyre_hpc.models.flat import FlatLayout
-from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
+from gyre_hpc.models.qwen3 import KV, Qwen3ForCausalLM
 from gyre_hpc.recipe.schema import TrainerConfig
-from gyre_hpc.trainer.base import ApplyStats, MicroStats, mean_gradient_scale, policy_micro_step
+from gyre_hpc.trainer.base import (
+    ApplyStats,
+    MicroStats,
+    entry_rows,
+    mean_gradient_scale,
+    micro_stats,
+    packed_loss,
+    policy_micro_step,
+    tree_inputs,
+)
 from gyre_hpc.trajectory.batch import TrainSequence
+from gyre_hpc.trajectory.packing import PackedTree, pack_tree
 
 
 class TorchTrainer:
@@ -28,8 +38,11 @@ class TorchTrainer:
         *,
         core: bool,
         grad_buffer: np.ndarray | None = None,
+        packing: str = "paths",
     ) -> None:
         self.config = config
+        self.packing = packing
+        """``tree``: a micro-step's sequences forwarded as one packed tree (``trajectory.packing``)."""
         self.model = Qwen3ForCausalLM.from_pretrained(model_dir).train()
         layout = FlatLayout.of(self.model.config)
         self.numel = layout.numel
@@ -64,8 +77,41 @@ class TorchTrainer:
 
     def micro_step(self, sequences: list[TrainSequence]) -> MicroStats:
         c = self.config
+        if self.packing == "tree":
+            return self._tree_micro_step(sequences)
         logprobs = lambda ids: token_logprobs(self.model(ids)[0][0], ids[0])  # noqa: E731
         return policy_micro_step(sequences, logprobs, c.clip_low, c.clip_high)
+
+    def _tree_micro_step(self, sequences: list[TrainSequence]) -> MicroStats:
+        c = self.config
+        tree = pack_tree(sequences)
+        if not len(tree):
+            return micro_stats(sequences, 0.0, 0, 0)
+        logits = self._tree_logits(tree)
+        rows, targets, has_parent = entry_rows(tree)
+        logp = torch.log_softmax(logits[rows].float(), -1).gather(-1, targets[:, None])[:, 0]
+        loss, clipped = packed_loss(tree, torch.where(has_parent, logp, 0.0), c.clip_low, c.clip_high)
+        loss.backward()
+        return micro_stats(sequences, float(loss.detach()), clipped, len(tree))
+
+    def _tree_logits(self, tree: PackedTree) -> torch.Tensor:
+        """Logits of every packed token [N, V]: the chains in order, each forwarded over the keys
+        and values its ancestors left (gathered, so gradients flow back to them), causal inside.
+        No N × N mask: each token attends to exactly its ancestors, as in its paths."""
+        ids, positions = tree_inputs(tree)
+        layers: list[list[KV]] = []  # per forwarded chain: each layer's keys and values
+        out = []
+        for start, end in tree.chains():
+            seen = torch.from_numpy(tree.ancestors(start))
+            past = None
+            if len(seen):
+                whole = [(torch.cat([c[i][0] for c in layers], 2), torch.cat([c[i][1] for c in layers], 2))
+                         for i in range(len(layers[0]))]  # fmt: skip
+                past = [(k.index_select(2, seen), v.index_select(2, seen)) for k, v in whole]
+            logits, kv = self.model(ids[:, start:end], positions[:, start:end], past=past)
+            layers.append(kv)
+            out.append(logits[0])
+        return torch.cat(out)
 
     def apply(self, num_runs: int) -> ApplyStats:
         if self.optimizer is None:

@@ -1,6 +1,8 @@
 """A megatron trainer over DP × TP × PP ranks: one micro-step and one update, recorded by rank 0.
 
-mpirun -n DP·TP·PP python megatron_parallel.py MODEL_DIR OUT_NPZ TP PP
+mpirun -n DP·TP·PP python megatron_parallel.py MODEL_DIR OUT_NPZ TP PP [PACKING]
+
+With PACKING ``tree`` the micro-step is the forked sequences of ``test_tree_packing``, packed.
 """
 
 import dataclasses
@@ -15,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 warnings.filterwarnings("ignore")
 
 from test_megatron_backend import CFG, sequences  # noqa: E402
+from test_tree_packing import forked_sequences  # noqa: E402
 
 from gyre_hpc.models.qwen3 import Qwen3Config  # noqa: E402
 from gyre_hpc.trainer.megatron_backend import MegatronTrainer, MegatronWorld  # noqa: E402
@@ -22,18 +25,22 @@ from gyre_hpc.trainer.megatron_backend import MegatronTrainer, MegatronWorld  # 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
 model_dir, out, tp, pp = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+packing = sys.argv[5] if len(sys.argv) > 5 else "paths"
 port = comm.bcast(MegatronWorld.alone().port if rank == 0 else None, root=0)
 trainer = MegatronTrainer(
     model_dir,
     dataclasses.replace(CFG, tp_size=tp, pp_size=pp),
     core=True,
     world=MegatronWorld(rank, size, "127.0.0.1", port),
+    packing=packing,
 )
 before = trainer.weights().copy()
-stats = trainer.micro_step(sequences(Qwen3Config.load(model_dir).vocab_size))
+vocab = Qwen3Config.load(model_dir).vocab_size
+stats = trainer.micro_step(forked_sequences(vocab) if packing == "tree" else sequences(vocab))
 grad = trainer.gradient().copy()
 trainer.apply(3)
 after = trainer.weights().copy()
 if rank == 0:
-    np.savez(out, before=before, grad=grad, after=after, loss=stats.loss_sum, clipped=stats.clipped)
+    np.savez(out, before=before, grad=grad, after=after, loss=stats.loss_sum, clipped=stats.clipped,
+             tokens=stats.tokens)  # fmt: skip
 comm.Barrier()

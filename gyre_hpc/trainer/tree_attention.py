@@ -1,0 +1,70 @@
+"""The attention of a tree packed depth-first: token ``i`` sees ``j`` iff ``j ≤ i < end[j]``.
+
+The megatron trainer's two exact forms of the one rule, chosen by where it computes (the torch
+trainer needs neither: it forwards a tree chain by chain over its ancestors' keys and values):
+
+```
+ dense   [N, N] booleans        any device, megatron's local       N² bytes: 1 GiB at 32K, 16 GiB at 128K,
+                                attention (scores materialised)    + heads × N² scores per layer
+ blocks  FlexAttention mask     CUDA (FlexAttention has no CPU      (N/128)² block entries: 64 Ki at 32K,
+         from the same rule     backward)                           1 Mi at 128K; no N² tensor anywhere
+```
+
+The block form skips every 128 × 128 tile the rule empties (a sibling's subtree, the future)
+and computes the rest fused, which is what makes 128K-token trees fit on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+import torch
+
+BLOCK = 128
+
+
+def dense_mask(ends: np.ndarray, device: torch.device | None = None) -> torch.Tensor:
+    """[N, N] booleans, True where the query row attends to the key column."""
+    ends = torch.from_numpy(ends).to(device)
+    n = len(ends)
+    q = torch.arange(n, device=device)[:, None]
+    k = torch.arange(n, device=device)[None, :]
+    return (k <= q) & (q < ends[None, :])
+
+
+def block_mask(ends: np.ndarray, device: torch.device) -> Any:
+    """FlexAttention's block-sparse form of the same rule (a ``BlockMask``)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    ends = torch.from_numpy(ends).to(device)
+
+    def visible(b, h, q, k):  # noqa: ANN001, ANN202 - FlexAttention's mask_mod signature
+        return (k <= q) & (q < ends[k])
+
+    n = len(ends)
+    return create_block_mask(visible, None, None, n, n, device=device, BLOCK_SIZE=BLOCK)
+
+
+def is_block_mask(mask: object) -> bool:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    return isinstance(mask, BlockMask)
+
+
+@functools.cache
+def compiled_flex_attention() -> Any:
+    """FlexAttention compiled once per process (uncompiled it materialises the scores)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False) if torch.cuda.is_available() else flex_attention
+
+
+def flex(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, scale: float | None = None
+) -> torch.Tensor:
+    """Attention of ``q`` [b, heads, t, d] over ``k``/``v`` [b, kv heads, t, d] under a block mask
+    (``scale``: the softmax scale, 1/√d by default)."""
+    groups = q.shape[1] // k.shape[1]
+    return compiled_flex_attention()(q, k, v, block_mask=mask, scale=scale, enable_gqa=groups > 1)

@@ -20,6 +20,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from gyre_hpc.agents.dispatch import Outcome
 from gyre_hpc.recipe.schema import TasksConfig, TrajectoryConfig
 from gyre_hpc.tasks.suites import SUITES, load_suite
@@ -231,6 +233,20 @@ def step_stats(
         "statuses": dict(sorted(Counter(o.execution.status for o in outcomes).items())),
         "groups": list(work),
     }
+
+
+def token_staleness(micro_steps: Iterable[list[TrainSequence]], trained_from: int) -> dict[str, int]:
+    """Trained tokens by how many versions lie between the one that generated them and the one
+    the update trains from (0: on-policy): the micro-steps an update actually trained."""
+    count: Counter[int] = Counter()
+    for mb in micro_steps:
+        for s in mb:
+            if s.versions is not None:
+                lags, n = np.unique(
+                    trained_from - s.versions[np.asarray(s.loss_mask) > 0], return_counts=True
+                )
+                count.update(dict(zip(lags.tolist(), n.tolist(), strict=True)))
+    return {str(k): v for k, v in sorted(count.items())}
 
 
 def staleness(trees: Iterable[TrajectoryTree], trained_from: int) -> dict[str, int]:

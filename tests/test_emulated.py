@@ -94,7 +94,7 @@ def test_bench_modes_runs_every_async_split_and_ours_and_the_simulator_makes_the
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert "simulated / real" in out and "vs the paper's elastic rule" in out
+    assert "simulated / real" in out and "real / bound" in out and "vs the paper's elastic rule" in out
     assert "(best async)" in out and "vs the best async (async " in out  # both splits ran, the best is named
     runs = tmp_path / "runs"
     assert sorted(p.name for p in runs.iterdir()) == ["async-1of3", "async-2of3", "elastic", "elastic+carry"]

@@ -6,8 +6,11 @@ from pathlib import Path
 
 import pytest
 from conftest import gyre
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gyre_hpc.scheduler.policy import Role
+from gyre_hpc.sim.bound import step_bound
 from gyre_hpc.sim.config import CONFIGS, SimConfig, ablations, variants
 from gyre_hpc.sim.simulate import Simulation, simulate
 
@@ -65,6 +68,7 @@ def test_bench_sim_prints_ratios_and_plots(tmp_path: Path) -> None:
     proc = gyre("bench", "sim", "--config", "smoke", "--set", "steps=3", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     assert "vs the best async (async " in proc.stdout and "vs colocate" in proc.stdout
+    assert "total / bound" in proc.stdout and "idle slots" in proc.stdout and "h a step" in proc.stdout
     assert {p.name for p in tmp_path.iterdir()} >= {"step_times.png", "gantt_elastic.png", "time_split.png"}
     bad = gyre("bench", "sim", "--set", "cels=3")
     assert bad.returncode == 2 and "unknown simulator key; valid: cells" in bad.stderr
@@ -107,3 +111,42 @@ def test_bench_sim_reports_ours_and_the_ablations(tmp_path: Path) -> None:
     assert "vs the paper's elastic rule" in proc.stdout and "ablations" in proc.stdout
     bad = gyre("bench", "sim", "--set", "streaming=maybe")
     assert bad.returncode == 2 and "valid: elastic, all, none" in bad.stderr
+
+
+def test_a_step_bound_is_its_work_or_its_critical_path() -> None:
+    cfg = SimConfig(cells=2, capacity=4, pool_capacity=0, publish_s=1.0, exec_overhead_s=0.0)
+    # 8 executions of 10 s (80 slot-s over 8 slots) and 8 s of training over 2 cells: work 14 s
+    assert step_bound([[10.0] * 4, [10.0] * 4], [[2.0, 2.0], [2.0, 2.0]], cfg) == 10 + 4 + 1
+    # one 100 s execution, then its group's 6 s of training (3 s over 2 cells; a 5 s micro-step)
+    assert step_bound([[100.0, 1.0], [1.0]], [[5.0, 1.0], [1.0]], cfg) == 100 + 5 + 1
+    # a rollout pool adds slots but never trains: (S + capacity · T) / (cells · capacity + pool)
+    pooled = cfg.with_(pool_capacity=8)
+    assert step_bound([[10.0] * 8] * 3, [[2.0, 2.0]] * 3, pooled) == (240 + 4 * 12) / 16 + 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 5), st.integers(1, 6), st.sampled_from([0, 4]), st.floats(0.1, 1.5),
+    st.floats(0.5, 20.0), st.integers(0, 10**6),
+)  # fmt: skip
+def test_no_schedule_beats_the_bound_and_idle_slots_are_part_of_sampling(
+    cells: int, capacity: int, pool: int, sigma: float, train_s: float, seed: int
+) -> None:
+    cfg = SimConfig(
+        cells=cells, capacity=capacity, pool_capacity=pool, prompts=4, group_size=3, steps=3,
+        duration_sigma=sigma, train_s_per_exec=train_s, seed=seed,
+    )  # fmt: skip
+    for mode in ("elastic", "colocate", "async"):
+        if mode == "async" and cells < 2 and not pool:
+            continue
+        r = simulate(cfg.with_(async_train_cells=1), mode)
+        assert len(r.step_bounds) == cfg.steps and r.total_s >= r.bound_s * (1 - 1e-9)
+        for cell in r.cells:
+            assert 0 <= cell.idle_slots <= cell.sampling + 1e-9
+
+
+def test_colocate_holds_idle_slots_through_the_long_tail() -> None:
+    """A sampling cell holding the burst's last executions is mostly idle, not busy."""
+    elastic, colocate = (simulate(LONG_TAIL, m) for m in ("elastic", "colocate"))
+    share = lambda r: sum(c.idle_slots for c in r.cells) / sum(c.sampling for c in r.cells)  # noqa: E731
+    assert share(colocate) > 0.2 and share(elastic) < share(colocate)

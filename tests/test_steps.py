@@ -104,6 +104,9 @@ def test_async_keeps_its_split_and_samples_the_next_burst_while_it_trains(tmp_pa
     # Burst k+1 was dispatched when burst k ended, so it was served one version behind.
     assert steps[0].staleness == {"0": 12}
     assert steps[1].staleness == {"1": 12} and steps[2].staleness == {"1": 12}
+    # The same in trained tokens: every token the update trained was generated one version behind.
+    assert set(steps[0].staleness_tokens) == {"0"} and steps[0].staleness_tokens["0"] > 0
+    assert [set(s.staleness_tokens) for s in steps[1:]] == [{"1"}, {"1"}]
     # A checkpoint keeps the log up to its burst's end, though the next burst's first calls
     # (ending 1 s into it) were logged before the step was applied: a resumed run redoes them.
     assert [s["tito_bytes"] for s in fleet.states] == [12, 24, 36]

@@ -11,8 +11,10 @@ import random
 import numpy as np
 import pytest
 
+from gyre_hpc.step_data import token_staleness
 from gyre_hpc.trajectory import TitoRecord, TrajectoryTree, select_paths
 from gyre_hpc.trajectory.batch import build_batch, group_advantages, pack_micro_steps
+from gyre_hpc.trajectory.records import CallMeta
 
 
 def rec(call: str, inp: list[int], out: list[int], role: str = "main", run: str = "r") -> TitoRecord:
@@ -182,3 +184,15 @@ def test_pack_micro_steps_first_fit_decreasing() -> None:
     bins = pack_micro_steps([5, 3, 9, 2, 4], max_tokens=10)
     assert sorted(sorted(b) for b in bins) == [[0, 4], [1, 3], [2]]
     assert pack_micro_steps([12], max_tokens=10) == [[0]]
+
+
+def test_each_trained_token_keeps_the_version_that_generated_it() -> None:
+    """Calls served by versions 3 and 5: a path carries each loss token's version, and an update
+    trained from version 5 sees those tokens 2 and 0 versions behind."""
+    first = TitoRecord("r", "c1", "main", [1, 2], [3, 4], [-0.1, -0.2], CallMeta(policy_version=3))
+    second = TitoRecord("r", "c2", "main", [1, 2, 3, 4, 9], [5, 6, 7], [-0.3] * 3, CallMeta(policy_version=5))
+    tree = TrajectoryTree.from_records([first, second])
+    (path,) = select_paths(tree, jmax=1, rng=random.Random(0))
+    assert path.versions[path.loss_mask].tolist() == [3, 3, 5, 5, 5]
+    batch = build_batch({"r": [path]}, {"r": 1.0})
+    assert token_staleness([batch.sequences], trained_from=5) == {"0": 3, "2": 2}

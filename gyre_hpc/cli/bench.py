@@ -92,23 +92,27 @@ def sim(
     best = best_async(times)
     shape = f"{cfg.cells} cells × {cfg.capacity}, {cfg.prompts}×{cfg.group_size} executions"
     table = Table(title=f"{config}: {shape}, {cfg.steps} steps")
-    for col in ("mode", "total h", "mean step h", "sampling", "training", "idle", "switching", "switches"):
+    columns = ("mode", "total h", "mean step h", "total / bound", "sampling", "idle slots", "training",
+               "idle", "switching", "switches")  # fmt: skip
+    for col in columns:
         table.add_column(col, justify="right")
     for name, r in results.items():
-        cell_s = r.total_s * len(r.cells)
-        share = {
-            k: sum(getattr(c, k) for c in r.cells) / cell_s
-            for k in ("sampling", "training", "idle", "switching")
-        }
+        share = r.time_split()
         table.add_row(
             name + (" (best async)" if name == best else ""),
             f"{r.total_s / 3600:.2f}",
             f"{r.total_s / 3600 / len(r.step_ends):.3f}",
-            *(f"{share[k]:.0%}" for k in ("sampling", "training", "idle", "switching")),
+            f"{r.total_s / r.bound_s:.3f}",
+            *(f"{share[k]:.0%}" for k in ("sampling", "idle slots", "training", "idle", "switching")),
             str(r.switches),
         )
-    console = Console()
+    console = Console(width=max(Console().width, 130))
     console.print(table)
+    bound = next(iter(results.values())).bound_s
+    console.print(
+        f"bound {bound / 3600:.2f} h ({bound / 3600 / cfg.steps:.3f} h a step): each step's work spread "
+        "over every slot and cell, or its longest execution and the training that must follow it"
+    )
     for line in speedups(times):
         console.print(line)
     if ablations:
@@ -189,10 +193,12 @@ def _report(console: Console, title: str, runs: dict[str, RunDir], simulated: di
     for col in ("mode", "step s", "sampling s", "training began before burst end (s)", "reward"):
         table.add_column(col, justify="right")
     if simulated:
-        table.add_column("simulated step s", justify="right")
-        table.add_column("simulated / real", justify="right")
+        for col in ("simulated step s", "simulated / real", "bound s", "real / bound"):
+            table.add_column(col, justify="right")
     real = {name: _summarize(rd) for name, rd in runs.items()}
     sim = {name: mean(r.step_times[1:]) for name, r in simulated.items()}
+    # The bound of each run's own recorded work, with the calibrated costs (``sim.bound``).
+    bound = {name: mean(r.step_bounds[1:]) for name, r in simulated.items()}
     step_s = {name: r["step_s"] for name, r in real.items()}
     best = best_async(step_s)
     for name, r in real.items():
@@ -204,7 +210,13 @@ def _report(console: Console, title: str, runs: dict[str, RunDir], simulated: di
             f"{r['reward']:.3f}",
         ]
         if simulated:
-            row += [f"{sim[name]:.2f}", f"{sim[name] / r['step_s']:.3f}"]
+            b = bound[name]
+            row += [
+                f"{sim[name]:.2f}",
+                f"{sim[name] / r['step_s']:.3f}",
+                f"{b:.2f}",
+                f"{r['step_s'] / b:.3f}",
+            ]
         table.add_row(*row)
     console.print(table)
     for label, times in (("real", step_s), ("simulated", sim)):

@@ -214,6 +214,9 @@ class Step(Event):
     (of each item binned into micro-steps: a path, or with tree packing a run's paths as a tree)."""
     staleness: dict[str, int] = field(default_factory=dict)
     """Calls by versions between the one trained from and the one that served them."""
+    staleness_tokens: dict[str, int] = field(default_factory=dict)
+    """Trained tokens by versions between the one the update trained from and the one that
+    generated them (carried micro-steps included)."""
     loss: float = 0.0
     grad_norm: float = 0.0
     clipped_tokens: int = 0

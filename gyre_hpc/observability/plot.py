@@ -1,5 +1,5 @@
-"""The run's reward and pass-rate curves, drawn from its events only (the run directory's
-``metrics.png``)."""
+"""The run's reward and pass-rate curves and how stale its trained tokens were, drawn from its
+events only (the run directory's ``metrics.png``)."""
 
 from __future__ import annotations
 
@@ -19,20 +19,35 @@ def plot_run(events: list[ev.Event], out: Path, title: str) -> Path | None:
     matplotlib.use("Agg")  # files only: no display on compute nodes
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    fig, (ax, low) = plt.subplots(2, 1, figsize=(7, 5.5), dpi=100, height_ratios=(3, 1), sharex=True)
     x = [e.step for e in steps]
     ax.plot(x, [e.reward_mean for e in steps], "o-", label="training reward (mean)")
     ax.plot(x, [e.pass_rate for e in steps], "s--", label="training pass rate")
     if evals:
         ax.plot([e.step for e in evals], [e.pass_rate for e in evals], "D-", label="held-out pass rate")
-    ax.set_xlabel("step")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     ax.set_title(title)
+    _staleness(low, steps)
     fig.tight_layout()
     tmp = out.with_suffix(".tmp.png")
     fig.savefig(tmp)
     plt.close(fig)
     tmp.replace(out)
     return out
+
+
+def _staleness(ax, steps: list[ev.Step]) -> None:  # noqa: ANN001 - a matplotlib Axes
+    """Each step's trained tokens as shares by version lag (0: on-policy), stacked."""
+    lags = sorted({int(k) for e in steps for k in e.staleness_tokens})
+    bottom = [0.0] * len(steps)
+    for lag in lags:
+        share = [
+            e.staleness_tokens.get(str(lag), 0) / max(sum(e.staleness_tokens.values()), 1) for e in steps
+        ]
+        ax.bar([e.step for e in steps], share, bottom=bottom, label=f"{lag} behind")
+        bottom = [b + s for b, s in zip(bottom, share, strict=True)]
+    ax.set(xlabel="step", ylabel="trained tokens\nby lag", ylim=(0, 1.02))
+    if lags:
+        ax.legend(loc="lower right", fontsize=7, ncol=len(lags))

@@ -44,7 +44,15 @@ from gyre_hpc.scheduler.policy import (
     sched_state,
     writes_checkpoint,
 )
-from gyre_hpc.step_data import StepBatch, StreamingBatch, staleness, step_batch, step_jobs, step_tasks
+from gyre_hpc.step_data import (
+    StepBatch,
+    StreamingBatch,
+    staleness,
+    step_batch,
+    step_jobs,
+    step_tasks,
+    token_staleness,
+)
 from gyre_hpc.tasks.task import Task
 from gyre_hpc.trajectory.batch import TrainSequence
 from gyre_hpc.trajectory.tree import TrajectoryTree
@@ -106,6 +114,7 @@ class StepRecord:
     skipped: bool
     staleness: dict[str, int]
     switches: list[dict[str, Any]]
+    staleness_tokens: dict[str, int] = field(default_factory=dict)
     carried_in: int = 0
     carried_out: int = 0
     train_before_burst_end_s: float | None = None
@@ -122,6 +131,7 @@ def step_event(r: StepRecord, now: float, roles: dict[int, Role]) -> ev.Step:
         roles={str(c): str(role) for c, role in sorted(roles.items())},
         **r.stats,
         staleness=r.staleness,
+        staleness_tokens=r.staleness_tokens,
         loss=sum(d.loss_sum for d in done) / max(r.loss_runs, 1),
         grad_norm=round(r.applied.grad_norm, 6),
         clipped_tokens=sum(d.clipped for d in done),
@@ -297,6 +307,7 @@ class StepKind:
         return StepRecord(
             step, started, sampled, batch.stats, batch.num_runs, done, applied, runs == 0,
             staleness(batch.trees.values(), trained_from), self.switches,
+            token_staleness(batch.queue, trained_from),
         )  # fmt: skip
 
 
@@ -398,6 +409,7 @@ class ElasticStep(StepKind):
         return StepRecord(
             step, started, b.closed_at or c.clock(), batch.stats(), batch.num_runs, b.done, applied,
             runs == 0, staleness(batch.trees.values(), trained_from), self.switches,
+            token_staleness((batch.queue[i] for i in sorted(trained)), trained_from),
             carried_in=carried_in, carried_out=len(self.carried),
             train_before_burst_end_s=None if early is None else round(max(early, 0.0), 3),
         )  # fmt: skip

@@ -1,4 +1,5 @@
-"""Pictures of simulated runs: step times per mode, cell roles over time, GPU-time split."""
+"""Pictures of simulated runs: step times per mode, cell roles over time, GPU-time split (a
+sampling cell's time divided into busy and idle slots)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 from gyre_hpc.sim.simulate import SimResult
 
 COLORS = {"sampling": "#4c72b0", "training": "#dd8452", "idle": "#cccccc", "switching": "#c44e52"}
+SPLIT = {**COLORS, "idle slots": "#a6bddb"}  # a sampling cell whose slots stand empty
 
 
 def plot_all(results: dict[str, SimResult], out: Path, title: str, unit: str = "h") -> list[Path]:
@@ -47,11 +49,10 @@ def plot_all(results: dict[str, SimResult], out: Path, title: str, unit: str = "
         paths.append(_save(fig, out / f"gantt_{mode.replace('/', 'of').replace(' ', '-')}.png"))
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     bottom = [0.0] * len(results)
-    for what, color in COLORS.items():
-        share = [
-            sum(getattr(c, what) for c in r.cells) / (r.total_s * len(r.cells)) for r in results.values()
-        ]
-        ax.bar(list(results), share, bottom=bottom, color=color, label=what)
+    splits = [r.time_split() for r in results.values()]
+    for what in ("sampling", "idle slots", "training", "idle", "switching"):
+        share = [split[what] for split in splits]
+        ax.bar(list(results), share, bottom=bottom, color=SPLIT[what], label=what)
         bottom = [b + s for b, s in zip(bottom, share, strict=True)]
     ax.set(ylabel="share of cell time", title=f"{title}: GPU-time split")
     ax.legend(fontsize=7)

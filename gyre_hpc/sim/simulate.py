@@ -11,6 +11,7 @@
 
 Nothing here decides a role: ``scheduler.policy.decide`` does, exactly as in the runtime, on a
 state built by the same ``sched_state``. Time only moves between events; there is no compute.
+Each completed step also gets its physical bound (``sim.bound``), from the work it was given.
 
 The workload is a function from a step to its prompt groups: each group's execution durations
 and the micro-steps it yields. ``sampled`` draws it from the config's distributions;
@@ -36,6 +37,7 @@ from gyre_hpc.scheduler.policy import (
     sched_state,
     writes_checkpoint,
 )
+from gyre_hpc.sim.bound import step_bound
 from gyre_hpc.sim.config import SimConfig
 from gyre_hpc.trajectory.batch import pack_micro_steps
 
@@ -90,6 +92,9 @@ class CellTime:
     training: float = 0.0
     idle: float = 0.0
     switching: float = 0.0
+    idle_slots: float = 0.0
+    """The part of ``sampling`` in which its slots stood empty (sampling time × the share of
+    slots empty): a sampling cell holding one last execution is mostly idle, not busy."""
 
 
 @dataclass
@@ -102,10 +107,27 @@ class SimResult:
     """(step, cell, role it switched to), in the order the switches began."""
     timeline: list[tuple[int, float, float, str]] = field(default_factory=list)
     """(cell, start, end, what) for a Gantt chart."""
+    step_bounds: list[float] = field(default_factory=list)
+    """Each completed step's physical bound (``sim.bound``), from the work it was given."""
 
     @property
     def switches(self) -> int:
         return len(self.switch_log)
+
+    @property
+    def bound_s(self) -> float:
+        return sum(self.step_bounds)
+
+    def time_split(self) -> dict[str, float]:
+        """Shares of cell time: ``sampling`` with its slots busy, ``idle slots`` the rest of the
+        sampling role, then training, idle and switching."""
+        cell_s = self.total_s * len(self.cells) or 1.0
+        total = lambda what: sum(getattr(c, what) for c in self.cells) / cell_s  # noqa: E731
+        return {
+            "sampling": total("sampling") - total("idle_slots"),
+            "idle slots": total("idle_slots"),
+            **{what: total(what) for what in ("training", "idle", "switching")},
+        }
 
     @property
     def step_times(self) -> list[float]:
@@ -158,6 +180,11 @@ class Simulation:
         self.carried: list[float] = []  # carry_tail: micro-steps left for the next step
         self.stopping: set[int] = set()  # steps applied at their burst's end (carry_tail)
         self.carried_in: dict[int, int] = {}  # step -> micro-steps carried into it
+        # slot occupancy: ∫ (occupied slots / slots) dt, so sampling time splits into busy and idle
+        self.occupied = 0.0
+        self.occupancy = 0.0
+        self.last_t = 0.0
+        self.occupied_at = [0.0] * cfg.cells
 
     # ---- events -----------------------------------------------------------------------------
 
@@ -168,23 +195,45 @@ class Simulation:
     def run(self) -> SimResult:
         self.dispatch()
         self.react()
+        self.occupancy = self.slot_occupancy()
         while self.events and len(self.step_ends) < self.cfg.steps:
             t, _, kind, who = heapq.heappop(self.events)
-            self.now = t
+            self.occupied += (t - self.last_t) * self.occupancy
+            self.now = self.last_t = t
             getattr(self, f"on_{kind}")(who)
             self.react()
+            self.occupancy = self.slot_occupancy()
         for c in range(self.cfg.cells):
             self.mark(c, self.state_of[c])
-        return SimResult(self.mode, self.step_ends, self.now, self.cells, self.switch_log, self.timeline)
+        return SimResult(
+            self.mode, self.step_ends, self.now, self.cells, self.switch_log, self.timeline, self.bounds()
+        )
+
+    def slot_occupancy(self) -> float:
+        slots = self.slots()
+        return min(self.running, slots) / slots if slots else 1.0
+
+    def bounds(self) -> list[float]:
+        by_step: dict[int, list[Group]] = {}
+        for gid, group in self.groups.items():
+            by_step.setdefault(gid // 10_000, []).append(group)
+        return [
+            step_bound([g.durations for g in by_step[s]], [g.micro_steps for g in by_step[s]], self.cfg)
+            for s in range(1, len(self.step_ends) + 1)
+        ]
 
     def mark(self, cell: int, what: str) -> None:
         """Close the cell's current segment and open ``what``."""
         start, span = self.since[cell], self.now - self.since[cell]
         prev = self.state_of[cell]
         setattr(self.cells[cell], prev, getattr(self.cells[cell], prev) + span)
+        if prev == "sampling":
+            busy = self.occupied - self.occupied_at[cell]
+            self.cells[cell].idle_slots += max(span - busy, 0.0)
         if span > 0:
             self.timeline.append((cell, start, self.now, prev))
         self.since[cell], self.state_of[cell] = self.now, what
+        self.occupied_at[cell] = self.occupied
 
     # ---- sampling ---------------------------------------------------------------------------
 

@@ -37,6 +37,8 @@ class TrainSequence:
     advantage: float
     token_weight: float
     """``1/T_run``: T_run = the run's selected trainable tokens over all its paths."""
+    versions: np.ndarray | None = None
+    """The policy version that generated each loss token (where ``loss_mask`` is set)."""
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -60,7 +62,9 @@ def build_batch(paths_by_run: Mapping[str, Sequence[SelectedPath]], advantages: 
         for p in paths:
             if p.num_loss_tokens:
                 sequences.append(
-                    TrainSequence(run_id, p.tokens, p.loss_mask, p.logprobs, advantages[run_id], 1.0 / total)
+                    TrainSequence(
+                        run_id, p.tokens, p.loss_mask, p.logprobs, advantages[run_id], 1.0 / total, p.versions
+                    )
                 )
     return Batch(sequences, runs)
 

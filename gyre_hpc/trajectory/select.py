@@ -33,6 +33,8 @@ class SelectedPath:
     loss_mask: np.ndarray
     logprobs: np.ndarray
     """Behaviour log-probs where ``loss_mask`` is set (0 elsewhere)."""
+    versions: np.ndarray
+    """The policy version that generated each position where ``loss_mask`` is set (0 elsewhere)."""
 
     @property
     def num_loss_tokens(self) -> int:
@@ -62,7 +64,10 @@ def select_paths(
         nodes = tree.path_nodes(pick)
         mask = np.concatenate([n.trainable & (n.id not in masked) for n in nodes])
         logprobs = np.where(mask, np.concatenate([n.logprobs for n in nodes]), np.float32(0))
-        chosen.append(SelectedPath(tree.run_id, pick.role, pick, tree.path_tokens(pick), mask, logprobs))
+        versions = np.where(mask, np.concatenate([n.versions for n in nodes]), np.int32(0))
+        chosen.append(
+            SelectedPath(tree.run_id, pick.role, pick, tree.path_tokens(pick), mask, logprobs, versions)
+        )
         masked.update(n.id for n in nodes)
     return chosen
 

@@ -188,7 +188,9 @@ def _bar(value: int, total: int, width: int = 20) -> str:
 
 def _steps_table(view: RunView) -> Table:
     table = Table(title="steps", title_justify="left", expand=False)
-    for col in ("step", "v", "reward", "pass", "held-out", "seconds", "sampling s", "micro-steps", "claims"):
+    columns = ("step", "v", "reward", "pass", "held-out", "seconds", "sampling s", "micro-steps", "claims",
+               "stale tokens")  # fmt: skip
+    for col in columns:
         table.add_column(col, justify="right")
     evals = {e.step: e.pass_rate for e in view.evals}
     for e in view.steps[-8:]:
@@ -202,8 +204,15 @@ def _steps_table(view: RunView) -> Table:
             f"{e.sample_seconds:.1f}",
             str(e.micro_steps),
             " ".join(f"{c}:{n}" for c, n in e.claims.items()),
+            staleness_shares(e.staleness_tokens),
         )
     return table
+
+
+def staleness_shares(histogram: dict[str, int]) -> str:
+    """``0 96% · 1 4%``: the share of trained tokens at each version lag."""
+    total = sum(histogram.values())
+    return " · ".join(f"{lag} {n / total:.0%}" for lag, n in histogram.items()) if total else ""
 
 
 def _switches_table(switches: list[ev.Switch]) -> Table:

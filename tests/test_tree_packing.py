@@ -19,7 +19,7 @@ from gyre_hpc.models.qwen3 import Qwen3Config
 from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.recipe.schema import TrainerConfig
 from gyre_hpc.trainer.torch_backend import TorchTrainer
-from gyre_hpc.trainer.tree_attention import block_mask
+from gyre_hpc.trainer.tree_attention import block_mask, dense_mask
 from gyre_hpc.trajectory.batch import TrainSequence
 from gyre_hpc.trajectory.packing import (
     PrefixTrie,
@@ -107,7 +107,7 @@ def test_every_path_is_found_in_the_packed_tree_seeing_exactly_its_prefix(spec: 
     tree = pack_tree(seqs)
     prefixes = {tuple(s.tokens[: i + 1].tolist()) for s in seqs for i in range(len(s))}
     assert len(tree) == len(prefixes) == unique_tokens(seqs)  # each unique (prefix, token) once
-    visible = tree.visible()
+    visible = dense_mask(tree.ends).numpy()  # the rule as the megatron trainer applies it
     assert np.array_equal(pack_tree(seqs).tokens, tree.tokens)  # deterministic
     entries = 0
     for s in seqs:

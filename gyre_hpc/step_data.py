@@ -58,6 +58,13 @@ def run_id(step: int, task_id: str, g: int) -> str:
     return f"s{step:04d}-{task_id}-g{g}"
 
 
+def group_of(run: str) -> tuple[int, str]:
+    """The (step, task id) whose group a ``run_id`` belongs to."""
+    head, _, _ = run.rpartition("-g")
+    step, _, task_id = head.partition("-")
+    return int(step[1:]), task_id
+
+
 @dataclass
 class StepBatch:
     queue: list[list[TrainSequence]]
@@ -135,10 +142,15 @@ class StreamingBatch:
         seed: int,
         step: int,
         carried: Sequence[list[TrainSequence]] = (),
+        pending: dict[tuple[int, str], list[Outcome]] | None = None,
     ):
         self.group_size, self.trajectory, self.tokens = group_size, trajectory, micro_step_tokens
         self.seed, self.step = seed, step
-        self.pending: dict[str, list[Outcome]] = {}
+        self.pending = {} if pending is None else pending
+        """Groups with runs still to end, by (step dispatched, task): in-flight updates pass the
+        same dict to every step, so a group completes in whichever step its last run ends."""
+        self.complete = 0
+        """Groups this batch completed."""
         self.trees: dict[str, TrajectoryTree] = {}
         self.outcomes: list[Outcome] = []
         self.queue: list[list[TrainSequence]] = list(carried)
@@ -152,12 +164,14 @@ class StreamingBatch:
         self.outcomes.append(outcome)
         if tree is not None:
             self.trees[outcome.execution.run_id] = tree
-        group = self.pending.setdefault(outcome.execution.task_id, [])
+        key = group_of(outcome.execution.run_id)
+        group = self.pending.setdefault(key, [])
         group.append(outcome)
         if len(group) < self.group_size:
             return []
-        del self.pending[outcome.execution.task_id]
-        rng = group_rng(self.seed, self.step, outcome.execution.task_id)
+        del self.pending[key]
+        self.complete += 1
+        rng = group_rng(self.seed, key[0], outcome.execution.task_id)
         seqs, n = group_sequences(group, self.trees, self.trajectory, rng)
         self.num_runs += n
         self.work.append(group_work(group, self.trees, seqs, self.trajectory.packing, self.tokens))
@@ -195,6 +209,7 @@ def group_work(
     runs = sorted(o.execution.run_id for o in group)
     return {
         "task": group[0].execution.task_id,
+        "step": group_of(runs[0])[0],
         "run_tokens": [
             sum(len(r.output_ids) for r in trees[run].records()) if run in trees else 0 for run in runs
         ],

@@ -5,8 +5,9 @@ MPI or HTTP.
  Clock: a heap of (time, callback); it moves only when the step waits (Fleet.receive, a switch,
         a load, an apply), and then to the next scripted event: no sleeps, no wall-clock time.
  FakeSampler: each execution ends after its scripted duration with a one-call trajectory tree
-              and its scripted reward (its call is served by the version the fleet holds then);
-              the TITO log grows by one byte per call
+              and its scripted reward (its call is served by the version the fleet held when it
+              was dispatched); the TITO log grows by one byte per call; ``stop_runs`` ends one
+              at once, status "stopped"
  FakeFleet:   switches, loads and applies take scripted times; training cells claim micro-steps
               with the real ``Claims``/``work_once`` from a shared counter, each costing its tokens
 ```
@@ -79,6 +80,8 @@ class FakeSampler:
         self.tito_log, self.output_tokens = tito_log, output_tokens
         self.finished_trees: dict[str, TrajectoryTree] = {}
         self.admitting: list[tuple[float, set[str]]] = []
+        self.stoppers: dict[str, Callable[[], None]] = {}
+        self.stopped: list[tuple[float, str]] = []
 
     def dispatch(
         self,
@@ -91,7 +94,10 @@ class FakeSampler:
         outcomes: dict[str, Outcome] = {}
         served = self.version()
 
-        def finish(run: str, task: Task) -> None:
+        def finish(run: str, task: Task, status: str = "finished") -> None:
+            if run in outcomes:
+                return  # stopped before its scripted end
+            self.stoppers.pop(run, None)
             n = self.output_tokens
             record = TitoRecord(
                 run, "c0", "main", [1, 2, 3], range(10, 10 + n), [-1.0] * n, CallMeta(policy_version=served)
@@ -100,7 +106,7 @@ class FakeSampler:
             with self.tito_log.open("ab") as fh:  # the log grows by one byte per call here
                 fh.write(b"c")
             outcome = Outcome(
-                Execution(run, task.id, workspaces / run, status="finished", calls=1),
+                Execution(run, task.id, workspaces / run, status=status, calls=1),
                 ScoreResult(run, "scored", self.reward(run), 1),
             )
             outcomes[run] = outcome
@@ -110,7 +116,14 @@ class FakeSampler:
 
         for run, task in jobs:
             self.clock.after(self.duration(run), lambda run=run, task=task: finish(run, task))
+            self.stoppers[run] = lambda run=run, task=task: finish(run, task, "stopped")
         return future
+
+    def stop_runs(self, run_ids: list[str]) -> None:
+        for run in run_ids:
+            if run in self.stoppers:
+                self.stopped.append((self.clock.now, run))
+                self.stoppers[run]()
 
     def trees(self, run_ids: list[str]) -> dict[str, TrajectoryTree]:
         return {r: self.finished_trees[r] for r in run_ids if r in self.finished_trees}

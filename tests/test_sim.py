@@ -150,3 +150,38 @@ def test_colocate_holds_idle_slots_through_the_long_tail() -> None:
     elastic, colocate = (simulate(LONG_TAIL, m) for m in ("elastic", "colocate"))
     share = lambda r: sum(c.idle_slots for c in r.cells) / sum(c.sampling for c in r.cells)  # noqa: E731
     assert share(colocate) > 0.2 and share(elastic) < share(colocate)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(1, 4), st.integers(2, 8), st.floats(0.3, 1.5), st.integers(1, 3),
+    st.sampled_from([0.25, 0.5, 1.0]), st.sampled_from([0, 2]), st.integers(0, 10**6),
+)  # fmt: skip
+def test_in_flight_updates_never_cut_an_execution_and_train_each_group_once_within_k(
+    cells: int, capacity: int, sigma: float, k: int, ahead: float, checkpoint_every: int, seed: int
+) -> None:
+    cfg = SimConfig(
+        cells=cells, capacity=capacity, prompts=4, group_size=3, steps=5, duration_sigma=sigma,
+        max_staleness=k, lookahead=ahead, checkpoint_every=checkpoint_every, seed=seed,
+    )  # fmt: skip
+    sim = Simulation(cfg, "elastic")
+    r = sim.run()
+    assert len(r.step_ends) == cfg.steps
+    dispatched = {e for e in range(sim.next_exec)}
+    assert set(sim.served) == dispatched  # every execution ended (the last step is a barrier)
+    for e, served in sim.served.items():
+        if e not in sim.stopped:  # an update never cuts one: it is served its whole duration
+            assert served == pytest.approx(sim.remaining[e])
+    assert len(sim.stale_trained) == len(sim.groups) == cfg.steps * cfg.prompts  # each group once
+    assert all(0 <= lag <= k for _, lag in sim.stale_trained)
+    assert r.total_s >= r.work_bound_s * (1 - 1e-9) or sim.stopped
+
+
+def test_in_flight_closes_steps_before_their_longest_execution() -> None:
+    """With a long tail, a step's quota is in long before its last execution ends: the in-flight
+    run is faster than the barrier, and some groups land a version later."""
+    barrier = Simulation(LONG_TAIL, "elastic")
+    inflight = Simulation(LONG_TAIL.with_(max_staleness=2, lookahead=0.5), "elastic")
+    a, b = barrier.run(), inflight.run()
+    assert b.total_s < a.total_s
+    assert max(lag for _, lag in inflight.stale_trained) > 0

@@ -18,7 +18,7 @@ from fleet_fake import Clock, FakeFleet, FakeSampler
 from gyre_hpc.observability import events as ev
 from gyre_hpc.recipe.schema import RunConfig, SchedulerConfig, TasksConfig, TrainerConfig, TrajectoryConfig
 from gyre_hpc.rundir import RunDir
-from gyre_hpc.runtime.steps import STEP_KINDS, StepContext, step_event
+from gyre_hpc.runtime.steps import StepContext, step_event, step_kind
 from gyre_hpc.scheduler.policy import initial_roles
 
 DURATIONS = [[1, 1, 1, 1], [2, 2, 2, 3], [4, 4, 5, 9]]  # per prompt, per run of its group
@@ -53,7 +53,7 @@ def run_steps(tmp_path: Path, mode: str, steps: int = 2, **sched: object):
         TrainerConfig(micro_step_tokens=16, checkpoint_every=0),
         clock=clock,
     )
-    kind = STEP_KINDS[mode](ctx)
+    kind = step_kind(scheduler)(ctx)
     records = [step_event(kind.run(step), clock.now, fleet.roles) for step in range(1, steps + 1)]
     return fleet, records, run_dir.read_events()
 
@@ -131,3 +131,28 @@ def test_a_step_with_nothing_to_learn_is_applied_without_training(tmp_path: Path
         fleet, steps, events = run_steps(tmp_path / mode, mode, steps=1)
         assert steps[0].skipped and steps[0].version == 0 and steps[0].micro_steps == 0
         assert switches(events, 1) == [] and fleet.applied == [(1, [], 0)]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_in_flight_steps_close_at_their_quota_and_train_every_execution_once(tmp_path: Path, k: int) -> None:
+    fleet, steps, events = run_steps(tmp_path, "elastic", steps=4, max_staleness=k, lookahead=0.34)
+    # Step 1 closes once 3 groups are in (prompt 0 of step 2 ran ahead), not at its 9 s run.
+    assert steps[0].sample_seconds < 9
+    # Every group dispatched (3 prompts × 4 steps) lands in exactly one step.
+    landed = [(g["step"], g["task"]) for s in steps for g in s.groups]
+    assert len(landed) == len(set(landed)) == 12
+    assert sorted({step for step, _ in landed}) == [1, 2, 3, 4]
+    assert sum(s.executions for s in steps) == 48
+    assert any(step < s.step for s in steps for step in {g["step"] for g in s.groups})  # crossed a version
+    # No trained token is more than k versions behind the update that trains it.
+    for s in steps:
+        assert all(int(lag) <= k for lag in s.staleness_tokens)
+    assert any(int(lag) > 0 for s in steps for lag in s.staleness_tokens)
+    # Only the staleness rule ends an execution early, and each one it ends is trained.
+    stopped = [run for e in events if isinstance(e, ev.StaleStopped) for run in e.runs]
+    assert sum(s.statuses.get("stopped", 0) for s in steps) == len(stopped)
+    if k == 1:
+        assert stopped  # the 9 s run of step 2's prompt 2 cannot wait two versions
+    # The run's last step is a barrier: nothing is left running, and every cell samples again.
+    assert steps[-1].roles == {"0": S, "1": S, "2": S}
+    assert [s.version for s in steps] == [1, 2, 3, 4]

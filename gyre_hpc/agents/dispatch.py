@@ -60,6 +60,8 @@ def make_harness(
 
 
 SETUP_TIMEOUT_S = 900.0
+TIMED = ("timed_out", "stopped")
+"""Execution statuses scored as cut short: on what the run left."""
 
 
 async def setup(task: Task, workspace: Path) -> str | None:
@@ -88,7 +90,8 @@ async def setup(task: Task, workspace: Path) -> str | None:
 def artifacts(ex: Execution, task: Task, task_dir: Path) -> RunArtifacts:
     """A run that never reached the model at all left nothing of its own: it gets a placeholder."""
     workspace = ex.workspace if not (ex.status == "crashed" and ex.calls == 0) else ex.workspace / "missing"
-    status = "finished" if ex.status == "finished" else "timed_out" if ex.status == "timed_out" else "crashed"
+    # A stopped execution is scored on what it left, as one cut at its time limit is.
+    status = "finished" if ex.status == "finished" else "timed_out" if ex.status in TIMED else "crashed"
     return RunArtifacts(ex.run_id, workspace, status, task.for_scorer(task_dir))
 
 
@@ -103,8 +106,11 @@ class Dispatcher:
         on_event: Callable[[str, str], None] = lambda kind, run: None,
         on_outcome: Callable[[Outcome], None] = lambda outcome: None,
         journal: Journal | None = None,
+        stops: dict[str, asyncio.Event] | None = None,
     ) -> None:
         self.harness, self.scoring, self.journal = harness, scoring, journal
+        self.stops = {} if stops is None else stops
+        """Run id → the event that stops it (``Serving.stop_runs``), while it has not ended."""
         self.workspaces, self.task_dir = workspaces, task_dir
         self.limit = asyncio.Semaphore(concurrency)
         self.on_event = on_event
@@ -112,6 +118,7 @@ class Dispatcher:
 
     async def run_all(self, jobs: list[tuple[str, Task]]) -> list[Outcome]:
         for run_id, _ in jobs:
+            self.stops[run_id] = asyncio.Event()
             self.on_event("dispatched", run_id)
         return list(await asyncio.gather(*(self._one(run_id, task) for run_id, task in jobs)))
 
@@ -120,6 +127,7 @@ class Dispatcher:
         if entry is not None and entry.outcome is not None:  # finished before a restart: kept as it was
             self.on_event("started", run_id)
             outcome = Outcome.from_json(entry.outcome)
+            self.stops.pop(run_id, None)
             self.on_outcome(outcome)
             self.on_event("finished", run_id)
             return outcome
@@ -135,12 +143,14 @@ class Dispatcher:
             if failed is not None:
                 ex = Execution(run_id, task.id, workspace, status="crashed", error=failed)
             else:
-                ex = await self.harness.run(task, workspace, run_id, self.journal, entry)
+                stop = self.stops.get(run_id)
+                ex = await self.harness.run(task, workspace, run_id, self.journal, entry, stop)
             score = await asyncio.to_thread(self.scoring(task).score, artifacts(ex, task, self.task_dir))
             outcome = Outcome(ex, score)
             if self.journal is not None and ex.status != "crashed":
                 # A crash may be the failure a restart recovers from: such an execution continues.
                 self.journal.finish(run_id, outcome.to_json())
+            self.stops.pop(run_id, None)
             self.on_outcome(outcome)  # before "finished": a consumer counting f sees it first
             self.on_event("finished", run_id)
             return outcome

@@ -47,6 +47,7 @@ import openai
 
 from gyre_hpc.agents.harness import Execution
 from gyre_hpc.agents.journal import Entry, Journal
+from gyre_hpc.agents.stops import Stopped, within
 from gyre_hpc.errors import GyreError
 from gyre_hpc.recipe.schema import AgentConfig
 from gyre_hpc.tasks.task import Task
@@ -122,6 +123,9 @@ def _finish(ex: Execution, endpoint: Endpoint, started: float) -> Execution:
     return ex
 
 
+STOPPED = "stopped by the controller: it would be trained more than max_staleness versions behind"
+
+
 class CommandHarness:
     """Each execution runs ``agent.command`` (an argv template) in its workspace."""
 
@@ -135,6 +139,7 @@ class CommandHarness:
         run_id: str,
         journal: Journal | None = None,
         resume: Entry | None = None,
+        stop: asyncio.Event | None = None,
     ) -> Execution:
         ex = Execution(run_id, task.id, workspace)
         limit = task.timeout_s or self.config.timeout_s
@@ -152,9 +157,13 @@ class CommandHarness:
                 ex.status, ex.error = "crashed", f"{argv[0]}: {err.strerror or err}"
                 return _finish(ex, self.endpoint, started)
             try:
-                code = await asyncio.wait_for(proc.wait(), timeout=limit)
+                code = await within(proc.wait(), limit, stop)
             except TimeoutError:
                 ex.status, ex.error = "timed_out", f"killed at its time limit ({limit:g} s)"
+                await _kill_group(proc)
+                return _finish(ex, self.endpoint, started)
+            except Stopped:
+                ex.status, ex.error = "stopped", STOPPED
                 await _kill_group(proc)
                 return _finish(ex, self.endpoint, started)
             except BaseException:  # the run stops: nothing it started may outlive it
@@ -189,6 +198,7 @@ class PythonHarness:
         run_id: str,
         journal: Journal | None = None,
         resume: Entry | None = None,
+        stop: asyncio.Event | None = None,
     ) -> Execution:
         ex = Execution(run_id, task.id, workspace)
         limit = task.timeout_s or self.config.timeout_s
@@ -204,10 +214,12 @@ class PythonHarness:
         ctx = AgentContext(task, workspace, run_id, self.endpoint.model, clients["main"], clients, limit)
         started = time.monotonic()
         try:
-            summary = await asyncio.wait_for(self.agent(ctx), timeout=limit)
+            summary = await within(self.agent(ctx), limit, stop)
             ex.status, ex.summary = "finished", summary or ""
         except TimeoutError:
             ex.status, ex.error = "timed_out", f"stopped at its time limit ({limit:g} s)"
+        except Stopped:
+            ex.status, ex.error = "stopped", STOPPED
         except Exception as err:  # the agent's own bug: this execution crashed, the run goes on
             ex.status, ex.error = "crashed", f"{type(err).__name__}: {err}"
         finally:

@@ -31,6 +31,7 @@ import openai
 
 from gyre_hpc.agents.journal import Entry, Journal
 from gyre_hpc.agents.sandbox import ToolError, Workspace
+from gyre_hpc.agents.stops import Stopped, within
 from gyre_hpc.agents.tools import MAIN_TOOLS, SPECS, SUB_AGENT_TOOLS, execute, parse_call
 from gyre_hpc.recipe.schema import AgentConfig
 from gyre_hpc.tasks.task import Task
@@ -46,7 +47,7 @@ class Execution:
     run_id: str
     task_id: str
     workspace: Path
-    status: str = "running"  # finished | timed_out | crashed
+    status: str = "running"  # finished | timed_out | stopped | crashed
     calls: int = 0
     calls_by_role: dict[str, int] = field(default_factory=dict)
     tokens: int = 0
@@ -89,6 +90,7 @@ class Harness:
         run_id: str,
         journal: Journal | None = None,
         resume: Entry | None = None,
+        stop: asyncio.Event | None = None,
     ) -> Execution:
         ex = Execution(run_id, task.id, workspace)
         spent = 0.0
@@ -114,12 +116,15 @@ class Harness:
         limit = task.timeout_s or self.config.timeout_s
         log = _Log(journal, ex, started) if journal is not None else None
         try:
-            await asyncio.wait_for(
+            await within(
                 self._main(task, Workspace(workspace), ex, clients, log, resume.messages if resume else None),
-                timeout=max(limit - spent, 0.001),
+                max(limit - spent, 0.001),
+                stop,
             )
         except TimeoutError:
             ex.status = "timed_out"
+        except Stopped:
+            ex.status = "stopped"
         except _OutOfCalls:
             ex.status = "finished"
             ex.summary = ex.summary or "stopped: model-call budget spent"

@@ -148,13 +148,25 @@ class Finished(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class BurstEnd(Event):
-    """The step's last execution ended: its queue is complete (``stop``: applied now, carry_tail)."""
+    """The step's queue is complete: its last execution ended, or in-flight its quota of groups is
+    in (``stop``: applied now, carry_tail)."""
 
     kind: ClassVar[str] = "burst_end"
     step: int
     micro_steps: int
     trainers: list[int]
     stop: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class StaleStopped(Event):
+    """In-flight updates: executions stopped at the step's quota, since a later step would train
+    them more than ``max_staleness`` versions behind; each is partially scored."""
+
+    kind: ClassVar[str] = "stale_stopped"
+    step: int
+    runs: list[str]
+    max_staleness: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -323,6 +335,7 @@ KINDS: dict[str, type[Event]] = {
         Dispatched,
         Finished,
         BurstEnd,
+        StaleStopped,
         Switch,
         Step,
         Eval,

@@ -75,6 +75,21 @@ class SchedulerConfig:
         "(one version stale) instead of making the next burst wait for it; steps that write a "
         "checkpoint still train everything (so set trainer.checkpoint_every > 1).",
     )
+    max_staleness: int = knob(
+        0,
+        "elastic: 0 keeps the step barrier (a step waits for its last execution); k > 0 closes a "
+        "step once prompts_per_step complete groups are in, executions still running continue under "
+        "the new weights and land in a later step, and one that would be trained more than k "
+        "versions after its first call is stopped and partially scored (replaces carry_tail).",
+        min=0,
+    )
+    lookahead: float = knob(
+        0.25,
+        "max_staleness > 0: the share of the next step's prompts dispatched with each step, so their "
+        "executions fill the slots the current step's tail leaves free (0: none).",
+        min=0.0,
+        max=1.0,
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -318,6 +333,11 @@ class Recipe:
             raise RecipeError(
                 f"bench.async_splits = {bad}: with cells.count = {cells.count} valid splits are "
                 f"{splits.start} … {splits.stop - 1} (async needs a cell or a rollout pool sampling)"
+            )
+        if sched.max_staleness and sched.mode != "elastic":
+            raise RecipeError(
+                f'scheduler.max_staleness = {sched.max_staleness} needs scheduler.mode = "elastic" '
+                f"(got {sched.mode!r}); set it to 0 for {sched.mode}"
             )
         if sched.mode == "async" and sched.async_train_cells >= cells.count + (cells.rollout_pool > 0):
             raise RecipeError(

@@ -29,7 +29,7 @@ from gyre_hpc.recipe.schema import RunConfig, SchedulerConfig, TasksConfig, Trai
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.runtime.fleet import Fleet
 from gyre_hpc.runtime.serving import Serving
-from gyre_hpc.runtime.steps import STEP_KINDS, StepContext, step_event, wait_for
+from gyre_hpc.runtime.steps import StepContext, step_event, step_kind, wait_for
 from gyre_hpc.scheduler.policy import Role, initial_roles
 from gyre_hpc.tasks.suites import load_suite
 
@@ -78,7 +78,7 @@ class Controller:
                 self.scheduler, self.tasks, self.trajectory, self.trainer,
                 checkpoint_now=self.checkpoint_now,
             )  # fmt: skip
-            kind = STEP_KINDS[self.scheduler.mode](ctx)
+            kind = step_kind(self.scheduler)(ctx)
             for step in range(self.first_step, self.run_cfg.steps + 1):
                 record = kind.run(step)
                 self.events.emit(step_event(record, ctx.clock(), f.roles))

@@ -57,6 +57,8 @@ class Serving:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="serving", daemon=True)
         self.scoring = ScoringRunners(scoring)
+        self.stops: dict[str, asyncio.Event] = {}
+        """Run id → its stop, for every execution dispatched and not ended (loop thread only)."""
 
     def start(self) -> str:
         """Start the loop and the proxy; returns the proxy's base URL."""
@@ -99,6 +101,7 @@ class Serving:
             self.on_event,
             on_outcome,
             Journal(journal) if journal is not None and self.agent_cfg.journal else None,
+            self.stops,
         )
         return asyncio.run_coroutine_threadsafe(dispatcher.run_all(jobs), self.loop)
 
@@ -107,6 +110,16 @@ class Serving:
             return {r: self.proxy.tito.trees[r] for r in run_ids if r in self.proxy.tito.trees}
 
         return self.call(get())
+
+    def stop_runs(self, run_ids: list[str]) -> None:
+        """End these executions now; each is scored on what it left (``agents.stops``)."""
+
+        async def stop() -> None:
+            for run in run_ids:
+                if run in self.stops:
+                    self.stops[run].set()
+
+        self.call(stop())
 
     def set_sampling(self, urls: set[str]) -> None:
         """Admit new calls only on ``urls``; the other engines are drained (their calls move)."""

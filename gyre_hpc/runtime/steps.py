@@ -34,6 +34,7 @@ from gyre_hpc.recipe.schema import RunConfig, SchedulerConfig, TasksConfig, Trai
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.runtime.fleet import Fleet
 from gyre_hpc.runtime.protocol import ProtocolError, StepApplied, TrainDone
+from gyre_hpc.scheduler.inflight import closes, in_flight, lookahead, to_stop
 from gyre_hpc.scheduler.policy import (
     Role,
     SchedState,
@@ -77,6 +78,9 @@ class Sampler(Protocol):
 
     def set_sampling(self, urls: set[str]) -> None:
         """Admit new calls only on these engines; drain the others (their calls move)."""
+
+    def stop_runs(self, run_ids: list[str]) -> None:
+        """End these executions now; each is scored on what it left."""
 
 
 @dataclass
@@ -385,7 +389,7 @@ class ElasticStep(StepKind):
                 if new := batch.add(outcome, c.sampler.trees([run]).get(run)):
                     f.extend(list(b.trainers), step, new)
             if b.finished == b.dispatched and b.closed_at is None:
-                self.close_burst(step, b, len(batch.queue), carried_in)
+                self.close_burst(step, b, len(batch.queue), self.stops_at_close(step, b, carried_in))
             # The water never rises inside a burst, so the policy asks for no return here.
             for s in decide(self.state(self.counters(b, len(batch.queue)))):
                 self.to_training(step, [s], batch.queue, b.closed_at is not None, b.dispatched - b.finished)
@@ -417,20 +421,135 @@ class ElasticStep(StepKind):
     def counters(self, b: _Burst, packed: int) -> StepCounters:
         return StepCounters(b.dispatched, b.finished, packed, self.ctx.fleet.claimed(), True, b.stopped)
 
-    def close_burst(self, step: int, b: _Burst, total: int, carried_in: int) -> None:
-        """The queue is complete; with ``carry_tail`` the step may stop here (``carries_tail``)."""
-        c, f = self.ctx, self.ctx.fleet
-        b.closed_at = c.clock()
-        b.stopped = carries_tail(
+    def stops_at_close(self, step: int, b: _Burst, carried_in: int) -> bool:
+        """With ``carry_tail`` the step may stop when its queue closes (``carries_tail``)."""
+        c = self.ctx
+        return carries_tail(
             "elastic",
             c.scheduler.carry_tail,
             len(b.trainers),
             ends_run=step == c.run.steps,
             checkpoint=self.checkpoint_due(step),
-            stale_left=max(carried_in - f.claimed(), 0),  # claims go in queue order
+            stale_left=max(carried_in - c.fleet.claimed(), 0),  # claims go in queue order
         )
+
+    def close_burst(self, step: int, b: _Burst, total: int, stop: bool) -> None:
+        """The queue is complete: no micro-step joins it any more."""
+        c, f = self.ctx, self.ctx.fleet
+        b.closed_at = c.clock()
+        b.stopped = stop
         f.close_queue(list(b.trainers), step, total, b.stopped)
         c.events.emit(ev.BurstEnd(step=step, micro_steps=total, trainers=sorted(b.trainers), stop=b.stopped))
 
 
+class InFlightStep(ElasticStep):
+    """Elastic with in-flight weight updates (``scheduler.max_staleness`` = k > 0): the queue
+    closes at the step's quota of complete groups (``scheduler.inflight``); executions still
+    running go on under the versions that follow and land in a later step.
+
+    Outcomes of every dispatch arrive on one queue. Those that arrive once a step's queue has
+    closed wait for the next step; they still lower the water (the policy sees executions
+    running, whichever step they will land in).
+    """
+
+    def __init__(self, ctx: StepContext) -> None:
+        super().__init__(ctx)
+        self.arrived: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        self.held: list[Outcome] = []
+        """Arrived after the last step's queue closed: they lead this step's."""
+        self.running: dict[str, int] = {}
+        """Execution → the version it was dispatched under, until it ends."""
+        self.ahead: set[str] = set()
+        """Executions dispatched by the step before as its look-ahead."""
+        self.pending: dict[tuple[int, str], list[Outcome]] = {}
+        self.futures: list[concurrent.futures.Future[list[Outcome]]] = []
+
+    def run(self, step: int) -> StepRecord:
+        c, f = self.ctx, self.ctx.fleet
+        started = self.begin(step)
+        f.reset_claims()
+        barrier = step == c.run.steps or self.checkpoint_due(step)
+        self.dispatch_with_lookahead(step, barrier)
+        t, k = c.tasks, c.scheduler.max_staleness
+        batch = StreamingBatch(
+            t.group_size, c.trajectory, c.trainer.micro_step_tokens, c.run.seed, step, pending=self.pending
+        )
+        trained_from = f.version
+        b = _Burst(len(self.running))
+        stopping: set[str] = set()
+        asked = False
+        early, self.held = self.held, []
+        for outcome in early:
+            self.add(step, b, batch, outcome)
+        while True:
+            self.surface_errors()
+            while not self.arrived.empty():
+                outcome = self.arrived.get()
+                self.running.pop(outcome.execution.run_id, None)
+                b.finished += 1
+                if b.closed_at is None:
+                    self.add(step, b, batch, outcome)
+                else:
+                    self.held.append(outcome)
+            if b.closed_at is None:
+                if not barrier and not asked and batch.complete >= t.prompts_per_step:
+                    asked = True
+                    stopping = set(to_stop(self.running, trained_from, k))
+                    if stopping:
+                        c.sampler.stop_runs(sorted(stopping))
+                        c.events.emit(ev.StaleStopped(step=step, runs=sorted(stopping), max_staleness=k))
+                stale = len(stopping & self.running.keys())
+                if closes(batch.complete, t.prompts_per_step, len(self.running), stale, barrier):
+                    self.close_burst(step, b, len(batch.queue), False)
+            for s in decide(self.state(self.counters(b, len(batch.queue)))):
+                self.to_training(step, [s], batch.queue, b.closed_at is not None, b.dispatched - b.finished)
+                b.trainers[s.cell] = c.clock()
+            if b.trained(batch.queue):
+                break
+            if (msg := f.receive()) is not None and msg.step == step:
+                b.done[msg.cell] = msg
+        _, tito_bytes = self.burst_ended()
+        runs = batch.num_runs if batch.queue else 0
+        applied = self.apply(step, b.done, runs, tito_bytes)
+        self.close(step, self.counters(b, len(batch.queue)))
+        early_s = b.closed_at - min(b.trainers.values()) if b.trainers and b.closed_at else None
+        return StepRecord(
+            step, started, b.closed_at or c.clock(), batch.stats(), batch.num_runs, b.done, applied,
+            runs == 0, staleness(batch.trees.values(), trained_from), self.switches,
+            token_staleness(batch.queue, trained_from),
+            train_before_burst_end_s=None if early_s is None else round(max(early_s, 0.0), 3),
+        )  # fmt: skip
+
+    def add(self, step: int, b: _Burst, batch: StreamingBatch, outcome: Outcome) -> None:
+        run = outcome.execution.run_id
+        if new := batch.add(outcome, self.ctx.sampler.trees([run]).get(run)):
+            self.ctx.fleet.extend(list(b.trainers), step, new)
+
+    def dispatch_with_lookahead(self, step: int, barrier: bool) -> None:
+        """This step's prompts the last one did not dispatch ahead, and the next step's
+        look-ahead (``scheduler.inflight.lookahead``), each under its own step's directories."""
+        c, t = self.ctx, self.ctx.tasks
+        ahead = lookahead(step, c.run.steps, barrier, t.prompts_per_step, c.scheduler.lookahead)
+        own = step_jobs(step_tasks(t, c.run.seed, step), t.group_size, step)
+        own = [(run, task) for run, task in own if run not in self.ahead]
+        nxt = step_jobs(step_tasks(t, c.run.seed, step + 1)[:ahead], t.group_size, step + 1) if ahead else []
+        for s, jobs in ((step, own), (step + 1, nxt)):
+            if jobs:
+                self.running |= dict.fromkeys((run for run, _ in jobs), c.fleet.version)
+                workspaces, journal = c.run_dir.step_workspaces(s), c.run_dir.journal(s)
+                self.futures.append(c.sampler.dispatch(jobs, workspaces, self.arrived.put, journal))
+        self.ahead = {run for run, _ in nxt}
+
+    def surface_errors(self) -> None:
+        """A dispatcher's error, raised here; finished dispatches are forgotten."""
+        for fut in [x for x in self.futures if x.done()]:
+            self.futures.remove(fut)
+            fut.result()
+
+
 STEP_KINDS: dict[str, type[StepKind]] = {"colocate": ColocateStep, "async": AsyncStep, "elastic": ElasticStep}
+
+
+def step_kind(sched: SchedulerConfig) -> type[StepKind]:
+    """The step kind that runs ``sched``'s mode."""
+    return InFlightStep if in_flight(sched) else STEP_KINDS[sched.mode]

@@ -50,6 +50,11 @@ class SimConfig:
     min_queued: int = 1
     carry_tail: bool = False
     """Ours: apply each elastic step when its burst ends, the rest leads the next step's queue."""
+    max_staleness: int = 0
+    """In-flight weight updates (elastic): steps close at their quota of groups; executions cross
+    versions, stopped when they would be trained more than this many versions behind (0: off)."""
+    lookahead: float = 0.25
+    """In-flight: the share of the next step's prompts each step dispatches with its own."""
     checkpoint_every: int = 0
     """Steps that write a checkpoint train their whole tail (as ``trainer.checkpoint_every``)."""
     seed: int = 0
@@ -124,6 +129,14 @@ OURS = "elastic+carry"
 """The paper's elastic rule plus ours, ``carry_tail`` (``scheduler.carry_tail`` in a recipe)."""
 
 
+def inflight_name(k: int) -> str:
+    """Ours with in-flight weight updates (``scheduler.max_staleness = k``)."""
+    return f"in-flight k={k}"
+
+
+INFLIGHT_KS = (1, 2)
+
+
 def async_name(split: int, cells: int) -> str:
     return f"async {split}/{cells}"
 
@@ -137,12 +150,13 @@ def async_splits(cfg: SimConfig) -> dict[str, SimConfig]:
 
 def variants(cfg: SimConfig) -> dict[str, tuple[Mode, SimConfig]]:
     """What ``bench sim`` compares: elastic, colocate, every async split, and elastic with our
-    improvement."""
+    improvements (``carry_tail``; in-flight updates at k = 1 and 2)."""
     return {
         "elastic": ("elastic", cfg),
         "colocate": ("colocate", cfg),
         **{name: ("async", c) for name, c in async_splits(cfg).items()},
         OURS: ("elastic", cfg.with_(carry_tail=True)),
+        **{inflight_name(k): ("elastic", cfg.with_(max_staleness=k)) for k in INFLIGHT_KS},
     }
 
 

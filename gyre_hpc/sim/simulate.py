@@ -7,6 +7,8 @@
                the counters — and start the switches it returns
    a step closes at its publication; elastic and colocate then return their trainers and
    dispatch the next burst once the policy switches nothing more (the policy's boundary rules)
+   in-flight (max_staleness k): a step's queue closes at its quota of complete groups, stale
+   executions stopped first (``scheduler.inflight``); the rest run on into later steps
 ```
 
 Nothing here decides a role: ``scheduler.policy.decide`` does, exactly as in the runtime, on a
@@ -27,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gyre_hpc.recipe.schema import Mode, SchedulerConfig
+from gyre_hpc.scheduler.inflight import closes, lookahead, to_stop
 from gyre_hpc.scheduler.policy import (
     Role,
     SchedState,
@@ -37,7 +40,7 @@ from gyre_hpc.scheduler.policy import (
     sched_state,
     writes_checkpoint,
 )
-from gyre_hpc.sim.bound import step_bound
+from gyre_hpc.sim.bound import step_bound, work_bound
 from gyre_hpc.sim.config import SimConfig
 from gyre_hpc.trajectory.batch import pack_micro_steps
 
@@ -109,6 +112,8 @@ class SimResult:
     """(cell, start, end, what) for a Gantt chart."""
     step_bounds: list[float] = field(default_factory=list)
     """Each completed step's physical bound (``sim.bound``), from the work it was given."""
+    work_bounds: list[float] = field(default_factory=list)
+    """The same without the critical path: what no schedule beats, in-flight updates included."""
 
     @property
     def switches(self) -> int:
@@ -117,6 +122,10 @@ class SimResult:
     @property
     def bound_s(self) -> float:
         return sum(self.step_bounds)
+
+    @property
+    def work_bound_s(self) -> float:
+        return sum(self.work_bounds)
 
     def time_split(self) -> dict[str, float]:
         """Shares of cell time: ``sampling`` with its slots busy, ``idle slots`` the rest of the
@@ -144,7 +153,9 @@ class Simulation:
             carry_tail=cfg.carry_tail,
         )
         self.workload = workload or sampled(cfg)
-        self.streaming = cfg.streaming == "all" or (cfg.streaming == "elastic" and mode == "elastic")
+        self.inflight = mode == "elastic" and cfg.max_staleness > 0
+        streams = cfg.streaming == "all" or (cfg.streaming == "elastic" and mode == "elastic")
+        self.streaming = streams or self.inflight  # a quota counts complete groups as they end
         self.now = 0.0
         self.events: list[tuple[float, int, str, int]] = []
         self._n = 0
@@ -180,6 +191,17 @@ class Simulation:
         self.carried: list[float] = []  # carry_tail: micro-steps left for the next step
         self.stopping: set[int] = set()  # steps applied at their burst's end (carry_tail)
         self.carried_in: dict[int, int] = {}  # step -> micro-steps carried into it
+        # in-flight updates
+        self.workloads: dict[int, list[Group]] = {}
+        self.version = 0  # versions published
+        self.first_version: dict[int, int] = {}  # execution -> the version its burst started on
+        self.collect = 1  # the step complete groups join
+        self.complete: dict[int, int] = {}  # step -> complete groups it holds
+        self.stopped: set[int] = set()  # executions stopped for staleness
+        self.stop_asked: set[int] = set()  # steps that have stopped their stale executions
+        self.stale_trained: list[tuple[int, int]] = []  # (step, versions behind) of each group trained
+        self.started_at: dict[int, float] = {}
+        self.served: dict[int, float] = {}  # execution -> the time it was served, once it ended
         # slot occupancy: ∫ (occupied slots / slots) dt, so sampling time splits into busy and idle
         self.occupied = 0.0
         self.occupancy = 0.0
@@ -206,19 +228,20 @@ class Simulation:
         for c in range(self.cfg.cells):
             self.mark(c, self.state_of[c])
         return SimResult(
-            self.mode, self.step_ends, self.now, self.cells, self.switch_log, self.timeline, self.bounds()
-        )
+            self.mode, self.step_ends, self.now, self.cells, self.switch_log, self.timeline,
+            self.bounds(step_bound), self.bounds(work_bound),
+        )  # fmt: skip
 
     def slot_occupancy(self) -> float:
         slots = self.slots()
         return min(self.running, slots) / slots if slots else 1.0
 
-    def bounds(self) -> list[float]:
+    def bounds(self, bound: Callable[..., float]) -> list[float]:
         by_step: dict[int, list[Group]] = {}
-        for gid, group in self.groups.items():
+        for gid, group in sorted(self.groups.items()):
             by_step.setdefault(gid // 10_000, []).append(group)
         return [
-            step_bound([g.durations for g in by_step[s]], [g.micro_steps for g in by_step[s]], self.cfg)
+            bound([g.durations for g in by_step[s]], [g.micro_steps for g in by_step[s]], self.cfg)
             for s in range(1, len(self.step_ends) + 1)
         ]
 
@@ -238,25 +261,47 @@ class Simulation:
     # ---- sampling ---------------------------------------------------------------------------
 
     def dispatch(self) -> None:
-        """A new burst: the workload's groups for the next step (and what the last one carried)."""
+        """A new burst: the workload's groups for the next step (and what the last one carried);
+        in-flight, those not dispatched yet and the next step's look-ahead."""
         self.burst += 1
         step = self.burst
-        self.released[step] = self.step_work[step] = 0
-        for g, group in enumerate(self.workload(step)):
-            gid = step * 10_000 + g
-            self.groups[gid] = group
-            self.group_left[gid] = len(group.durations)
-            self.d += len(group.durations)
-            for duration in group.durations:
-                e = self.next_exec
-                self.next_exec += 1
-                self.remaining[e] = duration + self.cfg.exec_overhead_s
-                self.exec_group[e] = gid
-                self.waiting.append(e)
+        self.released.setdefault(step, 0)
+        self.step_work.setdefault(step, 0)
+        for g, group in enumerate(self.step_groups(step)):
+            self.start_group(step * 10_000 + g, group)
+        if self.inflight:
+            barrier = self.barrier(step)
+            ahead = lookahead(step, self.cfg.steps, barrier, self.cfg.prompts, self.cfg.lookahead)
+            for g, group in enumerate(self.step_groups(step + 1)[:ahead]):
+                self.start_group((step + 1) * 10_000 + g, group)
         if self.carried:
             self.carried_in[step] = len(self.carried)
             self.release(step, self.carried)
             self.carried = []
+        if self.inflight:
+            self.check_quota()
+
+    def step_groups(self, step: int) -> list[Group]:
+        if step not in self.workloads:
+            self.workloads[step] = self.workload(step)
+        return self.workloads[step]
+
+    def start_group(self, gid: int, group: Group) -> None:
+        if gid in self.groups:
+            return  # dispatched ahead by the step before
+        self.groups[gid] = group
+        self.group_left[gid] = len(group.durations)
+        self.d += len(group.durations)
+        for duration in group.durations:
+            e = self.next_exec
+            self.next_exec += 1
+            self.remaining[e] = duration + self.cfg.exec_overhead_s
+            self.exec_group[e] = gid
+            self.first_version[e] = self.version
+            self.waiting.append(e)
+
+    def barrier(self, step: int) -> bool:
+        return step == self.cfg.steps or writes_checkpoint(step, self.cfg.checkpoint_every, self.cfg.steps)
 
     def slots(self) -> int:
         return self.cfg.pool_capacity + sum(
@@ -268,15 +313,27 @@ class Simulation:
     def start_waiting(self) -> None:
         while self.waiting and self.running < self.slots():
             e = self.waiting.pop(0)
+            self.started_at[e] = self.now
             self.running += 1
             self.at(self.now + self.remaining[e], "exec_end", e)
 
     def on_exec_end(self, e: int) -> None:
+        if e not in self.exec_group:
+            return  # stopped earlier: its natural end no longer happens
         self.running -= 1
         self.f += 1
         gid = self.exec_group.pop(e)
+        first = self.first_version.pop(e)
+        self.served[e] = self.now - self.started_at.get(e, self.now)
         self.group_left[gid] -= 1
         step = gid // 10_000
+        if self.inflight:
+            if self.group_left[gid] == 0:
+                self.complete[self.collect] = self.complete.get(self.collect, 0) + 1
+                self.stale_trained.append((self.collect, self.collect - 1 - first))
+                self.release(self.collect, list(self.groups[gid].micro_steps))
+            self.check_quota()
+            return
         if self.group_left[gid] == 0 and self.streaming:
             self.release(step, list(self.groups[gid].micro_steps))
         if self.burst_done(step):
@@ -290,6 +347,27 @@ class Simulation:
             if carries_tail(self.mode, self.cfg.carry_tail, trainers, ends_run, checkpoint, stale_left):
                 self.stopping.add(step)
 
+    def check_quota(self) -> None:
+        """In-flight: close the collecting step's queue at its quota, its stale executions stopped
+        first (``scheduler.inflight``); barrier steps wait for every execution."""
+        s = self.collect
+        if s != self.burst or s in self.closed:
+            return  # not dispatched yet: its groups wait in its queue
+        barrier = self.barrier(s)
+        complete = self.complete.get(s, 0)
+        if not barrier and complete >= self.cfg.prompts and s not in self.stop_asked:
+            self.stop_asked.add(s)
+            for e in to_stop(self.first_version, self.version, self.cfg.max_staleness):
+                self.stopped.add(e)
+                if e in self.waiting:  # never started: it ends having done nothing
+                    self.waiting.remove(e)
+                    self.running += 1
+                self.at(self.now, "exec_end", e)
+        stale = sum(e in self.stopped for e in self.exec_group)
+        if closes(complete, self.cfg.prompts, len(self.exec_group), stale, barrier):
+            self.closed.add(s)
+            self.collect = s + 1
+
     def whole_step(self, step: int) -> list[float]:
         """Not streaming: the step's micro-steps, made once the burst has ended."""
         groups = [g for gid, g in self.groups.items() if gid // 10_000 == step]
@@ -301,8 +379,8 @@ class Simulation:
         return all(left == 0 for gid, left in self.group_left.items() if gid // 10_000 == step)
 
     def release(self, step: int, micro_steps: list[float]) -> None:
-        self.released[step] += len(micro_steps)
-        self.step_work[step] += len(micro_steps)
+        self.released[step] = self.released.get(step, 0) + len(micro_steps)
+        self.step_work[step] = self.step_work.get(step, 0) + len(micro_steps)
         self.pending_release.setdefault(step, []).extend(micro_steps)
 
     # ---- training -----------------------------------------------------------------------------
@@ -338,6 +416,7 @@ class Simulation:
 
     def on_published(self, step: int) -> None:
         self.publishing = False
+        self.version += 1
         self.training_step = step + 1
         if self.mode == "async":
             self.step_ends.append(self.now)

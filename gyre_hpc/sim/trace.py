@@ -14,6 +14,7 @@ The costs are medians over the run, so one run calibrates the simulator for ever
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from statistics import median
 
@@ -23,7 +24,7 @@ from gyre_hpc.recipe.schema import Recipe
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.sim.config import SimConfig
 from gyre_hpc.sim.simulate import CellTime, Group, SimResult, Workload, packed
-from gyre_hpc.step_data import run_id
+from gyre_hpc.step_data import run_id, step_tasks
 
 
 def run_tokens(steps: list[ev.Step]) -> dict[str, int]:
@@ -31,13 +32,26 @@ def run_tokens(steps: list[ev.Step]) -> dict[str, int]:
     out = {}
     for s in steps:
         for g in s.groups:
-            runs = sorted(run_id(s.step, g["task"], i) for i in range(len(g["run_tokens"])))
+            dispatched = g.get("step", s.step)
+            runs = sorted(run_id(dispatched, g["task"], i) for i in range(len(g["run_tokens"])))
             out |= dict(zip(runs, g["run_tokens"], strict=True))
     return out
 
 
-def workload(cfg: SimConfig, steps: list[ev.Step], decode_s: float) -> Workload:
-    by_step = {s.step: s.groups for s in steps}
+def workload(
+    cfg: SimConfig, steps: list[ev.Step], decode_s: float, order: Callable[[int], list[str]] | None = None
+) -> Workload:
+    """Each step's groups, by the step they were dispatched for (in-flight updates train some
+    in a later one), in the order of its prompts (``order``: a step's task ids; a look-ahead
+    dispatches the first ones)."""
+    by_step: dict[int, list[dict]] = {s.step: [] for s in steps}
+    for s in steps:
+        for g in s.groups:
+            by_step.setdefault(g.get("step", s.step), []).append(g)
+    if order is not None:
+        for step, groups in by_step.items():
+            rank = {task: i for i, task in enumerate(order(step))}
+            groups.sort(key=lambda g: rank.get(g["task"], len(rank)))
 
     def groups(step: int) -> list[Group]:
         if step not in by_step:
@@ -90,7 +104,8 @@ def replay(run_dir: Path, costs: dict[str, float] | None = None) -> tuple[SimCon
     events = rd.read_events()
     steps = [e for e in events if isinstance(e, ev.Step)]
     cfg = config_of(r, len(steps)).with_(**(costs or measured_costs(events, r.engine.emulated_decode_s)))
-    return cfg, workload(cfg, steps, r.engine.emulated_decode_s)
+    order = lambda step: [t.id for t in step_tasks(r.tasks, r.run.seed, step)]  # noqa: E731
+    return cfg, workload(cfg, steps, r.engine.emulated_decode_s, order)
 
 
 def config_of(r: Recipe, steps: int) -> SimConfig:
@@ -107,6 +122,8 @@ def config_of(r: Recipe, steps: int) -> SimConfig:
         async_train_cells=r.scheduler.async_train_cells,
         min_queued=r.scheduler.min_queued_microsteps,
         carry_tail=r.scheduler.carry_tail,
+        max_staleness=r.scheduler.max_staleness,
+        lookahead=r.scheduler.lookahead,
         checkpoint_every=r.trainer.checkpoint_every,
         seed=r.run.seed,
     )

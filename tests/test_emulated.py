@@ -97,7 +97,9 @@ def test_bench_modes_runs_every_async_split_and_ours_and_the_simulator_makes_the
     assert "simulated / real" in out and "real / bound" in out and "vs the paper's elastic rule" in out
     assert "(best async)" in out and "vs the best async (async " in out  # both splits ran, the best is named
     runs = tmp_path / "runs"
-    assert sorted(p.name for p in runs.iterdir()) == ["async-1of3", "async-2of3", "elastic", "elastic+carry"]
+    assert sorted(p.name for p in runs.iterdir()) == [
+        "async-1of3", "async-2of3", "elastic", "elastic+carry", "in-flight-k=1", "in-flight-k=2",
+    ]  # fmt: skip
     for kind in ("real", "simulated"):
         names = {p.name for p in (tmp_path / kind).iterdir()}
         assert {"step_times.png", "gantt_elastic.png", "gantt_elastic+carry.png", "time_split.png"} <= names

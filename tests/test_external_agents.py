@@ -286,3 +286,39 @@ def test_a_program_marks_its_summary_and_sub_agent_calls_with_their_roles_keys(
     outcome, records = run_one(tiny, tmp_path, config)
     assert outcome.execution.status == "finished", (tmp_path / "logs" / "ext-1.log").read_text()
     assert [r.role for r in records] == ["main", "main-summary", "sub-agent", "sub-agent-summary"]
+
+
+def test_a_stopped_program_is_killed_with_its_group_and_scored_on_what_it_left(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """``max_staleness`` stops an execution through the dispatcher's stop event: it ends at once
+    as "stopped", and is scored as a timed-out one is."""
+    config = AgentConfig(kind="command", command=["sh", "-c", "echo started; sleep 308 & sleep 308"])
+
+    async def go() -> Outcome:
+        async with Stack(tiny, tmp_path / "run") as stack:
+            endpoint = Endpoint(stack.proxy_url, stack.key, tiny.name, stack.proxy.usage)
+            harness = make_harness(config, endpoint, {}, 0, tmp_path / "logs")
+            scoring = ScoringRunners(ScoringConfig(scorer="hidden-tests", max_retries=0))
+            stops: dict[str, asyncio.Event] = {}
+            dispatcher = Dispatcher(
+                harness, lambda t: scoring.get(t.scorer), tmp_path / "ws", tmp_path / "tasks", 2, stops=stops
+            )
+            running = asyncio.ensure_future(dispatcher.run_all([("ext-1", HALF_DONE)]))
+            log = tmp_path / "logs" / "ext-1.log"
+            deadline = time.monotonic() + 60
+            while not (log.exists() and "started" in log.read_text()):  # the program is up
+                assert time.monotonic() < deadline and not running.done()
+                await asyncio.sleep(0.05)
+            stops["ext-1"].set()
+            (outcome,) = await running
+            assert stops == {}  # an ended execution leaves no stop behind
+            return outcome
+
+    started = time.monotonic()
+    outcome = asyncio.run(go())
+    assert time.monotonic() - started < 60
+    assert outcome.execution.status == "stopped" and "max_staleness" in outcome.execution.error
+    assert (outcome.score.kind, outcome.score.reward) == ("partial", 0.5)  # what the workspace holds
+    left = subprocess.run(["pgrep", "-f", "sleep 308"], capture_output=True, text=True).stdout
+    assert left == "", "the program's process group outlived it"

@@ -138,6 +138,8 @@ def test_cross_section_rules() -> None:
         load_recipe(None, ["scheduler.mode=async", "scheduler.async_train_cells=2", "cells.count=2"])
     with pytest.raises(RecipeError, match=r"bench.async_splits = \[0, 4\]: .* valid splits are 1 … 3"):
         load_recipe(None, ["cells.count=4", "bench.async_splits=[1, 0, 4]"])
+    with pytest.raises(RecipeError, match=r"scheduler.max_staleness = 1 needs scheduler.mode = \"elastic\""):
+        load_recipe(None, ["scheduler.mode=colocate", "scheduler.max_staleness=1"])
 
 
 def test_cli_errors_are_one_line_and_exit_2(tmp_path: Path) -> None:

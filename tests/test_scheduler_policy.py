@@ -155,3 +155,25 @@ def test_carry_tail_only_where_it_keeps_staleness_at_one_and_leaves_no_work_behi
     assert not carries_tail(**{**ok, "ends_run": True})  # the last step trains everything
     assert not carries_tail(**{**ok, "checkpoint": True})  # a checkpoint leaves no work in flight
     assert not carries_tail(**{**ok, "stale_left": 2})  # nothing is carried twice
+
+
+def test_in_flight_stops_what_would_be_trained_more_than_k_behind_and_closes_at_the_quota() -> None:
+    from gyre_hpc.scheduler.inflight import closes, in_flight, lookahead, to_stop
+
+    assert in_flight(SchedulerConfig(mode="elastic", max_staleness=1))
+    assert not in_flight(SchedulerConfig(mode="elastic")) and not in_flight(SchedulerConfig(mode="colocate"))
+    # A step trained from version 5 with k = 2: first versions 3 (2 behind now, 3 in any later
+    # step) are stopped; 4 and 5 may wait for a later step.
+    assert to_stop({"a": 3, "b": 4, "c": 5, "d": 2}, 5, 2) == ["a", "d"]
+    assert to_stop({"a": 4}, 5, 1) == ["a"] and to_stop({"a": 5}, 5, 1) == []
+    # The quota closes a step once no stopped execution is still on its way ...
+    assert closes(complete=8, quota=8, running=5, stale_running=0, barrier=False)
+    assert not closes(complete=8, quota=8, running=5, stale_running=1, barrier=False)
+    assert not closes(complete=7, quota=8, running=5, stale_running=0, barrier=False)
+    # ... a barrier waits for every execution, and a step that can get no more groups closes.
+    assert not closes(complete=9, quota=8, running=1, stale_running=0, barrier=True)
+    assert closes(complete=3, quota=8, running=0, stale_running=0, barrier=False)
+    # The look-ahead: a share of the next step's prompts, never on a barrier or the last step.
+    assert lookahead(1, 10, False, 8, 0.25) == 2 and lookahead(1, 10, False, 3, 0.34) == 2
+    assert lookahead(1, 10, True, 8, 0.25) == 0 and lookahead(10, 10, False, 8, 0.25) == 0
+    assert lookahead(1, 10, False, 8, 0.0) == 0 and lookahead(1, 10, False, 8, 1.0) == 8

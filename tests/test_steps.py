@@ -136,7 +136,7 @@ def test_a_step_with_nothing_to_learn_is_applied_without_training(tmp_path: Path
 @pytest.mark.parametrize("k", [1, 2])
 def test_in_flight_steps_close_at_their_quota_and_train_every_execution_once(tmp_path: Path, k: int) -> None:
     fleet, steps, events = run_steps(tmp_path, "elastic", steps=4, max_staleness=k, lookahead=0.34)
-    # Step 1 closes once 3 groups are in (prompt 0 of step 2 ran ahead), not at its 9 s run.
+    # Step 1 closes once 3 groups are in (step 2's first two prompts ran ahead), not at its 9 s run.
     assert steps[0].sample_seconds < 9
     # Every group dispatched (3 prompts × 4 steps) lands in exactly one step.
     landed = [(g["step"], g["task"]) for s in steps for g in s.groups]
@@ -152,7 +152,7 @@ def test_in_flight_steps_close_at_their_quota_and_train_every_execution_once(tmp
     stopped = [run for e in events if isinstance(e, ev.StaleStopped) for run in e.runs]
     assert sum(s.statuses.get("stopped", 0) for s in steps) == len(stopped)
     if k == 1:
-        assert stopped  # the 9 s run of step 2's prompt 2 cannot wait two versions
+        assert stopped  # a long run dispatched ahead cannot wait for two more versions
     # The run's last step is a barrier: nothing is left running, and every cell samples again.
     assert steps[-1].roles == {"0": S, "1": S, "2": S}
     assert [s.version for s in steps] == [1, 2, 3, 4]

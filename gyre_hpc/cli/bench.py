@@ -22,7 +22,17 @@ from gyre_hpc.errors import GyreError
 from gyre_hpc.observability import events as ev
 from gyre_hpc.recipe.load import load_recipe
 from gyre_hpc.rundir import RunDir
-from gyre_hpc.sim.config import CONFIGS, OURS, PAPER_ABLATIONS, SimConfig, ablations, async_name, variants
+from gyre_hpc.sim.config import (
+    CONFIGS,
+    INFLIGHT_KS,
+    OURS,
+    PAPER_ABLATIONS,
+    SimConfig,
+    ablations,
+    async_name,
+    inflight_name,
+    variants,
+)
 from gyre_hpc.sim.plots import plot_all
 from gyre_hpc.sim.simulate import SimResult, simulate
 from gyre_hpc.sim.trace import measured_costs, observed, replay
@@ -66,6 +76,9 @@ def speedups(times: dict[str, float]) -> list[str]:
         lines.append(
             f"ours ({OURS}, scheduler.carry_tail) {e / times[OURS]:.3f}× vs the paper's elastic rule"
         )
+    for k in INFLIGHT_KS:
+        if e and (name := inflight_name(k)) in times:
+            lines.append(f"ours ({name}, scheduler.max_staleness) {e / times[name]:.3f}× vs the paper's rule")
     return lines
 
 
@@ -92,8 +105,8 @@ def sim(
     best = best_async(times)
     shape = f"{cfg.cells} cells × {cfg.capacity}, {cfg.prompts}×{cfg.group_size} executions"
     table = Table(title=f"{config}: {shape}, {cfg.steps} steps")
-    columns = ("mode", "total h", "mean step h", "total / bound", "sampling", "idle slots", "training",
-               "idle", "switching", "switches")  # fmt: skip
+    columns = ("mode", "total h", "mean step h", "total / bound", "total / work", "sampling", "idle slots",
+               "training", "idle", "switching", "switches")  # fmt: skip
     for col in columns:
         table.add_column(col, justify="right")
     for name, r in results.items():
@@ -103,15 +116,19 @@ def sim(
             f"{r.total_s / 3600:.2f}",
             f"{r.total_s / 3600 / len(r.step_ends):.3f}",
             f"{r.total_s / r.bound_s:.3f}",
+            f"{r.total_s / r.work_bound_s:.3f}",
             *(f"{share[k]:.0%}" for k in ("sampling", "idle slots", "training", "idle", "switching")),
             str(r.switches),
         )
     console = Console(width=max(Console().width, 130))
     console.print(table)
     bound = next(iter(results.values())).bound_s
+    work = next(iter(results.values())).work_bound_s
     console.print(
         f"bound {bound / 3600:.2f} h ({bound / 3600 / cfg.steps:.3f} h a step): each step's work spread "
-        "over every slot and cell, or its longest execution and the training that must follow it"
+        "over every slot and cell, or its longest execution and the training that must follow it; "
+        f"work {work / 3600:.2f} h: the work alone, which executions crossing versions (in-flight) "
+        "may approach"
     )
     for line in speedups(times):
         console.print(line)
@@ -141,7 +158,10 @@ def modes(
         list[str] | None, typer.Option("--set", help="Recipe override, section.key=value.")
     ] = None,
     out: Annotated[Path, typer.Option(help="Where the run directories and plots go.")] = Path("bench-modes"),
-    ours: Annotated[bool, typer.Option(help=f"Also run {OURS}: elastic with scheduler.carry_tail.")] = False,
+    ours: Annotated[
+        bool,
+        typer.Option(help=f"Also run ours: {OURS} (scheduler.carry_tail), in-flight (max_staleness 1, 2)."),
+    ] = False,
 ) -> None:
     """Run the recipe in each mode of `bench.modes` — async once per split of
     `bench.async_splits` (every split when empty) — one after another, and compare step times:
@@ -169,6 +189,8 @@ def modes(
             plan[async_name(k, n)] = ["scheduler.mode=async", f"scheduler.async_train_cells={k}"]
     if ours:
         plan[OURS] = ["scheduler.mode=elastic", "scheduler.carry_tail=true"]
+        for k in INFLIGHT_KS:
+            plan[inflight_name(k)] = ["scheduler.mode=elastic", f"scheduler.max_staleness={k}"]
     runs = {}
     for name, variant in plan.items():
         console.print(f"running {name} …")
@@ -193,12 +215,13 @@ def _report(console: Console, title: str, runs: dict[str, RunDir], simulated: di
     for col in ("mode", "step s", "sampling s", "training began before burst end (s)", "reward"):
         table.add_column(col, justify="right")
     if simulated:
-        for col in ("simulated step s", "simulated / real", "bound s", "real / bound"):
+        for col in ("simulated step s", "simulated / real", "bound s", "real / bound", "real / work"):
             table.add_column(col, justify="right")
     real = {name: _summarize(rd) for name, rd in runs.items()}
     sim = {name: mean(r.step_times[1:]) for name, r in simulated.items()}
     # The bound of each run's own recorded work, with the calibrated costs (``sim.bound``).
     bound = {name: mean(r.step_bounds[1:]) for name, r in simulated.items()}
+    work = {name: mean(r.work_bounds[1:]) for name, r in simulated.items()}
     step_s = {name: r["step_s"] for name, r in real.items()}
     best = best_async(step_s)
     for name, r in real.items():
@@ -216,6 +239,7 @@ def _report(console: Console, title: str, runs: dict[str, RunDir], simulated: di
                 f"{sim[name] / r['step_s']:.3f}",
                 f"{b:.2f}",
                 f"{r['step_s'] / b:.3f}",
+                f"{r['step_s'] / work[name]:.3f}",
             ]
         table.add_row(*row)
     console.print(table)

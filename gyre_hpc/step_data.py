@@ -16,6 +16,7 @@ nothing about cells, MPI or the schedule.
 from __future__ import annotations
 
 import random
+import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -58,11 +59,15 @@ def run_id(step: int, task_id: str, g: int) -> str:
     return f"s{step:04d}-{task_id}-g{g}"
 
 
-def group_of(run: str) -> tuple[int, str]:
-    """The (step, task id) whose group a ``run_id`` belongs to."""
-    head, _, _ = run.rpartition("-g")
-    step, _, task_id = head.partition("-")
-    return int(step[1:]), task_id
+def dispatched_step(run: str) -> int:
+    """The step a ``run_id`` was dispatched for (0 for a run named otherwise, e.g. an evaluation's)."""
+    m = re.match(r"s(\d+)-", run)
+    return int(m.group(1)) if m else 0
+
+
+def group_of(outcome: Outcome) -> tuple[int, str]:
+    """The group an execution belongs to: (the step it was dispatched for, its task)."""
+    return dispatched_step(outcome.execution.run_id), outcome.execution.task_id
 
 
 @dataclass
@@ -142,17 +147,20 @@ class StreamingBatch:
         seed: int,
         step: int,
         carried: Sequence[list[TrainSequence]] = (),
-        pending: dict[tuple[int, str], list[Outcome]] | None = None,
+        pending: dict[tuple[int, str], list[tuple[Outcome, TrajectoryTree | None]]] | None = None,
     ):
         self.group_size, self.trajectory, self.tokens = group_size, trajectory, micro_step_tokens
         self.seed, self.step = seed, step
         self.pending = {} if pending is None else pending
-        """Groups with runs still to end, by (step dispatched, task): in-flight updates pass the
-        same dict to every step, so a group completes in whichever step its last run ends."""
+        """Runs (and trees) of groups with runs still to end, by (step dispatched, task): in-flight
+        updates pass the same dict to every step, so a group completes, whole, in whichever step
+        its last run ends."""
         self.complete = 0
         """Groups this batch completed."""
         self.trees: dict[str, TrajectoryTree] = {}
+        """The trees of the runs of the groups this batch completed."""
         self.outcomes: list[Outcome] = []
+        """The runs of the groups this batch completed."""
         self.queue: list[list[TrainSequence]] = list(carried)
         """Micro-steps carried from the previous step (``scheduler.carry_tail``) come first."""
         self.num_runs = 0
@@ -161,16 +169,16 @@ class StreamingBatch:
     def add(self, outcome: Outcome, tree: TrajectoryTree | None) -> list[list[TrainSequence]]:
         """Book one finished run (and its complete tree); returns the micro-steps its group
         completed (often none)."""
-        self.outcomes.append(outcome)
-        if tree is not None:
-            self.trees[outcome.execution.run_id] = tree
-        key = group_of(outcome.execution.run_id)
-        group = self.pending.setdefault(key, [])
-        group.append(outcome)
-        if len(group) < self.group_size:
+        key = group_of(outcome)
+        runs = self.pending.setdefault(key, [])
+        runs.append((outcome, tree))
+        if len(runs) < self.group_size:
             return []
         del self.pending[key]
         self.complete += 1
+        group = [o for o, _ in runs]
+        self.outcomes += group
+        self.trees |= {o.execution.run_id: t for o, t in runs if t is not None}
         rng = group_rng(self.seed, key[0], outcome.execution.task_id)
         seqs, n = group_sequences(group, self.trees, self.trajectory, rng)
         self.num_runs += n
@@ -209,7 +217,7 @@ def group_work(
     runs = sorted(o.execution.run_id for o in group)
     return {
         "task": group[0].execution.task_id,
-        "step": group_of(runs[0])[0],
+        "step": dispatched_step(runs[0]),
         "run_tokens": [
             sum(len(r.output_ids) for r in trees[run].records()) if run in trees else 0 for run in runs
         ],

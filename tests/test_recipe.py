@@ -140,6 +140,8 @@ def test_cross_section_rules() -> None:
         load_recipe(None, ["cells.count=4", "bench.async_splits=[1, 0, 4]"])
     with pytest.raises(RecipeError, match=r"scheduler.max_staleness = 1 needs scheduler.mode = \"elastic\""):
         load_recipe(None, ["scheduler.mode=colocate", "scheduler.max_staleness=1"])
+    with pytest.raises(RecipeError, match="every step writes a checkpoint"):
+        load_recipe(None, ["scheduler.max_staleness=1", "trainer.checkpoint_every=1"])
 
 
 def test_cli_errors_are_one_line_and_exit_2(tmp_path: Path) -> None:

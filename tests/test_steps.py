@@ -143,6 +143,9 @@ def test_in_flight_steps_close_at_their_quota_and_train_every_execution_once(tmp
     assert len(landed) == len(set(landed)) == 12
     assert sorted({step for step, _ in landed}) == [1, 2, 3, 4]
     assert sum(s.executions for s in steps) == 48
+    # ... whole: a group whose runs ended in two steps trains every run, with its tree.
+    assert sum(s.trained_runs for s in steps) == 48
+    assert all(tokens == 10 for s in steps for g in s.groups for tokens in g["run_tokens"])
     assert any(step < s.step for s in steps for step in {g["step"] for g in s.groups})  # crossed a version
     # No trained token is more than k versions behind the update that trains it.
     for s in steps:

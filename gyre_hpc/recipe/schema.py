@@ -80,7 +80,8 @@ class SchedulerConfig:
         "elastic: 0 keeps the step barrier (a step waits for its last execution); k > 0 closes a "
         "step once prompts_per_step complete groups are in, executions still running continue under "
         "the new weights and land in a later step, and one that would be trained more than k "
-        "versions after its first call is stopped and partially scored (replaces carry_tail).",
+        "versions after its first call is stopped and partially scored (replaces carry_tail); steps "
+        "that write a checkpoint still wait for every execution (so set trainer.checkpoint_every > 1).",
         min=0,
     )
     lookahead: float = knob(
@@ -338,6 +339,12 @@ class Recipe:
             raise RecipeError(
                 f'scheduler.max_staleness = {sched.max_staleness} needs scheduler.mode = "elastic" '
                 f"(got {sched.mode!r}); set it to 0 for {sched.mode}"
+            )
+        if sched.max_staleness and trainer.checkpoint_every == 1:
+            raise RecipeError(
+                f"scheduler.max_staleness = {sched.max_staleness} with trainer.checkpoint_every = 1: every "
+                "step writes a checkpoint, so every step waits for all its executions; set "
+                "trainer.checkpoint_every to 0 or more than 1"
             )
         if sched.mode == "async" and sched.async_train_cells >= cells.count + (cells.rollout_pool > 0):
             raise RecipeError(

@@ -461,7 +461,7 @@ class InFlightStep(ElasticStep):
         """Execution → the version it was dispatched under, until it ends."""
         self.ahead: set[str] = set()
         """Executions dispatched by the step before as its look-ahead."""
-        self.pending: dict[tuple[int, str], list[Outcome]] = {}
+        self.pending: dict[tuple[int, str], list[tuple[Outcome, TrajectoryTree | None]]] = {}
         self.futures: list[concurrent.futures.Future[list[Outcome]]] = []
 
     def run(self, step: int) -> StepRecord:

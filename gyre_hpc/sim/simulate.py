@@ -272,7 +272,7 @@ class Simulation:
         if self.inflight:
             barrier = self.barrier(step)
             ahead = lookahead(step, self.cfg.steps, barrier, self.cfg.prompts, self.cfg.lookahead)
-            for g, group in enumerate(self.step_groups(step + 1)[:ahead]):
+            for g, group in enumerate(self.step_groups(step + 1)[:ahead] if ahead else []):
                 self.start_group((step + 1) * 10_000 + g, group)
         if self.carried:
             self.carried_in[step] = len(self.carried)

@@ -106,7 +106,7 @@ def test_bench_modes_runs_every_async_split_and_ours_and_the_simulator_makes_the
 
     # The runtime and the simulator follow one schedule model: replayed with the costs measured
     # in it, each recorded run makes the same role switches, in the same order, in the simulator.
-    for name in ("elastic", "elastic+carry", "async-2of3"):
+    for name in ("elastic", "elastic+carry", "in-flight-k=1", "async-2of3"):
         run_dir = next((runs / name).iterdir())
         cfg, workload = replay(run_dir)
         simulated, real = (

@@ -397,7 +397,9 @@ class Simulation:
         stopping = step in self.stopping
         for c, r in enumerate(self.roles):
             if r == Role.TRAINING and c not in self.switching and not self.busy[c]:
-                if self.queue and not stopping:
+                # Nobody claims between a close and the next dispatch (boundary rule 3): the
+                # groups that completed there (in-flight) wait for their step to open.
+                if self.queue and not stopping and not self.boundary:
                     seconds = self.queue.pop(0)
                     self.started[step] = self.started.get(step, 0) + 1
                     self.busy[c] = True

@@ -9,10 +9,13 @@ within each group, so every run trains one micro-step (13 tokens, 0.26 s).
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 from fleet_fake import Clock, FakeFleet, FakeSampler
 
 from gyre_hpc.observability import events as ev
@@ -159,3 +162,18 @@ def test_in_flight_steps_close_at_their_quota_and_train_every_execution_once(tmp
     # The run's last step is a barrier: nothing is left running, and every cell samples again.
     assert steps[-1].roles == {"0": S, "1": S, "2": S}
     assert [s.version for s in steps] == [1, 2, 3, 4]
+
+
+def test_runs_plot_side_by_side_with_their_off_policy_share(tmp_path: Path) -> None:
+    run_steps(tmp_path / "barrier", "elastic", steps=2)
+    run_steps(tmp_path / "k1", "elastic", steps=3, max_staleness=1, lookahead=0.34)
+    runs = [f"{name}={next((tmp_path / name).iterdir())}" for name in ("barrier", "k1")]
+    tool = [sys.executable, str(REPO / "tools" / "plot_learning.py")]
+    out = tmp_path / "learning.png"
+    proc = subprocess.run([*tool, *runs, "--out", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert out.stat().st_size > 10_000
+    bad = subprocess.run([*tool, "nolabel"], capture_output=True, text=True)
+    assert bad.returncode != 0 and bad.stderr.strip() == (
+        "error: nolabel: expected LABEL=RUN_DIR, a directory with events.jsonl"
+    )

@@ -120,7 +120,7 @@ def sim(
             *(f"{share[k]:.0%}" for k in ("sampling", "idle slots", "training", "idle", "switching")),
             str(r.switches),
         )
-    console = Console(width=max(Console().width, 130))
+    console = Console(width=max(Console().width, 160))
     console.print(table)
     bound = next(iter(results.values())).bound_s
     work = next(iter(results.values())).work_bound_s

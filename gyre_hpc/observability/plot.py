@@ -51,3 +51,32 @@ def _staleness(ax, steps: list[ev.Step]) -> None:  # noqa: ANN001 - a matplotlib
     ax.set(xlabel="step", ylabel="trained tokens\nby lag", ylim=(0, 1.02))
     if lags:
         ax.legend(loc="lower right", fontsize=7, ncol=len(lags))
+
+
+def plot_runs(runs: dict[str, list[ev.Event]], out: Path, title: str) -> Path:
+    """Several runs side by side (e.g. one knob's values on one seed): held-out pass rate, training
+    reward, and the share of trained tokens that were off-policy, each against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (held, reward, stale) = plt.subplots(3, 1, figsize=(7, 8), dpi=100, sharex=True)
+    for label, events in runs.items():
+        steps = [e for e in events if isinstance(e, ev.Step)]
+        evals = [e for e in events if isinstance(e, ev.Eval)]
+        held.plot([e.step for e in evals], [e.pass_rate for e in evals], "D-", label=label)
+        reward.plot([e.step for e in steps], [e.reward_mean for e in steps], ".-", label=label)
+        off = [1 - e.staleness_tokens.get("0", 0) / max(sum(e.staleness_tokens.values()), 1) for e in steps]
+        stale.plot([e.step for e in steps], off, ".-", label=label)
+    held.set(ylabel="held-out pass rate", title=title)
+    reward.set(ylabel="training reward")
+    stale.set(xlabel="step", ylabel="trained tokens\n≥ 1 version behind", ylim=(-0.02, 1.02))
+    for ax in (held, reward, stale):
+        ax.grid(alpha=0.3)
+    held.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out

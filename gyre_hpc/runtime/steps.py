@@ -391,15 +391,9 @@ class ElasticStep(StepKind):
             if b.finished == b.dispatched and b.closed_at is None:
                 self.close_burst(step, b, len(batch.queue), self.stops_at_close(step, b, carried_in))
             # The water never rises inside a burst, so the policy asks for no return here.
-            for s in decide(self.state(self.counters(b, len(batch.queue)))):
-                self.to_training(step, [s], batch.queue, b.closed_at is not None, b.dispatched - b.finished)
-                b.trainers[s.cell] = c.clock()
-            if b.trained(batch.queue):
+            if self.advance(step, b, batch.queue):
                 break
-            if (msg := f.receive()) is not None and msg.step == step:
-                b.done[msg.cell] = msg
         future.result()  # surfaces a dispatcher error
-        _, tito_bytes = self.burst_ended()
         trained = {i for d in b.done.values() for i in d.claimed}
         self.carried = [mb for i, mb in enumerate(batch.queue) if i not in trained]
         runs = batch.num_runs if batch.queue else 0
@@ -407,16 +401,46 @@ class ElasticStep(StepKind):
             # Runs whose sequences this update trained: a run split by the stop counts in both
             # of the updates that train part of it.
             runs = len({s.run_id for i in trained for s in batch.queue[i]})
+        return self.finish(
+            step, started, b, batch, runs, trained_from, [batch.queue[i] for i in sorted(trained)],
+            carried_in=carried_in, carried_out=len(self.carried),
+        )  # fmt: skip
+
+    def finish(
+        self,
+        step: int,
+        started: float,
+        b: _Burst,
+        batch: StreamingBatch,
+        runs: int,
+        trained_from: int,
+        trained: list[list[TrainSequence]],
+        **carry: int,
+    ) -> StepRecord:
+        """Apply what the cells trained (``trained``: those micro-steps), close the step, and
+        record it."""
+        _, tito_bytes = self.burst_ended()
         applied = self.apply(step, b.done, runs, tito_bytes)
         self.close(step, self.counters(b, len(batch.queue)))
         early = b.closed_at - min(b.trainers.values()) if b.trainers and b.closed_at else None
         return StepRecord(
-            step, started, b.closed_at or c.clock(), batch.stats(), batch.num_runs, b.done, applied,
-            runs == 0, staleness(batch.trees.values(), trained_from), self.switches,
-            token_staleness((batch.queue[i] for i in sorted(trained)), trained_from),
-            carried_in=carried_in, carried_out=len(self.carried),
+            step, started, b.closed_at or self.ctx.clock(), batch.stats(), batch.num_runs, b.done,
+            applied, runs == 0, staleness(batch.trees.values(), trained_from), self.switches,
+            token_staleness(trained, trained_from), **carry,
             train_before_burst_end_s=None if early is None else round(max(early, 0.0), 3),
         )  # fmt: skip
+
+    def advance(self, step: int, b: _Burst, queue: list) -> bool:
+        """One turn: the cells the policy sends join the step, one TrainDone is booked; True once
+        the queue is trained out."""
+        for s in decide(self.state(self.counters(b, len(queue)))):
+            self.to_training(step, [s], queue, b.closed_at is not None, b.dispatched - b.finished)
+            b.trainers[s.cell] = self.ctx.clock()
+        if b.trained(queue):
+            return True
+        if (msg := self.ctx.fleet.receive()) is not None and msg.step == step:
+            b.done[msg.cell] = msg
+        return False
 
     def counters(self, b: _Burst, packed: int) -> StepCounters:
         return StepCounters(b.dispatched, b.finished, packed, self.ctx.fleet.claimed(), True, b.stopped)
@@ -501,24 +525,10 @@ class InFlightStep(ElasticStep):
                 stale = len(stopping & self.running.keys())
                 if closes(batch.complete, t.prompts_per_step, len(self.running), stale, barrier):
                     self.close_burst(step, b, len(batch.queue), False)
-            for s in decide(self.state(self.counters(b, len(batch.queue)))):
-                self.to_training(step, [s], batch.queue, b.closed_at is not None, b.dispatched - b.finished)
-                b.trainers[s.cell] = c.clock()
-            if b.trained(batch.queue):
+            if self.advance(step, b, batch.queue):
                 break
-            if (msg := f.receive()) is not None and msg.step == step:
-                b.done[msg.cell] = msg
-        _, tito_bytes = self.burst_ended()
         runs = batch.num_runs if batch.queue else 0
-        applied = self.apply(step, b.done, runs, tito_bytes)
-        self.close(step, self.counters(b, len(batch.queue)))
-        early_s = b.closed_at - min(b.trainers.values()) if b.trainers and b.closed_at else None
-        return StepRecord(
-            step, started, b.closed_at or c.clock(), batch.stats(), batch.num_runs, b.done, applied,
-            runs == 0, staleness(batch.trees.values(), trained_from), self.switches,
-            token_staleness(batch.queue, trained_from),
-            train_before_burst_end_s=None if early_s is None else round(max(early_s, 0.0), 3),
-        )  # fmt: skip
+        return self.finish(step, started, b, batch, runs, trained_from, batch.queue)
 
     def add(self, step: int, b: _Burst, batch: StreamingBatch, outcome: Outcome) -> None:
         run = outcome.execution.run_id

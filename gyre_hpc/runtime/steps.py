@@ -384,10 +384,7 @@ class ElasticStep(StepKind):
         while True:
             while not arrived.empty():
                 b.finished += 1
-                outcome = arrived.get()
-                run = outcome.execution.run_id
-                if new := batch.add(outcome, c.sampler.trees([run]).get(run)):
-                    f.extend(list(b.trainers), step, new)
+                self.add(step, b, batch, arrived.get())
             if b.finished == b.dispatched and b.closed_at is None:
                 self.close_burst(step, b, len(batch.queue), self.stops_at_close(step, b, carried_in))
             # The water never rises inside a burst, so the policy asks for no return here.
@@ -429,6 +426,12 @@ class ElasticStep(StepKind):
             token_staleness(trained, trained_from), **carry,
             train_before_burst_end_s=None if early is None else round(max(early, 0.0), 3),
         )  # fmt: skip
+
+    def add(self, step: int, b: _Burst, batch: StreamingBatch, outcome: Outcome) -> None:
+        """Book one ended execution; the micro-steps its group completed go to the trainers."""
+        run = outcome.execution.run_id
+        if new := batch.add(outcome, self.ctx.sampler.trees([run]).get(run)):
+            self.ctx.fleet.extend(list(b.trainers), step, new)
 
     def advance(self, step: int, b: _Burst, queue: list) -> bool:
         """One turn: the cells the policy sends join the step, one TrainDone is booked; True once
@@ -529,11 +532,6 @@ class InFlightStep(ElasticStep):
                 break
         runs = batch.num_runs if batch.queue else 0
         return self.finish(step, started, b, batch, runs, trained_from, batch.queue)
-
-    def add(self, step: int, b: _Burst, batch: StreamingBatch, outcome: Outcome) -> None:
-        run = outcome.execution.run_id
-        if new := batch.add(outcome, self.ctx.sampler.trees([run]).get(run)):
-            self.ctx.fleet.extend(list(b.trainers), step, new)
 
     def dispatch_with_lookahead(self, step: int, barrier: bool) -> None:
         """This step's prompts the last one did not dispatch ahead, and the next step's

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from gyre_hpc.errors import GyreError
 from gyre_hpc.observability.plot import plot_runs
 from gyre_hpc.rundir import RunDir
 
@@ -27,10 +26,7 @@ def main() -> None:
         if not sep or not (Path(where) / "events.jsonl").exists():
             raise SystemExit(f"error: {item}: expected LABEL=RUN_DIR, a directory with events.jsonl")
         runs[label] = RunDir(Path(where)).read_events()
-    try:
-        print(plot_runs(runs, args.out, args.title))
-    except GyreError as err:
-        raise SystemExit(f"error: {err}") from None
+    print(plot_runs(runs, args.out, args.title))
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ import openai
 
 from gyre_hpc.agents.harness import Execution
 from gyre_hpc.agents.journal import Entry, Journal
-from gyre_hpc.agents.stops import Stopped, within
+from gyre_hpc.agents.stops import REASON, Stopped, within
 from gyre_hpc.errors import GyreError
 from gyre_hpc.recipe.schema import AgentConfig
 from gyre_hpc.tasks.task import Task
@@ -123,9 +123,6 @@ def _finish(ex: Execution, endpoint: Endpoint, started: float) -> Execution:
     return ex
 
 
-STOPPED = "stopped by the controller: it would be trained more than max_staleness versions behind"
-
-
 class CommandHarness:
     """Each execution runs ``agent.command`` (an argv template) in its workspace."""
 
@@ -163,7 +160,7 @@ class CommandHarness:
                 await _kill_group(proc)
                 return _finish(ex, self.endpoint, started)
             except Stopped:
-                ex.status, ex.error = "stopped", STOPPED
+                ex.status, ex.error = "stopped", REASON
                 await _kill_group(proc)
                 return _finish(ex, self.endpoint, started)
             except BaseException:  # the run stops: nothing it started may outlive it
@@ -219,7 +216,7 @@ class PythonHarness:
         except TimeoutError:
             ex.status, ex.error = "timed_out", f"stopped at its time limit ({limit:g} s)"
         except Stopped:
-            ex.status, ex.error = "stopped", STOPPED
+            ex.status, ex.error = "stopped", REASON
         except Exception as err:  # the agent's own bug: this execution crashed, the run goes on
             ex.status, ex.error = "crashed", f"{type(err).__name__}: {err}"
         finally:

@@ -31,7 +31,7 @@ import openai
 
 from gyre_hpc.agents.journal import Entry, Journal
 from gyre_hpc.agents.sandbox import ToolError, Workspace
-from gyre_hpc.agents.stops import Stopped, within
+from gyre_hpc.agents.stops import REASON, Stopped, within
 from gyre_hpc.agents.tools import MAIN_TOOLS, SPECS, SUB_AGENT_TOOLS, execute, parse_call
 from gyre_hpc.recipe.schema import AgentConfig
 from gyre_hpc.tasks.task import Task
@@ -124,7 +124,7 @@ class Harness:
         except TimeoutError:
             ex.status = "timed_out"
         except Stopped:
-            ex.status = "stopped"
+            ex.status, ex.error = "stopped", REASON
         except _OutOfCalls:
             ex.status = "finished"
             ex.summary = ex.summary or "stopped: model-call budget spent"

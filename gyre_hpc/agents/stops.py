@@ -16,6 +16,10 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
+REASON = "stopped by the controller: it would be trained more than max_staleness versions behind"
+"""What a stopped execution's ``error`` says."""
+
+
 class Stopped(Exception):
     """The controller stopped the execution."""
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-CAPABILITIES = ("mpi", "slurm", "gpu", "rdma", "megatron", "sglang", "agents")
+CAPABILITIES = ("mpi", "slurm", "gpu", "rdma", "megatron", "sglang", "agents", "bwrap")
 SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
 """The environment ``tools/setup.sh --sglang`` builds: SGLang and this package, side by side."""
 MINI_SWE_AGENT = REPO / ".venv-agents" / "bin" / "mini"
@@ -56,6 +56,10 @@ def why_missing(capability: str) -> str | None:
         return None if probe.returncode == 0 else f"{SGLANG_PYTHON} cannot import sglang"
     if capability == "agents":
         return None if MINI_SWE_AGENT.exists() else "no agent programs (bash tools/setup.sh --agents)"
+    if capability == "bwrap":
+        from gyre_hpc.sandbox.confine import Sandbox
+
+        return Sandbox("bwrap").problem()
     if capability == "gpu":
         return None if torch.cuda.is_available() else "no CUDA GPU"
     if capability == "rdma":

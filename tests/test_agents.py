@@ -12,8 +12,8 @@ from loopback import Stack
 
 from gyre_hpc.agents.dispatch import Dispatcher, artifacts
 from gyre_hpc.agents.harness import Harness
-from gyre_hpc.agents.sandbox import ToolError, Workspace
 from gyre_hpc.agents.tools import MAIN_TOOLS, execute, parse_call
+from gyre_hpc.agents.workspace import ToolError, Workspace
 from gyre_hpc.errors import GyreError
 from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.recipe.schema import AgentConfig, ScoringConfig

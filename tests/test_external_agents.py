@@ -175,6 +175,7 @@ if len(messages[-2]["content"]) % 2:  # the sampled words decide: rewards differ
 @pytest.mark.mpi
 def test_gyre_run_trains_a_black_box_program_in_elastic_mode(tmp_path: Path) -> None:
     (tmp_path / "coin.py").write_text(COIN_AGENT)
+    tmp_path.chmod(0o755)  # the sandbox shows the program's directory to a uid that is not root
     tasks = [Task(id=f"coin-{i}", spec=f"Flip coin {i}.", scorer="milestones",
                   milestones=[{"weight": 1, "file_exists": "heads.txt"}]) for i in range(4)]  # fmt: skip
     write_jsonl(tmp_path / "coins.jsonl", tasks)
@@ -224,7 +225,7 @@ def mini_swe_agent_command(step_limit: int = 3) -> str:
     argv = [
         "env", "MSWEA_CONFIGURED=1", "MSWEA_COST_TRACKING=ignore_errors", "MSWEA_SILENT_STARTUP=1",
         str(MINI_SWE_AGENT), "-t", "{instruction}", "--yolo", "--exit-immediately", "-m", "openai/gyre",
-        "-l", "0", "-o", "{workspace}/../{run_id}.traj.json",
+        "-l", "0", "-o", "{workspace}/.mini.traj.json",  # a sandbox writes its workspace only
         "-c", "mini.yaml", "-c", f"agent.step_limit={step_limit}", "-c", "model.model_kwargs.max_tokens=48",
     ]  # fmt: skip
     return json.dumps(argv)

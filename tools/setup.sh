@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up gyre-hpc on Debian 12, idempotently: system packages (Open MPI, Slurm, munge, PMIx,
-# MariaDB for Slurm accounting), a virtual environment in .venv, and the package in it.
+# MariaDB for Slurm accounting, bubblewrap for the executions' sandbox), a virtual environment
+# in .venv, and the package in it.
 #
 #   bash tools/setup.sh           # what `gyre-hpc run` and `gyre-hpc submit` need
 #   bash tools/setup.sh --test    # also the test tools (pytest, hypothesis, ruff) and megatron-core
@@ -22,7 +23,7 @@ for arg in "$@"; do
 done
 
 packages=(python3-venv python3-dev build-essential openmpi-bin libopenmpi-dev libpmix-dev
-          munge slurmctld slurmd slurmdbd slurm-client mariadb-server)
+          munge slurmctld slurmd slurmdbd slurm-client mariadb-server bubblewrap)
 missing=()
 for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ "${#missing[@]}" -gt 0 ]; then

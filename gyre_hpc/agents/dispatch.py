@@ -22,6 +22,7 @@ from gyre_hpc.agents.external import CommandHarness, Endpoint, PythonHarness
 from gyre_hpc.agents.harness import Execution, Harness
 from gyre_hpc.agents.journal import Journal
 from gyre_hpc.recipe.schema import AgentConfig
+from gyre_hpc.sandbox.confine import UNCONFINED, Sandbox
 from gyre_hpc.scoring import RunArtifacts, ScoreResult, ScoringRunner
 from gyre_hpc.tasks.task import Task
 
@@ -49,14 +50,22 @@ AnyHarness = Harness | CommandHarness | PythonHarness
 
 
 def make_harness(
-    config: AgentConfig, endpoint: Endpoint, sampling: dict[str, Any], seed: int | None, logs: Path
+    config: AgentConfig,
+    endpoint: Endpoint,
+    sampling: dict[str, Any],
+    seed: int | None,
+    logs: Path,
+    sandbox: Sandbox = UNCONFINED,
 ) -> AnyHarness:
-    """The harness ``agent.kind`` names, talking to the model through ``endpoint`` (the proxy)."""
+    """The harness ``agent.kind`` names, talking to the model through ``endpoint`` (the proxy),
+    running what the agent runs in ``sandbox``."""
     if config.kind == "command":
-        return CommandHarness(config, endpoint, logs)
+        return CommandHarness(config, endpoint, logs, sandbox)
     if config.kind == "python":
-        return PythonHarness(config, endpoint)
-    return Harness(endpoint.base_url + "/v1", endpoint.key_for, config, sampling, endpoint.model, seed)
+        return PythonHarness(config, endpoint, sandbox)
+    return Harness(
+        endpoint.base_url + "/v1", endpoint.key_for, config, sampling, endpoint.model, seed, sandbox
+    )
 
 
 SETUP_TIMEOUT_S = 900.0
@@ -87,12 +96,12 @@ async def setup(task: Task, workspace: Path) -> str | None:
     return None
 
 
-def artifacts(ex: Execution, task: Task, task_dir: Path) -> RunArtifacts:
+def artifacts(ex: Execution, task: Task, task_dir: Path, sandbox: Sandbox = UNCONFINED) -> RunArtifacts:
     """A run that never reached the model at all left nothing of its own: it gets a placeholder."""
     workspace = ex.workspace if not (ex.status == "crashed" and ex.calls == 0) else ex.workspace / "missing"
     # A stopped execution is scored on what it left, as one cut at its time limit is.
     status = "finished" if ex.status == "finished" else "timed_out" if ex.status in TIMED else "crashed"
-    return RunArtifacts(ex.run_id, workspace, status, task.for_scorer(task_dir))
+    return RunArtifacts(ex.run_id, workspace, status, task.for_scorer(task_dir), sandbox)
 
 
 class Dispatcher:
@@ -137,15 +146,18 @@ class Dispatcher:
             if entry is None or entry.calls == 0:
                 shutil.rmtree(workspace, ignore_errors=True)  # an abandoned attempt's files go
                 task.materialize(workspace)
-                failed = await setup(task, workspace)
+                failed = await setup(task, workspace)  # the task's own command: outside the sandbox
             else:
                 failed = None
+            self.harness.sandbox.prepare(workspace)
             if failed is not None:
                 ex = Execution(run_id, task.id, workspace, status="crashed", error=failed)
             else:
                 stop = self.stops.get(run_id)
                 ex = await self.harness.run(task, workspace, run_id, self.journal, entry, stop)
-            score = await asyncio.to_thread(self.scoring(task).score, artifacts(ex, task, self.task_dir))
+            score = await asyncio.to_thread(
+                self.scoring(task).score, artifacts(ex, task, self.task_dir, self.harness.sandbox)
+            )
             outcome = Outcome(ex, score)
             if self.journal is not None and ex.status != "crashed":
                 # A crash may be the failure a restart recovers from: such an execution continues.

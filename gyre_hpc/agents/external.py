@@ -23,7 +23,12 @@ selection and training need nothing from the agent but its calls. What the agent
 ``GYRE_INSTRUCTION``       the task's instruction (also ``{instruction}`` in the command)
 =========================  ==================================================================
 
-A program runs in its own process group, with the execution's time limit: at the limit the
+A program runs in the run's sandbox (``gyre_hpc.sandbox``) with its own process group and the
+execution's time limit. Sandboxed, it has no network: the variables above name
+``http://127.0.0.1:<port>``, which the sandbox's relay forwards to the proxy and nowhere else, and
+its environment holds only ``PATH``, ``LANG``, ``HOME`` (the workspace), ``TMPDIR`` and these
+variables. Unconfined (``agent.sandbox = none``), it inherits the runtime's environment and network.
+At the limit the
 whole group is killed and the execution is ``timed_out`` (partially scored); a non-zero exit is
 ``crashed``. Its output goes to ``logs/executions/<run>.log`` in the run directory. A restarted
 run starts an unfinished black-box execution again (only the built-in harness journals its calls).
@@ -37,22 +42,29 @@ import importlib
 import importlib.util
 import inspect
 import os
+import shutil
 import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import openai
 
 from gyre_hpc.agents.harness import Execution
 from gyre_hpc.agents.journal import Entry, Journal
 from gyre_hpc.agents.stops import REASON, Stopped, within
+from gyre_hpc.agents.workspace import CommandResult, Workspace
 from gyre_hpc.errors import GyreError
 from gyre_hpc.recipe.schema import AgentConfig
+from gyre_hpc.sandbox import relay
+from gyre_hpc.sandbox.confine import UNCONFINED, Launch, Sandbox
+from gyre_hpc.sandbox.policy import ProxyReach
 from gyre_hpc.tasks.task import Task
 
 ROLES = ("main", "main-summary", "sub-agent", "sub-agent-summary")
+INTERPRETERS = ("python", "bash", "sh", "node", "perl", "ruby")
 Usage = Callable[[str], tuple[int, int]]
 """Calls the proxy recorded for a run, and the tokens they processed (input + output)."""
 
@@ -81,6 +93,12 @@ class AgentContext:
     clients: Mapping[str, openai.AsyncOpenAI]
     """One client per role (``main``, ``main-summary``, ``sub-agent``, ``sub-agent-summary``)."""
     timeout_s: float
+    sandbox: Sandbox = UNCONFINED
+
+    async def shell(self, command: str, timeout_s: float = 60.0) -> CommandResult:
+        """Run ``command`` in the workspace as the built-in ``run_shell`` tool does: in the run's
+        sandbox, with its limits."""
+        return await asyncio.to_thread(Workspace(self.workspace, self.sandbox).run, command, timeout_s)
 
 
 PythonAgent = Callable[[AgentContext], Awaitable[str | None]]
@@ -124,10 +142,20 @@ def _finish(ex: Execution, endpoint: Endpoint, started: float) -> Execution:
 
 
 class CommandHarness:
-    """Each execution runs ``agent.command`` (an argv template) in its workspace."""
+    """Each execution runs ``agent.command`` (an argv template) in its workspace, in the sandbox."""
 
-    def __init__(self, config: AgentConfig, endpoint: Endpoint, logs: Path) -> None:
-        self.config, self.endpoint, self.logs = config, endpoint, logs
+    def __init__(
+        self, config: AgentConfig, endpoint: Endpoint, logs: Path, sandbox: Sandbox = UNCONFINED
+    ) -> None:
+        self.config, self.endpoint, self.logs, self.sandbox = config, endpoint, logs, sandbox
+        if sandbox.kind == "bwrap":  # the program's own files are shown (read-only), the run never
+            programs = _program_paths(config.command)
+            if hidden := [(p, h) for p in programs for h in sandbox.hidden if p.absolute().is_relative_to(h)]:
+                raise GyreError(
+                    f"agent.command names {hidden[0][0]}, inside {hidden[0][1]}, which a sandbox never "
+                    "shows (the run directory, the task suite); keep the program elsewhere"
+                )
+            self.sandbox = sandbox.showing([_home(p) for p in programs if not sandbox.shows(p)])
 
     async def run(
         self,
@@ -142,27 +170,46 @@ class CommandHarness:
         limit = task.timeout_s or self.config.timeout_s
         argv = [a.format(**fields(task, workspace, run_id, limit)) for a in self.config.command]  # checked
         self.logs.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **environment(self.endpoint, run_id, task, workspace)}
         started = time.monotonic()
+        async with contextlib.AsyncExitStack() as scope:
+            if self.sandbox.confined:
+                url = urlsplit(self.endpoint.base_url)
+                port = url.port or 80
+                sock = await scope.enter_async_context(
+                    relay.outside(url.hostname or "", port, self.sandbox.owner)
+                )
+                inside = replace(self.endpoint, base_url=f"http://127.0.0.1:{port}")
+                env = _inherited() | {"HOME": str(workspace)} | environment(inside, run_id, task, workspace)
+                launch = self.sandbox.launch(workspace, argv, env, ProxyReach(sock, port))
+            else:
+                env = {**os.environ, **environment(self.endpoint, run_id, task, workspace)}
+                launch = Launch(argv, env, workspace)
+            ex = await self._run(ex, launch, limit, stop)
+        return _finish(ex, self.endpoint, started)
+
+    async def _run(
+        self, ex: Execution, launch: Launch, limit: float, stop: asyncio.Event | None
+    ) -> Execution:
+        run_id = ex.run_id
         with (self.logs / f"{run_id}.log").open("ab") as out:
             try:
                 proc = await asyncio.create_subprocess_exec(
-                    *argv, cwd=workspace, env=env, stdin=asyncio.subprocess.DEVNULL,
+                    *launch.argv, **launch.popen(), stdin=asyncio.subprocess.DEVNULL,
                     stdout=out, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
                 )  # fmt: skip
             except OSError as err:
-                ex.status, ex.error = "crashed", f"{argv[0]}: {err.strerror or err}"
-                return _finish(ex, self.endpoint, started)
+                ex.status, ex.error = "crashed", f"{launch.argv[0]}: {err.strerror or err}"
+                return ex
             try:
                 code = await within(proc.wait(), limit, stop)
             except TimeoutError:
                 ex.status, ex.error = "timed_out", f"killed at its time limit ({limit:g} s)"
                 await _kill_group(proc)
-                return _finish(ex, self.endpoint, started)
+                return ex
             except Stopped:
                 ex.status, ex.error = "stopped", REASON
                 await _kill_group(proc)
-                return _finish(ex, self.endpoint, started)
+                return ex
             except BaseException:  # the run stops: nothing it started may outlive it
                 await _kill_group(proc)
                 raise
@@ -171,7 +218,33 @@ class CommandHarness:
             ex.status = "finished"
         else:
             ex.status, ex.error = "crashed", f"exit code {code} (see logs/executions/{run_id}.log)"
-        return _finish(ex, self.endpoint, started)
+        return ex
+
+
+def _inherited() -> dict[str, str]:
+    """What a sandboxed program inherits of the runtime's environment: nothing that could hold a secret."""
+    return {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "TERM")}
+
+
+def _program_paths(command: list[str]) -> list[Path]:
+    """The host files an argv template runs: its program (found on PATH, after an ``env …``
+    prefix) and, when that is an interpreter, the script it is given."""
+    args = [a for a in command if "{" not in a]
+    if args and Path(args[0]).name == "env":
+        args = [a for a in args[1:] if "=" not in a and not a.startswith("-")]
+    found = shutil.which(args[0]) if args else None
+    if found is None:
+        return []
+    paths = [Path(found)]
+    if Path(found).name.startswith(INTERPRETERS) and len(args) > 1 and Path(args[1]).is_file():
+        paths.append(Path(args[1]).absolute())
+    return paths
+
+
+def _home(program: Path) -> Path:
+    """What to show for a program: its directory, or the virtual environment it belongs to."""
+    where = program.absolute().parent
+    return where.parent if where.name == "bin" and (where.parent / "pyvenv.cfg").exists() else where
 
 
 async def _kill_group(proc: asyncio.subprocess.Process) -> None:
@@ -184,8 +257,8 @@ async def _kill_group(proc: asyncio.subprocess.Process) -> None:
 class PythonHarness:
     """Each execution awaits ``agent.entry`` (``module:function``) with an ``AgentContext``."""
 
-    def __init__(self, config: AgentConfig, endpoint: Endpoint) -> None:
-        self.config, self.endpoint = config, endpoint
+    def __init__(self, config: AgentConfig, endpoint: Endpoint, sandbox: Sandbox = UNCONFINED) -> None:
+        self.config, self.endpoint, self.sandbox = config, endpoint, sandbox
         self.agent = load_entry(config.entry)
 
     async def run(
@@ -208,7 +281,9 @@ class PythonHarness:
             )
             for role in ROLES
         }
-        ctx = AgentContext(task, workspace, run_id, self.endpoint.model, clients["main"], clients, limit)
+        ctx = AgentContext(
+            task, workspace, run_id, self.endpoint.model, clients["main"], clients, limit, self.sandbox
+        )
         started = time.monotonic()
         try:
             summary = await within(self.agent(ctx), limit, stop)

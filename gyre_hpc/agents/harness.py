@@ -30,10 +30,11 @@ from typing import Any
 import openai
 
 from gyre_hpc.agents.journal import Entry, Journal
-from gyre_hpc.agents.sandbox import ToolError, Workspace
 from gyre_hpc.agents.stops import REASON, Stopped, within
 from gyre_hpc.agents.tools import MAIN_TOOLS, SPECS, SUB_AGENT_TOOLS, execute, parse_call
+from gyre_hpc.agents.workspace import ToolError, Workspace
 from gyre_hpc.recipe.schema import AgentConfig
+from gyre_hpc.sandbox.confine import UNCONFINED, Sandbox
 from gyre_hpc.tasks.task import Task
 
 MAIN_SYSTEM = "You are a software agent working in a workspace. Use the tools; call finish when done."
@@ -73,8 +74,10 @@ class Harness:
         sampling: dict[str, Any] | None = None,
         model: str = "policy",
         seed: int | None = None,
+        sandbox: Sandbox = UNCONFINED,
     ) -> None:
         self.base_url, self.key_for, self.config = base_url, key_for, config
+        self.sandbox = sandbox  # where run_shell and run_tests run
         self.sampling = sampling or {}
         self.model = model
         self.seed = seed  # with a seed, every call samples reproducibly (seeded by run and call number)
@@ -117,7 +120,14 @@ class Harness:
         log = _Log(journal, ex, started) if journal is not None else None
         try:
             await within(
-                self._main(task, Workspace(workspace), ex, clients, log, resume.messages if resume else None),
+                self._main(
+                    task,
+                    Workspace(workspace, self.sandbox),
+                    ex,
+                    clients,
+                    log,
+                    resume.messages if resume else None,
+                ),
                 max(limit - spent, 0.001),
                 stop,
             )

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from gyre_hpc.agents.sandbox import ToolError, Workspace
+from gyre_hpc.agents.workspace import ToolError, Workspace
 
 OPTIONAL = {"list_files": {"path"}}
 

@@ -20,6 +20,7 @@ from gyre_hpc.observability import events as ev
 from gyre_hpc.proxy.local import LocalServing
 from gyre_hpc.recipe.schema import Recipe
 from gyre_hpc.rundir import RunDir
+from gyre_hpc.sandbox.confine import for_run
 from gyre_hpc.scoring import ScoringRunners
 from gyre_hpc.tasks.suites import load_suite
 from gyre_hpc.tasks.task import Task
@@ -90,7 +91,9 @@ async def _run(r: Recipe, model: Path, tasks: list[Task], run_dir: RunDir, conso
 
         async with LocalServing(model, run_dir.path, r.cells.count, r.proxy, r.cells.capacity) as serving:
             endpoint = Endpoint(serving.proxy_url, serving.key, model.name, serving.proxy.usage)
-            harness = make_harness(r.agent, endpoint, sampling, r.run.seed, run_dir.logs / "executions")
+            sandbox = for_run(r.agent, run_dir.path, r.tasks.suite, lambda w: console.print(f"warning: {w}"))
+            logs = run_dir.logs / "executions"
+            harness = make_harness(r.agent, endpoint, sampling, r.run.seed, logs, sandbox)
             dispatcher = Dispatcher(
                 harness,
                 lambda task: runners.get(task.scorer),

@@ -85,6 +85,8 @@ def run(
                     progress.advance(cells)
                 elif isinstance(e, ev.Finished):
                     progress.update(executions, completed=e.f)
+                elif isinstance(e, ev.SandboxUp) and e.warning:
+                    progress.console.print(f"[yellow]warning[/]: {e.warning}")
                 elif isinstance(e, ev.Restarting):
                     progress.reset(cells)
                     progress.console.print(f"[yellow]restarting (attempt {e.attempt})[/]: {e.reason}")

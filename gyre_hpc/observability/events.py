@@ -66,6 +66,17 @@ class ProxyUp(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class SandboxUp(Event):
+    """Where executions' commands run (``agent.sandbox`` as resolved on the controller's node)."""
+
+    kind: ClassVar[str] = "sandbox"
+    backend: str
+    """bwrap, apptainer or none."""
+    warning: str = ""
+    """Why ``auto`` fell back to none."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Hello(Event):
     """A cell (or standalone engine) is up."""
 

@@ -211,6 +211,19 @@ class AgentConfig:
     max_subagents: int = knob(4, "Sub-agents one execution may delegate to.", min=0)
     command_timeout_s: float = knob(60.0, "Limit of one shell command run by the agent.", min=1)
     journal: bool = knob(True, "Journal each execution after every call, so a restarted run continues it.")
+    sandbox: Literal["auto", "bwrap", "apptainer", "none"] = knob(
+        "auto",
+        "Where an execution's commands (and a command harness) run: bwrap or apptainer confine each to "
+        "its workspace; none runs them as the runtime's user; auto: bwrap where it works, else none "
+        "with a warning.",
+    )
+    sandbox_image: str = knob("", "sandbox=apptainer: the image (a .sif path or docker://…).")
+    sandbox_uid: int = knob(
+        65534, "Uid and gid sandboxed processes run as when the runtime is root (default: nobody).", min=1
+    )
+    sandbox_binds: list[str] = knob(
+        [], "More read-only paths a sandbox shows (a command harness's program, a toolchain)."
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -317,6 +330,10 @@ class Recipe:
                     f"agent.command: {arg!r} names {err}; valid fields: {', '.join(COMMAND_FIELDS)}"
                     " (double a brace to mean it: {{ }})"
                 ) from None
+        if self.agent.sandbox == "apptainer" and not self.agent.sandbox_image:
+            raise RecipeError(
+                'agent.sandbox = "apptainer" needs agent.sandbox_image (a .sif path or docker://…)'
+            )
         if self.agent.kind == "python" and not self.agent.entry:
             raise RecipeError('agent.kind = "python" needs agent.entry = "module:function"')
         if cells.ranks_per_cell % self.slurm.nodes_per_cell:

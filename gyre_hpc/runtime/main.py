@@ -31,6 +31,7 @@ from gyre_hpc.runtime.controller import Controller
 from gyre_hpc.runtime.fleet import MpiFleet
 from gyre_hpc.runtime.serving import Serving
 from gyre_hpc.runtime.world import World
+from gyre_hpc.sandbox.confine import for_run
 from gyre_hpc.transport import Transport, TransportPlan, make_transport
 
 log = logging.getLogger("gyre_hpc.runtime")
@@ -167,6 +168,11 @@ def controller(
         )
 
     def make_serving(engines: list[str], on_event: Callable[[str, str], None]) -> Serving:
+        warnings: list[str] = []
+        sandbox = for_run(recipe.agent, run_dir.path, recipe.tasks.suite, warnings.append)
+        for line in warnings:
+            print(f"gyre-hpc: {line}", file=sys.stderr, flush=True)
+        events.emit(ev.SandboxUp(backend=sandbox.kind, warning=" ".join(warnings)))
         return Serving(
             run_dir,
             model_dir,
@@ -178,6 +184,7 @@ def controller(
             capacity=recipe.proxy.admission_limit or recipe.cells.capacity,
             seed=recipe.run.seed,
             on_event=on_event,
+            sandbox=sandbox,
         )
 
     fleet = MpiFleet(world.comm, world.layout, recipe.cells, transport, events, point.version)

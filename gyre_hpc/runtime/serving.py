@@ -28,6 +28,7 @@ from gyre_hpc.agents.journal import Journal
 from gyre_hpc.proxy.server import Proxy
 from gyre_hpc.recipe.schema import AgentConfig, EngineConfig, ProxyConfig, ScoringConfig
 from gyre_hpc.rundir import RunDir
+from gyre_hpc.sandbox.confine import UNCONFINED, Sandbox
 from gyre_hpc.scoring import ScoringRunners
 from gyre_hpc.tasks.task import Task
 from gyre_hpc.trajectory.tree import TrajectoryTree
@@ -50,10 +51,12 @@ class Serving:
         capacity: int,
         seed: int,
         on_event: Callable[[str, str], None],
+        sandbox: Sandbox = UNCONFINED,
     ) -> None:
         self.run_dir, self.model_dir, self.engine_urls = run_dir, model_dir, engines
         self.proxy_cfg, self.agent_cfg, self.engine_cfg = proxy, agent, engine
         self.capacity, self.seed, self.on_event = capacity, seed, on_event
+        self.sandbox = sandbox
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="serving", daemon=True)
         self.scoring = ScoringRunners(scoring)
@@ -79,7 +82,7 @@ class Serving:
         sampling = {"temperature": e.temperature, "top_p": e.top_p, "max_tokens": e.max_new_tokens}
         endpoint = Endpoint(self.url, self.proxy.keys.mint, self.model_dir.name, self.proxy.usage)
         logs = self.run_dir.logs / "executions"
-        self.harness = make_harness(self.agent_cfg, endpoint, sampling, self.seed, logs)
+        self.harness = make_harness(self.agent_cfg, endpoint, sampling, self.seed, logs, self.sandbox)
         return self.url
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = 60) -> T:

@@ -25,6 +25,18 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k in _ENV_KEEP}, **extra}
 
 
+def _run(
+    artifacts: RunArtifacts, command: list[str], cwd: Path, timeout_s: float, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` in ``cwd`` (the workspace or its copy) in the run's sandbox; it may raise
+    ``subprocess.TimeoutExpired``."""
+    sandbox = artifacts.sandbox
+    sandbox.prepare(cwd)
+    home = {"HOME": str(cwd)} if sandbox.confined else {}  # the host's HOME is not inside
+    launch = sandbox.launch(cwd, command, _clean_env(**env, **home))
+    return subprocess.run(launch.argv, **launch.popen(), capture_output=True, text=True, timeout=timeout_s)
+
+
 class HiddenTestsScorer:
     """Copies the workspace and the task's hidden tests aside, runs pytest, returns passed/total.
 
@@ -44,7 +56,7 @@ class HiddenTestsScorer:
             work = Path(tmp) / "workspace"
             shutil.copytree(artifacts.workspace, work, symlinks=True)
             shutil.copytree(hidden, work / "_hidden_tests")
-            report = Path(tmp) / "report.xml"
+            report = work / ".gyre-report.xml"  # the sandbox writes only its workspace
             cmd = [
                 sys.executable,
                 "-m",
@@ -53,17 +65,12 @@ class HiddenTestsScorer:
                 "-p",
                 "no:cacheprovider",
                 "--continue-on-collection-errors",
-                f"--junitxml={report}",
+                f"--junitxml={report.name}",
                 "_hidden_tests",
             ]
             try:
-                proc = subprocess.run(
-                    cmd,
-                    cwd=work,
-                    capture_output=True,
-                    text=True,
-                    timeout=self.timeout_s,
-                    env=_clean_env(PYTHONPATH=str(work), PYTHONDONTWRITEBYTECODE="1"),
+                proc = _run(
+                    artifacts, cmd, work, self.timeout_s, PYTHONPATH=str(work), PYTHONDONTWRITEBYTECODE="1"
                 )
             except subprocess.TimeoutExpired:
                 raise EvaluationError(f"hidden tests ran over {self.timeout_s:g} s") from None
@@ -104,34 +111,27 @@ class MilestonesScorer:
         for m in milestones:
             weight = float(m.get("weight", 1.0))
             total += weight
-            reached += weight * self._reached(m, artifacts.workspace)
+            reached += weight * self._reached(m, artifacts)
         return reached / total
 
-    def _reached(self, milestone: Mapping[str, Any], ws: Path) -> bool:
+    def _reached(self, milestone: Mapping[str, Any], artifacts: RunArtifacts) -> bool:
+        ws = artifacts.workspace
         checks: dict[str, Callable[[Any], bool]] = {
             "file_exists": lambda p: _inside(ws, p).exists(),
             "file_contains": lambda a: (
                 _inside(ws, a[0]).is_file() and a[1] in _inside(ws, a[0]).read_text(errors="replace")
             ),
-            "command": lambda c: self._command_ok(c, ws),
+            "command": lambda c: self._command_ok(c, artifacts),
         }
         kinds = [k for k in checks if k in milestone]
         if len(kinds) != 1:
             raise EvaluationError(f"milestone {milestone} needs exactly one of {', '.join(checks)}")
         return bool(checks[kinds[0]](milestone[kinds[0]]))
 
-    def _command_ok(self, command: str, ws: Path) -> bool:
+    def _command_ok(self, command: str, artifacts: RunArtifacts) -> bool:
+        ws = artifacts.workspace
         try:
-            return (
-                subprocess.run(
-                    ["bash", "-c", command],
-                    cwd=ws,
-                    capture_output=True,
-                    timeout=self.timeout_s,
-                    env=_clean_env(),
-                ).returncode
-                == 0
-            )
+            return _run(artifacts, ["bash", "-c", command], ws, self.timeout_s).returncode == 0
         except subprocess.TimeoutExpired:
             return False
 
@@ -152,10 +152,7 @@ class VerifierScorer:
             work = Path(tmp) / "workspace"
             shutil.copytree(artifacts.workspace, work, symlinks=True)
             try:
-                proc = subprocess.run(
-                    ["bash", "-c", command], cwd=work, capture_output=True, text=True,
-                    timeout=self.timeout_s, env=_clean_env(),
-                )  # fmt: skip
+                proc = _run(artifacts, ["bash", "-c", command], work, self.timeout_s)
             except subprocess.TimeoutExpired:
                 raise EvaluationError(f"verifier timed out after {self.timeout_s:g} s") from None
         lines = proc.stdout.strip().splitlines()

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from gyre_hpc.sandbox.confine import UNCONFINED, Sandbox
+
 Status = Literal["finished", "timed_out", "crashed"]
 
 
@@ -22,6 +24,10 @@ class RunArtifacts:
     workspace: Path
     status: Status
     task: Mapping[str, Any] = field(default_factory=dict)
+    sandbox: Sandbox = UNCONFINED
+    """Where the workspace's code runs when a scorer runs it (tests import it, commands execute
+    it): the run's sandbox, over the scorer's copy, so that scoring does not hand the policy's code
+    the run either."""
 
 
 class EvaluationError(Exception):

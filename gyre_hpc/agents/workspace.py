@@ -1,10 +1,11 @@
-"""An execution's workspace: file access confined to it, shell commands with limits.
+"""An execution's workspace: file access confined to it, shell commands sandboxed with limits.
 
 File tools resolve every path inside the workspace (symlinks included) and refuse anything
-that leaves it. Shell commands run with the workspace as working and home directory, a
-scrubbed environment, CPU/memory/file-size limits, in their own process group, and are
-killed with the whole group at their timeout. A shell is not a security boundary: run
-untrusted agents in a container or on dedicated nodes.
+that leaves it. Shell commands run in the run's sandbox (``gyre_hpc.sandbox``: nothing of the
+host but a read-only system and this workspace, no network, no other process), with the
+workspace as working and home directory, a scrubbed environment, CPU/memory/file-size limits,
+in their own process group, and are killed with the whole group at their timeout. Under
+``agent.sandbox = none`` only the limits remain: a shell is not a security boundary.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+from gyre_hpc.sandbox.confine import UNCONFINED, Sandbox
 
 
 class ToolError(Exception):
@@ -29,8 +32,15 @@ class CommandResult:
 
 
 class Workspace:
-    def __init__(self, root: Path, max_read_bytes: int = 64_000, max_output_bytes: int = 16_000) -> None:
+    def __init__(
+        self,
+        root: Path,
+        sandbox: Sandbox = UNCONFINED,
+        max_read_bytes: int = 64_000,
+        max_output_bytes: int = 16_000,
+    ) -> None:
         self.root = root.resolve()
+        self.sandbox = sandbox
         self.max_read = max_read_bytes
         self.max_output = max_output_bytes
 
@@ -51,8 +61,12 @@ class Workspace:
 
     def write(self, rel: str, content: str) -> str:
         p = self.path(rel)
+        new = [d for d in (p.parent, *p.parent.parents) if d.is_relative_to(self.root) and not d.exists()]
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(content)
+        if (owner := self.sandbox.owner) is not None:  # the sandbox's commands may edit what a tool wrote
+            for q in (p, *new):
+                os.chown(q, owner, owner)
         return f"wrote {len(content.encode())} bytes to {rel}"
 
     def listing(self, rel: str = ".") -> str:
@@ -81,10 +95,10 @@ class Workspace:
             resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
             resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 20, 64 << 20))
 
+        launch = self.sandbox.launch(self.root, ["bash", "-c", command], env)
         proc = subprocess.Popen(
-            ["bash", "-c", command],
-            cwd=self.root,
-            env=env,
+            launch.argv,
+            **launch.popen(),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -1,0 +1,112 @@
+"""``gyre-hpc sandbox exec``: one command in an execution's sandbox, as its tool call would run.
+
+For debugging a task's environment on the node that runs it: what the model's ``run_shell``
+sees, with the same sandbox, limits, environment and timeout. A workspace inside a run
+directory takes that run's recipe (its ``[agent]`` section) and hides that run, as the run does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from gyre_hpc.agents.dispatch import setup
+from gyre_hpc.agents.workspace import Workspace
+from gyre_hpc.errors import GyreError
+from gyre_hpc.recipe import Recipe, load_recipe
+from gyre_hpc.rundir import RunDir
+from gyre_hpc.sandbox.confine import for_run
+from gyre_hpc.tasks.suites import HELDOUT_OFFSET, SUITES, load_suite
+from gyre_hpc.tasks.task import Task
+
+app = typer.Typer(help="Run commands as an execution's tool calls run them.", no_args_is_help=True)
+SEARCH = 1024
+"""Tasks of a built-in suite searched for ``--task`` (per split)."""
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def exec(  # noqa: A001 - the verb users type
+    ctx: typer.Context,
+    workspace: Annotated[
+        Path, typer.Option("--workspace", help="The execution's workspace.", show_default=False)
+    ],
+    task: Annotated[
+        str | None, typer.Option("--task", help="Seed an empty workspace with this task (id in tasks.suite).")
+    ] = None,
+    recipe: Annotated[
+        Path | None, typer.Option("--recipe", help="Recipe; default: the run's, if the workspace is in one.")
+    ] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", "-s", metavar="SECTION.KEY=VALUE", help="Override a recipe key."),
+    ] = None,
+) -> None:
+    """Run `-- COMMAND …` in the workspace's sandbox (`agent.sandbox`) with the agent's limits;
+    print its output and exit with its exit code.
+
+    Example: `gyre-hpc sandbox exec --workspace runs/smoke-…/workspaces/step-0001/smoke-0-0-g0 -- ls -la`
+    """
+    command = ctx.args[1:] if ctx.args[:1] == ["--"] else ctx.args
+    if not command:
+        raise GyreError("no command: give it after --, e.g. gyre-hpc sandbox exec --workspace DIR -- ls")
+    workspace = workspace.resolve()
+    run = _enclosing_run(workspace)
+    r = _recipe(recipe, run, set_ or [])
+    if task is not None:
+        _seed(workspace, _find(r, task))
+    if not workspace.is_dir():
+        raise GyreError(f"--workspace {workspace} does not exist (give --task to seed a new one)")
+    console = Console(stderr=True, highlight=False, soft_wrap=True)
+    sandbox = for_run(
+        r.agent, run.path if run else None, r.tasks.suite, lambda line: console.print(f"warning: {line}")
+    )
+    sandbox.prepare(workspace)
+    line = command[0] if len(command) == 1 else shlex.join(command)  # one argument: a shell line
+    result = Workspace(workspace, sandbox, max_output_bytes=1 << 30).run(line, r.agent.command_timeout_s)
+    typer.echo(result.output, nl=False)
+    if result.timed_out:
+        console.print(f"timed out after {r.agent.command_timeout_s:g} s (agent.command_timeout_s): killed")
+    console.print(f"sandbox: {sandbox.kind}  exit code {result.exit_code}", style="dim")
+    raise typer.Exit(124 if result.timed_out else result.exit_code)
+
+
+def _enclosing_run(workspace: Path) -> RunDir | None:
+    for parent in workspace.parents:
+        if RunDir(parent).recipe_path.exists() and (parent / "workspaces").is_dir():
+            return RunDir(parent)
+    return None
+
+
+def _recipe(path: Path | None, run: RunDir | None, sets: list[str]) -> Recipe:
+    if path is not None:
+        return load_recipe(path, sets)
+    if run is not None:
+        return load_recipe(run.recipe_path, [*run.overrides(), *sets])
+    return load_recipe(None, sets)
+
+
+def _find(r: Recipe, task_id: str) -> Task:
+    suite, seed = r.tasks.suite, r.run.seed
+    if suite in SUITES:
+        tasks = [*load_suite(suite, SEARCH, seed), *load_suite(suite, SEARCH, seed, split="heldout")]
+    else:
+        tasks = load_suite(suite, 0)
+    for t in tasks:
+        if t.id == task_id:
+            return t
+    some = ", ".join(t.id for t in tasks[:3])
+    where = f"seed {seed}, heldout seed {seed + HELDOUT_OFFSET}" if suite in SUITES else suite
+    raise GyreError(f"--task {task_id}: no such task in tasks.suite = {suite!r} ({where}); e.g. {some}")
+
+
+def _seed(workspace: Path, task: Task) -> None:
+    if workspace.exists() and any(workspace.iterdir()):
+        return  # a workspace the execution already left: inspect it as it is
+    task.materialize(workspace)
+    if (failed := asyncio.run(setup(task, workspace))) is not None:
+        raise GyreError(f"task {task.id}: {failed}")

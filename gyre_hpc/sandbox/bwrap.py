@@ -1,0 +1,77 @@
+"""A policy as a ``bwrap`` command line (bubblewrap: namespaces, no daemon, no image).
+
+New mount, pid, net, ipc and uts namespaces: the sandbox starts from an empty root with the
+system read-only, sees only its own processes, and has a loopback network and nothing else.
+It dies with the process that started it, and everything it started dies with it (its pid 1
+goes): no command outlives its tool call.
+
+Run by root, bwrap mounts as root (so that it can bind paths only root may traverse) and the
+command then drops to the policy's uid with ``setpriv``: no capabilities, no way back
+(``no_new_privs``), a real non-root uid to the kernel. Run by anyone else, bwrap makes a user
+namespace as well and the command keeps that user's uid.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gyre_hpc.sandbox.policy import INSIDE, Policy, System
+
+RELAY = Path(__file__).with_name("relay.py")
+NAMESPACES = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+
+
+def argv(policy: Policy, command: list[str], system: System, python: str, privileged: bool) -> list[str]:
+    """``bwrap … -- command``; with a proxy reach, the command runs under the relay (``python``)."""
+    a = ["bwrap", *NAMESPACES, "--die-with-parent", "--new-session"]
+    if not privileged:
+        a.insert(1, "--unshare-user")
+    mounts: list[tuple[Path, bool]] = []  # (destination, shows host content?) in mount order
+    made: set[Path] = set()
+
+    def on_host(p: Path) -> bool:
+        """Whether ``p`` lies in host content (a bind) rather than in one of the sandbox's tmpfs."""
+        covering = [(len(d.parts), i, host) for i, (d, host) in enumerate(mounts) if p.is_relative_to(d)]
+        return max(covering)[2] if covering else False
+
+    def parents(dest: Path) -> list[str]:
+        # bwrap makes missing parents 0700 root: the dropped uid could not reach its own workspace
+        out = []
+        for p in reversed(dest.parents[:-1]):
+            if p not in made and not on_host(p):
+                made.add(p)
+                out += ["--perms", "0755", "--dir", str(p)]
+        return out
+
+    def mount(dest: Path, host: bool) -> None:
+        mounts.append((dest, host))
+        made.add(dest)
+
+    for d in system.dirs:
+        a += [*parents(Path(d)), "--ro-bind", d, d]
+        mount(Path(d), True)
+    for link, target in system.links:
+        a += ["--symlink", target, link]
+        mount(Path(link), True)
+    a += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp"]
+    mount(Path("/tmp"), False)
+    for p in policy.readonly:
+        a += [*parents(p), "--ro-bind", str(p), str(p)]
+        mount(p, True)
+    for h in policy.hidden:  # after the binds that would show them, before the workspace
+        a += ["--tmpfs", str(h)]
+        mount(h, False)
+    for f in policy.hidden_files:
+        a += ["--ro-bind", "/dev/null", str(f)]
+    ws = policy.workspace
+    a += [*parents(ws), "--bind", str(ws), str(ws), "--chdir", str(ws)]
+    if policy.proxy is not None:
+        sock, relay = str(INSIDE / "proxy.sock"), str(INSIDE / "relay.py")
+        a += [*parents(INSIDE / "relay.py")]
+        a += ["--ro-bind", str(RELAY), relay, "--bind", str(policy.proxy.socket), sock]
+        command = [python, "-I", relay, sock, str(policy.proxy.port), "--", *command]
+    if privileged:
+        uid = str(policy.uid)
+        drop = ["--reuid", uid, "--regid", uid, "--clear-groups", "--inh-caps=-all", "--bounding-set=-all"]
+        command = ["setpriv", *drop, "--no-new-privs", "--", *command]
+    return [*a, "--", *command]

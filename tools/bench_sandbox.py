@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""The sandbox's cost: per tool command, and per model call of a sandboxed command harness.
+
+Commands: ``N`` trivial commands (``true``) run exactly as a ``run_shell`` tool call runs them
+(``Workspace.run``: limits, own process group, scrubbed environment), unconfined and in the
+bwrap sandbox, interleaved so that both columns see the same machine. The unconfined column
+is the floor (a ``bash`` fork and exec); the difference is the sandbox's namespaces and mounts.
+
+Calls: ``M`` sequential HTTP requests to a loopback server, direct and through the relay pair
+(``sandbox.relay``: the sandbox's loopback → Unix socket → the proxy's port), the way a
+sandboxed harness reaches the proxy. Both ends of the relay run here, outside a sandbox: the
+hop is what is measured.
+
+    python tools/bench_sandbox.py [--commands 100] [--calls 200]
+
+Goal: ≤ 20 ms per command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+from rich.console import Console
+from rich.table import Table
+
+from gyre_hpc.agents.workspace import Workspace
+from gyre_hpc.sandbox import relay
+from gyre_hpc.sandbox.confine import UNCONFINED, Sandbox
+
+
+def commands(n: int) -> dict[str, list[float]]:
+    box = Sandbox("bwrap")
+    if (why := box.problem()) is not None:
+        raise SystemExit(f"bench_sandbox: {why}")
+    times: dict[str, list[float]] = {"none": [], "bwrap": []}
+    with tempfile.TemporaryDirectory(prefix="gyre-bench-") as tmp:
+        box.prepare(Path(tmp))
+        spaces = {"none": Workspace(Path(tmp), UNCONFINED), "bwrap": Workspace(Path(tmp), box)}
+        for ws in spaces.values():
+            ws.run("true", 10)  # first spawn: page cache, not the sandbox
+        for _ in range(n):
+            for kind, ws in spaces.items():
+                started = time.perf_counter()
+                result = ws.run("true", 10)
+                times[kind].append(time.perf_counter() - started)
+                assert result.exit_code == 0, result.output
+    return times
+
+
+async def calls(m: int) -> dict[str, list[float]]:
+    app = web.Application()
+    app.router.add_get("/", lambda request: web.json_response({"object": "chat.completion"}))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    times: dict[str, list[float]] = {"direct": [], "relay": []}
+    async with relay.outside("127.0.0.1", port, None) as sock:
+        inner = await relay.listen(sock, 0)
+        inner_port = inner.sockets[0].getsockname()[1]
+        async with aiohttp.ClientSession() as session:
+            for _ in range(m):
+                for kind, p in (("direct", port), ("relay", inner_port)):
+                    started = time.perf_counter()
+                    async with session.get(f"http://127.0.0.1:{p}/") as resp:
+                        await resp.read()
+                    times[kind].append(time.perf_counter() - started)
+        inner.close()
+    await runner.cleanup()
+    return times
+
+
+def row(times: list[float]) -> list[str]:
+    ms = sorted(t * 1e3 for t in times)
+    p99 = ms[int(0.99 * (len(ms) - 1))]
+    return [f"{statistics.median(ms):.2f}", f"{statistics.fmean(ms):.2f}", f"{p99:.2f}"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--commands", type=int, default=100)
+    parser.add_argument("--calls", type=int, default=200)
+    args = parser.parse_args()
+    console = Console()
+    with console.status("commands …"):
+        cmd = commands(args.commands)
+    with console.status("calls …"):
+        http = asyncio.run(calls(args.calls))
+    table = Table(title=f"per tool command ({args.commands} × `true`, interleaved)")
+    for col in ("", "p50 ms", "mean ms", "p99 ms"):
+        table.add_column(col, justify="right")
+    table.add_row("unconfined (floor: fork + exec bash)", *row(cmd["none"]))
+    table.add_row("bwrap sandbox", *row(cmd["bwrap"]))
+    over = statistics.median(cmd["bwrap"]) - statistics.median(cmd["none"])
+    table.add_row("sandbox overhead (p50 difference)", f"{over * 1e3:.2f}", "", "")
+    console.print(table)
+    table = Table(title=f"per model call of a sandboxed harness ({args.calls} sequential HTTP GETs)")
+    for col in ("", "p50 ms", "mean ms", "p99 ms"):
+        table.add_column(col, justify="right")
+    table.add_row("direct", *row(http["direct"]))
+    table.add_row("through the relay", *row(http["relay"]))
+    console.print(table)
+    ratio = statistics.median(cmd["bwrap"]) / statistics.median(cmd["none"])
+    console.print(f"sandboxed / unconfined: {ratio:.2f}×; {over * 1e3:.2f} ms more a command (goal ≤ 20 ms)")
+
+
+if __name__ == "__main__":
+    main()

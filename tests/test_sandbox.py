@@ -360,3 +360,23 @@ def test_handing_a_workspace_to_the_sandbox_never_follows_its_links(tmp_path: Pa
     Sandbox("bwrap").prepare(ws)
     assert (ws / "d" / "f").stat().st_uid == 65534 and (ws / "to-dir").lstat().st_uid == 65534
     assert outside.stat().st_uid == 0 and (outside / "precious").stat().st_uid == 0
+
+
+def test_a_python_agent_runs_its_commands_in_the_sandbox(tmp_path: Path) -> None:
+    """A Python harness runs in the runtime; ``ctx.shell`` runs what it runs as ``run_shell`` does."""
+    paths = run_tree(tmp_path)
+    (tmp_path / "agent.py").write_text(
+        "async def agent(ctx):\n"
+        f"    r = await ctx.shell('id -u; cat {paths['secret']}')\n"
+        "    return f'{r.exit_code}|{r.output}'\n"
+    )
+    config = AgentConfig(kind="python", entry=f"{tmp_path / 'agent.py'}:agent", sandbox="bwrap")
+    box = sandbox_for(paths)
+    harness = make_harness(
+        config, Endpoint("http://127.0.0.1:9", lambda r, role: "k", "m"), {}, 0, tmp_path, box
+    )
+    box.prepare(paths["mine"])
+    ex = asyncio.run(harness.run(Task(id="t", spec="s"), paths["mine"], "py-1"))
+    code, output = ex.summary.split("|", 1)
+    assert ex.status == "finished" and code == "1" and "No such file or directory" in output
+    assert output.splitlines()[0] != "0" and "secret contents" not in output

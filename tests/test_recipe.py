@@ -89,6 +89,8 @@ def test_every_section_is_in_the_schema() -> None:
         ("run.steps=true", "run.steps must be an integer, got true"),
         ("cell.count=1", "unknown section [cell] (did you mean cells?); valid sections: run, cells,"),
         ("cellscount", "expected section.key=value"),
+        ("agent.sandbox=docker", 'valid values: "auto", "bwrap", "apptainer", "none"'),
+        ("agent.sandbox=apptainer", 'agent.sandbox = "apptainer" needs agent.sandbox_image'),
     ],
 )
 def test_override_errors_name_the_path_and_what_is_valid(override: str, message: str) -> None:

@@ -23,9 +23,8 @@ from gyre_hpc.agents.dispatch import Dispatcher, make_harness
 from gyre_hpc.agents.external import Endpoint
 from gyre_hpc.agents.tools import MAIN_TOOLS, execute, parse_call
 from gyre_hpc.agents.workspace import Workspace
-from gyre_hpc.errors import GyreError, RecipeError
+from gyre_hpc.errors import GyreError
 from gyre_hpc.models.tiny import init_tiny
-from gyre_hpc.recipe import load_recipe
 from gyre_hpc.recipe.schema import AgentConfig, ScoringConfig
 from gyre_hpc.sandbox import apptainer, bwrap
 from gyre_hpc.sandbox.confine import Sandbox, for_run
@@ -195,16 +194,6 @@ def test_auto_falls_back_to_none_with_one_line_and_a_named_sandbox_is_required(
         Sandbox.from_config(AgentConfig(sandbox="bwrap"), (), warnings.append)
     with pytest.raises(GyreError, match=r"^agent.sandbox = apptainer: apptainer is not installed"):
         Sandbox.from_config(AgentConfig(sandbox="apptainer", sandbox_image="x.sif"), (), warnings.append)
-
-
-def test_a_sandbox_recipe_is_checked(tmp_path: Path) -> None:
-    recipe = tmp_path / "r.toml"
-    recipe.write_text('[agent]\nsandbox = "apptainer"\n')
-    with pytest.raises(RecipeError, match="agent.sandbox_image"):
-        load_recipe(recipe)
-    recipe.write_text('[agent]\nsandbox = "docker"\n')
-    with pytest.raises(RecipeError, match='valid values: "auto", "bwrap", "apptainer", "none"'):
-        load_recipe(recipe)
 
 
 # -- the command lines, golden ------------------------------------------------------------------

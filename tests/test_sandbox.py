@@ -223,6 +223,13 @@ def test_the_bwrap_command_line_is_golden(privileged: bool) -> None:
     golden(f"sandbox-bwrap-{'root' if privileged else 'user'}.txt", argv)
 
 
+def test_a_python_under_tmp_is_bound_over_the_private_tmp() -> None:
+    """A checkout in /tmp (CI's, say) holds the interpreter: the private /tmp must not cover it."""
+    system = System(("/usr", "/tmp/ci/.venv"))
+    argv = bwrap.argv(Policy(Path("/scratch/ws")), ["true"], system, "/tmp/ci/.venv/bin/python", True)
+    assert argv.index("--tmpfs") < argv.index("/tmp/ci/.venv")
+
+
 def test_the_apptainer_command_line_is_golden() -> None:
     plain = Policy(POLICY.workspace, readonly=(Path("/opt/toolchain"),), proxy=POLICY.proxy)
     golden("sandbox-apptainer.txt", apptainer.argv(plain, "/images/agent.sif", ["my-agent", "--task", "x"]))

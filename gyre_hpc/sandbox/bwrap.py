@@ -47,14 +47,15 @@ def argv(policy: Policy, command: list[str], system: System, python: str, privil
         mounts.append((dest, host))
         made.add(dest)
 
+    # /tmp first: a bind under it (a checkout in /tmp holding the Python) must go on top of it
+    a += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp"]
+    mount(Path("/tmp"), False)
     for d in system.dirs:
         a += [*parents(Path(d)), "--ro-bind", d, d]
         mount(Path(d), True)
     for link, target in system.links:
         a += ["--symlink", target, link]
         mount(Path(link), True)
-    a += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp"]
-    mount(Path("/tmp"), False)
     for p in policy.readonly:
         a += [*parents(p), "--ro-bind", str(p), str(p)]
         mount(p, True)

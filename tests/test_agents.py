@@ -13,10 +13,11 @@ from loopback import Stack
 from gyre_hpc.agents.dispatch import Dispatcher, artifacts
 from gyre_hpc.agents.harness import Harness
 from gyre_hpc.agents.tools import MAIN_TOOLS, execute, parse_call
-from gyre_hpc.agents.workspace import ToolError, Workspace
+from gyre_hpc.agents.workspace import FILE_SIZE_BYTES, ToolError, Workspace
 from gyre_hpc.errors import GyreError
 from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.recipe.schema import AgentConfig, ScoringConfig
+from gyre_hpc.sandbox.confine import Sandbox
 from gyre_hpc.scoring import ScoringRunner, load_scorer
 from gyre_hpc.tasks.suites import load_suite, repo_mini
 from gyre_hpc.tasks.task import Task, load_jsonl, write_jsonl
@@ -35,6 +36,20 @@ def test_a_runaway_command_is_killed_at_its_timeout(tmp_path: Path) -> None:
     assert "never" not in result.output
     out = execute(parse_call("run_shell", json.dumps({"command": "sleep 30"}), MAIN_TOOLS), ws, 1, None)
     assert out.startswith("timed out after 1 s (killed)")
+
+
+@pytest.mark.parametrize("kind", ["none", pytest.param("bwrap", marks=pytest.mark.bwrap)])
+def test_a_command_runs_under_its_cpu_memory_and_file_size_limits(kind: str, tmp_path: Path) -> None:
+    box = Sandbox(kind)
+    box.prepare(tmp_path)
+    ws = Workspace(tmp_path, box)
+    shown = ws.run("cat /proc/self/limits", timeout_s=7, memory_bytes=1 << 30)
+    rows = {line[:26].strip(): line[26:].split()[:2] for line in shown.output.splitlines()[1:]}
+    assert rows["Max cpu time"] == ["8", "8"], shown.output  # soft and hard: the timeout + 1 s
+    assert rows["Max address space"] == [str(1 << 30)] * 2
+    assert rows["Max file size"] == [str(FILE_SIZE_BYTES)] * 2
+    big = ws.run("head -c 65M /dev/zero > big", timeout_s=20)
+    assert big.exit_code != 0 and (tmp_path / "big").stat().st_size == FILE_SIZE_BYTES
 
 
 def test_writing_outside_the_workspace_is_refused(tmp_path: Path) -> None:

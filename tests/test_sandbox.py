@@ -177,6 +177,25 @@ def test_scoring_runs_the_policy_code_in_a_sandbox_of_its_own(tmp_path: Path) ->
     assert "a + b" not in paths["hidden"].read_text() and "pass" not in paths["hidden"].read_text()
 
 
+def test_a_verifiers_own_files_are_shown_to_scoring_only(tmp_path: Path) -> None:
+    """``scoring.sandbox_binds``: the verifier's script is there when it scores, never in a tool call."""
+    paths = run_tree(tmp_path)
+    box = sandbox_for(paths)
+    verifiers = tmp_path / "verifiers"
+    verifiers.mkdir()
+    (verifiers / "check.sh").write_text('test "$(cat answer.txt)" = 42 && echo 1.0 || echo 0.0\n')
+    paths["mine"].joinpath("answer.txt").write_text("42\n")
+    box.prepare(paths["mine"])
+    task = {"verifier": f"bash {verifiers}/check.sh"}
+    artifacts = RunArtifacts("r", paths["mine"], "finished", task, box)
+    shown = ScoringRunners(ScoringConfig(scorer="verifier", sandbox_binds=[str(verifiers)]))
+    assert shown.get(None).score(artifacts).reward == 1.0
+    assert ScoringRunners(ScoringConfig(scorer="verifier")).get(None).score(artifacts).reward == 0.0  # absent
+    assert "No such file" in shell(Workspace(paths["mine"], box), f"cat {verifiers}/check.sh")
+    with pytest.raises(GyreError, match=r"^scoring.sandbox_binds: .*nope does not exist$"):
+        ScoringRunners(ScoringConfig(scorer="verifier", sandbox_binds=[str(tmp_path / "nope")]))
+
+
 def test_auto_falls_back_to_none_with_one_line_and_a_named_sandbox_is_required(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

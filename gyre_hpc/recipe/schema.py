@@ -258,6 +258,11 @@ class ScoringConfig:
     scorer: str = knob("hidden-tests", "Built-in scorer name or dotted path module:Class.")
     max_retries: int = knob(2, "Retries of an evaluation error before the run is dropped.", min=0)
     timeout_s: float = knob(300.0, "Limit of one evaluation.", min=1)
+    sandbox_binds: list[str] = knob(
+        [],
+        "Read-only paths a scorer's sandbox shows besides what an execution's shows (a verifier's "
+        "own scripts and data); never shown to an execution.",
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

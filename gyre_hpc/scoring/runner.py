@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Literal
 
-from gyre_hpc.errors import RecipeError
+from gyre_hpc.errors import GyreError, RecipeError
 from gyre_hpc.recipe.schema import ScoringConfig
 from gyre_hpc.scoring.contract import EvaluationError, NoArtifact, RunArtifacts, Scorer
 
@@ -40,11 +41,15 @@ class ScoreResult:
 
 
 class ScoringRunner:
-    def __init__(self, scorer: Scorer, max_retries: int) -> None:
+    def __init__(self, scorer: Scorer, max_retries: int, binds: tuple[Path, ...] = ()) -> None:
         self.scorer = scorer
         self.max_retries = max_retries
+        self.binds = binds
+        """Shown to the scorer's sandbox only (``scoring.sandbox_binds``): a verifier's own files."""
 
     def score(self, artifacts: RunArtifacts) -> ScoreResult:
+        if self.binds:
+            artifacts = replace(artifacts, sandbox=artifacts.sandbox.showing(list(self.binds)))
         attempts = 0
         if not artifacts.workspace.is_dir():
             return ScoreResult(
@@ -94,11 +99,14 @@ class ScoringRunners:
 
     def __init__(self, config: ScoringConfig) -> None:
         self.config = config
+        self.binds = tuple(Path(b).expanduser().resolve() for b in config.sandbox_binds)
+        if missing := [str(b) for b in self.binds if not b.exists()]:
+            raise GyreError(f"scoring.sandbox_binds: {', '.join(missing)} does not exist")
         self._runners: dict[str, ScoringRunner] = {}
 
     def get(self, scorer: str | None) -> ScoringRunner:
         name = scorer or self.config.scorer
         if name not in self._runners:
             config = replace(self.config, scorer=name)
-            self._runners[name] = ScoringRunner(load_scorer(config), config.max_retries)
+            self._runners[name] = ScoringRunner(load_scorer(config), config.max_retries, self.binds)
         return self._runners[name]

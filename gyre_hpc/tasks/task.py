@@ -53,7 +53,8 @@ class Task:
     setup: str = ""
     """A shell command run in the seeded workspace before the agent starts."""
     verifier: str = ""
-    """A shell command run in a copy of the finished workspace (the ``verifier`` scorer)."""
+    """A shell command run in a copy of the finished workspace (the ``verifier`` scorer), in the
+    run's sandbox: a script of its own is there if its directory is in ``scoring.sandbox_binds``."""
 
     @property
     def test_command(self) -> str | None:

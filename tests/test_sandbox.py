@@ -46,10 +46,13 @@ def run_tree(root: Path) -> dict[str, Path]:
         "mine": run / "workspaces" / "step-0001" / "calc-0-g0",
         "other": run / "workspaces" / "step-0001" / "calc-0-g1",
         "suite": root / "suite.jsonl",
+        "suite_tests": root / "suite-hidden" / "calc" / "test_calc.py",  # a JSONL's hidden tests
     }
-    for key in ("secret", "hidden", "suite"):
+    for key in ("secret", "hidden", "suite", "suite_tests"):
         paths[key].parent.mkdir(parents=True, exist_ok=True)
         paths[key].write_text(f"{key} contents\n")
+    line = {"id": "calc", "spec": "suite contents", "hidden_tests": {"dir": "suite-hidden/calc"}}
+    paths["suite"].write_text(json.dumps(line) + "\n")
     paths["secret"].chmod(0o600)
     paths["mine"].mkdir(parents=True)
     paths["other"].mkdir(parents=True)
@@ -62,9 +65,9 @@ def shell(ws: Workspace, command: str) -> str:
     return execute(parse_call("run_shell", json.dumps({"command": command}), MAIN_TOOLS), ws, 20, None)
 
 
-def sandbox_for(paths: dict[str, Path], **agent: object) -> Sandbox:
+def sandbox_for(paths: dict[str, Path], scoring_binds: list[str] | None = None, **agent: object) -> Sandbox:
     config = AgentConfig(sandbox="bwrap", **agent)  # type: ignore[arg-type]
-    return for_run(config, paths["run"], str(paths["suite"]), lambda line: pytest.fail(line))
+    return for_run(config, paths["run"], str(paths["suite"]), pytest.fail, scoring_binds=scoring_binds)
 
 
 def test_an_execution_cannot_reach_the_run_other_workspaces_the_runtime_or_the_network(
@@ -147,6 +150,7 @@ def test_a_bind_shows_its_directory_but_never_the_run_or_the_suite(tmp_path: Pat
     ws = Workspace(paths["mine"], box)
     assert shell(ws, f"cat {tmp_path}/toolchain.txt") == "exit code 0\nshared tool\n"
     assert "suite contents" not in shell(ws, f"cat {paths['suite']}")
+    assert shell(ws, f"ls {paths['suite_tests'].parent}") == "exit code 0\n"  # the suite's hidden tests
     assert shell(ws, f"ls {paths['run']}") == "exit code 0\nworkspaces\n"
     assert shell(ws, "echo y > y.txt && cat y.txt") == "exit code 0\ny\n"
     with pytest.raises(GyreError, match="is inside .*which a sandbox never shows"):
@@ -178,20 +182,23 @@ def test_scoring_runs_the_policy_code_in_a_sandbox_of_its_own(tmp_path: Path) ->
 
 
 def test_a_verifiers_own_files_are_shown_to_scoring_only(tmp_path: Path) -> None:
-    """``scoring.sandbox_binds``: the verifier's script is there when it scores, never in a tool call."""
+    """``scoring.sandbox_binds``: the verifier's script is there when it scores, never in a tool call,
+    not even under a bind that shows its directory."""
     paths = run_tree(tmp_path)
-    box = sandbox_for(paths)
+    tmp_path.chmod(0o755)
     verifiers = tmp_path / "verifiers"
     verifiers.mkdir()
     (verifiers / "check.sh").write_text('test "$(cat answer.txt)" = 42 && echo 1.0 || echo 0.0\n')
+    binds = [str(verifiers)]
+    box = sandbox_for(paths, scoring_binds=binds, sandbox_binds=[str(tmp_path)])
     paths["mine"].joinpath("answer.txt").write_text("42\n")
     box.prepare(paths["mine"])
+    assert shell(Workspace(paths["mine"], box), f"ls {verifiers}") == "exit code 0\n"
     task = {"verifier": f"bash {verifiers}/check.sh"}
     artifacts = RunArtifacts("r", paths["mine"], "finished", task, box)
-    shown = ScoringRunners(ScoringConfig(scorer="verifier", sandbox_binds=[str(verifiers)]))
+    shown = ScoringRunners(ScoringConfig(scorer="verifier", sandbox_binds=binds))
     assert shown.get(None).score(artifacts).reward == 1.0
     assert ScoringRunners(ScoringConfig(scorer="verifier")).get(None).score(artifacts).reward == 0.0  # absent
-    assert "No such file" in shell(Workspace(paths["mine"], box), f"cat {verifiers}/check.sh")
     with pytest.raises(GyreError, match=r"^scoring.sandbox_binds: .*nope does not exist$"):
         ScoringRunners(ScoringConfig(scorer="verifier", sandbox_binds=[str(tmp_path / "nope")]))
 

@@ -91,7 +91,13 @@ async def _run(r: Recipe, model: Path, tasks: list[Task], run_dir: RunDir, conso
 
         async with LocalServing(model, run_dir.path, r.cells.count, r.proxy, r.cells.capacity) as serving:
             endpoint = Endpoint(serving.proxy_url, serving.key, model.name, serving.proxy.usage)
-            sandbox = for_run(r.agent, run_dir.path, r.tasks.suite, lambda w: console.print(f"warning: {w}"))
+            sandbox = for_run(
+                r.agent,
+                run_dir.path,
+                r.tasks.suite,
+                lambda w: console.print(f"warning: {w}"),
+                scoring_binds=r.scoring.sandbox_binds,
+            )
             logs = run_dir.logs / "executions"
             harness = make_harness(r.agent, endpoint, sampling, r.run.seed, logs, sandbox)
             dispatcher = Dispatcher(

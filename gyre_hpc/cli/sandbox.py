@@ -63,7 +63,11 @@ def exec(  # noqa: A001 - the verb users type
         raise GyreError(f"--workspace {workspace} does not exist (give --task to seed a new one)")
     console = Console(stderr=True, highlight=False, soft_wrap=True)
     sandbox = for_run(
-        r.agent, run.path if run else None, r.tasks.suite, lambda line: console.print(f"warning: {line}")
+        r.agent,
+        run.path if run else None,
+        r.tasks.suite,
+        lambda line: console.print(f"warning: {line}"),
+        scoring_binds=r.scoring.sandbox_binds,
     )
     sandbox.prepare(workspace)
     line = command[0] if len(command) == 1 else shlex.join(command)  # one argument: a shell line

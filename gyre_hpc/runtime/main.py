@@ -169,7 +169,13 @@ def controller(
 
     def make_serving(engines: list[str], on_event: Callable[[str, str], None]) -> Serving:
         warnings: list[str] = []
-        sandbox = for_run(recipe.agent, run_dir.path, recipe.tasks.suite, warnings.append)
+        sandbox = for_run(
+            recipe.agent,
+            run_dir.path,
+            recipe.tasks.suite,
+            warnings.append,
+            scoring_binds=recipe.scoring.sandbox_binds,
+        )
         for line in warnings:
             print(f"gyre-hpc: {line}", file=sys.stderr, flush=True)
         events.emit(ev.SandboxUp(backend=sandbox.kind, warning=" ".join(warnings)))

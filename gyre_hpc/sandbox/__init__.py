@@ -12,5 +12,6 @@
 ``apptainer`` render it as a command line (pure functions, golden-tested); ``confine`` chooses
 the backend a recipe asks for, checks it works, and turns a command into the argv, environment
 and uid to start; ``relay`` runs inside a sandbox and is the one way out, to the proxy. The
-sandbox knows nothing of tools, tasks or scoring: the harness decides what to run in it.
+sandbox knows nothing of tools or scoring: the harness decides what to run in it, and the task
+format says which of a suite's files are private.
 """

@@ -25,6 +25,7 @@ from gyre_hpc.errors import GyreError
 from gyre_hpc.recipe.schema import AgentConfig
 from gyre_hpc.sandbox import apptainer, bwrap
 from gyre_hpc.sandbox.policy import ProxyReach, System, host_system, policy
+from gyre_hpc.tasks.task import private_paths
 
 KINDS = ("bwrap", "apptainer", "none")
 
@@ -95,9 +96,11 @@ class Sandbox:
         )
 
     def showing(self, paths: list[Path]) -> Sandbox:
-        """This sandbox, also showing ``paths`` read-only."""
-        binds = tuple(dict.fromkeys((*self.binds, *paths)))
-        box = Sandbox(self.kind, uid=self.uid, image=self.image, binds=binds, hidden=self.hidden)
+        """This sandbox, also showing ``paths`` read-only, even one hidden from executions
+        (``scoring.sandbox_binds``: only scorers are given those)."""
+        binds = tuple(dict.fromkeys((*self.binds, *(p.resolve() for p in paths))))
+        hidden = tuple(h for h in self.hidden if h not in binds)
+        box = Sandbox(self.kind, uid=self.uid, image=self.image, binds=binds, hidden=hidden)
         box._system = self._system
         return box
 
@@ -179,9 +182,15 @@ UNCONFINED = Sandbox("none")
 """Processes run as the runtime's user, in the workspace (tests, and ``agent.sandbox = none``)."""
 
 
-def for_run(config: AgentConfig, run_dir: Path | None, suite: str, warn: Callable[[str], None]) -> Sandbox:
-    """The run's sandbox: it hides the run directory and, when it is a path, the task suite."""
+def for_run(
+    config: AgentConfig,
+    run_dir: Path | None,
+    suite: str,
+    warn: Callable[[str], None],
+    scoring_binds: list[str] | None = None,
+) -> Sandbox:
+    """The run's sandbox. It hides the run directory, a JSONL task suite with its hidden tests'
+    directories, and ``scoring_binds`` (``scoring.sandbox_binds``, which only scorers see)."""
     hidden = [run_dir] if run_dir is not None else []
-    if Path(suite).exists():
-        hidden.append(Path(suite))
+    hidden += [*private_paths(suite), *(Path(p).expanduser() for p in scoring_binds or [])]
     return Sandbox.from_config(config, tuple(hidden), warn)

@@ -163,5 +163,23 @@ def load_jsonl(path: str | Path) -> list[Task]:
     return tasks
 
 
+def private_paths(suite: str) -> list[Path]:
+    """What of a JSONL suite no execution may see: the file itself and the directories its hidden
+    tests are read from. Nothing for a built-in suite's name."""
+    path = Path(suite)
+    if not path.is_file():
+        return []
+    dirs = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # load_jsonl names the line
+        spec = d.get("hidden_tests") if isinstance(d, dict) else None
+        if isinstance(spec, dict) and isinstance(spec.get("dir"), str):
+            dirs.append((path.parent / spec["dir"]).resolve())
+    return [path.resolve(), *dict.fromkeys(dirs)]
+
+
 def write_jsonl(path: str | Path, tasks: list[Task]) -> None:
     Path(path).write_text("".join(json.dumps(t.to_json()) + "\n" for t in tasks))

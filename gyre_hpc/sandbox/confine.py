@@ -47,6 +47,14 @@ class Launch:
         return kw
 
 
+def bind_paths(values: list[str], key: str) -> tuple[Path, ...]:
+    """A recipe's list of paths to show (``key``), resolved; one line naming any that do not exist."""
+    paths = tuple(Path(v).expanduser().resolve() for v in values)
+    if missing := [str(p) for p in paths if not p.exists()]:
+        raise GyreError(f"{key}: {', '.join(missing)} does not exist")
+    return paths
+
+
 class Sandbox:
     """How an execution's processes start: ``kind`` (bwrap, apptainer, none), the extra read-only
     ``binds``, the ``hidden`` paths (never shown), the ``uid`` they run as when the runtime is root."""
@@ -80,9 +88,7 @@ class Sandbox:
         cls, config: AgentConfig, hidden: tuple[Path, ...], warn: Callable[[str], None]
     ) -> Sandbox:
         """The sandbox ``config`` asks for, hiding ``hidden`` (the run directory, the task suite)."""
-        binds = tuple(Path(b).expanduser() for b in config.sandbox_binds)
-        if missing := [str(b) for b in binds if not b.exists()]:
-            raise GyreError(f"agent.sandbox_binds: {', '.join(missing)} does not exist")
+        binds = bind_paths(config.sandbox_binds, "agent.sandbox_binds")
         kind = "bwrap" if config.sandbox == "auto" else config.sandbox
         box = cls(kind, uid=config.sandbox_uid, image=config.sandbox_image, binds=binds, hidden=hidden)
         why = box.problem()
@@ -192,5 +198,5 @@ def for_run(
     """The run's sandbox. It hides the run directory, a JSONL task suite with its hidden tests'
     directories, and ``scoring_binds`` (``scoring.sandbox_binds``, which only scorers see)."""
     hidden = [run_dir] if run_dir is not None else []
-    hidden += [*private_paths(suite), *(Path(p).expanduser() for p in scoring_binds or [])]
+    hidden += [*private_paths(suite), *bind_paths(scoring_binds or [], "scoring.sandbox_binds")]
     return Sandbox.from_config(config, tuple(hidden), warn)

@@ -14,8 +14,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-from gyre_hpc.errors import GyreError, RecipeError
+from gyre_hpc.errors import RecipeError
 from gyre_hpc.recipe.schema import ScoringConfig
+from gyre_hpc.sandbox.confine import bind_paths
 from gyre_hpc.scoring.contract import EvaluationError, NoArtifact, RunArtifacts, Scorer
 
 Kind = Literal["scored", "partial", "placeholder", "dropped"]
@@ -99,9 +100,7 @@ class ScoringRunners:
 
     def __init__(self, config: ScoringConfig) -> None:
         self.config = config
-        self.binds = tuple(Path(b).expanduser().resolve() for b in config.sandbox_binds)
-        if missing := [str(b) for b in self.binds if not b.exists()]:
-            raise GyreError(f"scoring.sandbox_binds: {', '.join(missing)} does not exist")
+        self.binds = bind_paths(config.sandbox_binds, "scoring.sandbox_binds")
         self._runners: dict[str, ScoringRunner] = {}
 
     def get(self, scorer: str | None) -> ScoringRunner:

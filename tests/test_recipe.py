@@ -100,6 +100,48 @@ def test_override_errors_name_the_path_and_what_is_valid(override: str, message:
     assert "\n" not in str(err.value)
 
 
+def numeric_keys() -> list[tuple[str, str, dict]]:
+    import dataclasses
+    import typing
+
+    from gyre_hpc.recipe.schema import SECTIONS
+
+    out = []
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if hints[f.name] in (int, float):
+                out.append((f"{section}.{f.name}", hints[f.name].__name__, dict(f.metadata)))
+    return out
+
+
+@pytest.mark.parametrize(("key", "kind", "meta"), numeric_keys(), ids=[k for k, _, _ in numeric_keys()])
+def test_every_number_has_a_documented_range_and_nothing_past_it_loads(
+    key: str, kind: str, meta: dict
+) -> None:
+    """No integer or float knob is unbounded: a value past its maximum, an infinity or a NaN is one
+    line naming the key and its range (``10**23`` cells once rendered a script; ``1e999`` seconds
+    once ended in an OverflowError)."""
+    assert meta["min"] is not None and meta["max"] is not None, key
+    assert meta["max"] < 10**23 and f"[{meta['min']:_}, {meta['max']:_}]" in "\n".join(schema_lines())
+    values = ["100000000000000000000000"] + (["1e999", "-inf", "nan"] if kind == "float" else [])
+    for value in values:
+        with pytest.raises(RecipeError) as err:
+            load_recipe(None, [f"{key}={value}"])
+        text = str(err.value)
+        assert text.startswith(f"--set {key}={value}: {key} = ") and "\n" not in text, text
+        assert "out of range" in text or "not a finite number" in text, text
+
+
+def test_a_recipe_number_past_its_range_is_one_line_and_exit_2() -> None:
+    for key in ("run.steps=100000000000000000000000", "agent.sandbox_uid=100000000000000000000",
+                "agent.command_timeout_s=1e999", "cells.count=100000000000000000000000"):  # fmt: skip
+        proc = gyre("recipe", "check", str(REPO / "recipes" / "smoke.toml"), "--set", key)
+        assert proc.returncode == 2, (key, proc.stdout, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: --set ") and "Traceback" not in proc.stderr
+
+
 def test_file_errors_name_the_file(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("[cells]\ncount = 2\ncapacityy = 3\n")

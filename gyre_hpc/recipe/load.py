@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import tomllib
 import typing
 from collections.abc import Sequence
@@ -99,6 +100,8 @@ def _parse_raw(raw: str, hint: Any) -> Any:
 def _check(value: Any, hint: Any, meta: typing.Mapping[str, Any], where: str) -> Any:
     value = _check_type(value, hint, where)
     low, high = meta.get("min"), meta.get("max")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise RecipeError(f"{where} = {_show(value)} is not a finite number: must be in [{low}, {high}]")
     if low is not None and value < low:
         raise RecipeError(f"{where} = {_show(value)} is out of range: must be >= {low}")
     if high is not None and value > high:
@@ -178,20 +181,25 @@ def to_toml(recipe: Recipe, docs: bool = True) -> str:
         lines.append(f"[{section}]" + (f"  # {type(config).__doc__}" if docs else ""))
         for f in dataclasses.fields(config):
             if docs:
-                lines.append(f"# {f.metadata['doc']}")
+                lines.append(f"# {f.metadata['doc']}{_range(f).replace('  [', '  Range: [')}")
             lines.append(f"{f.name} = {_show(getattr(config, f.name))}")
         lines.append("")
     return "\n".join(lines)
 
 
 def schema_lines() -> list[str]:
-    """``section.key: type = default`` for every key: the snapshot test compares these."""
+    """``section.key: type = default [min, max]`` for every key: the snapshot test compares these."""
     out = []
     for section, cls in SECTIONS.items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            out.append(f"{section}.{f.name}: {_type_name(hints[f.name])} = {_show(_default(f))}")
+            out.append(f"{section}.{f.name}: {_type_name(hints[f.name])} = {_show(_default(f))}{_range(f)}")
     return out
+
+
+def _range(f: dataclasses.Field) -> str:
+    low, high = f.metadata.get("min"), f.metadata.get("max")
+    return "" if low is None and high is None else f"  [{low:_}, {high:_}]"
 
 
 def _type_name(hint: Any) -> str:

@@ -24,7 +24,10 @@ COMMAND_FIELDS = ("workspace", "instruction", "task_id", "run_id", "timeout_s")
 
 
 def knob(default: Any, doc: str, *, min: float | None = None, max: float | None = None) -> Any:
-    """A documented recipe field; lists get a fresh copy per instance."""
+    """A documented recipe field; lists get a fresh copy per instance. A number has a range: both
+    bounds are required (``recipe.load`` refuses what lies outside, and any infinity or NaN)."""
+    if isinstance(default, int | float) and not isinstance(default, bool) and (min is None or max is None):
+        raise TypeError(f"knob {doc[:40]!r}…: a number needs min and max")
     meta = {"doc": doc, "min": min, "max": max}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
@@ -38,10 +41,13 @@ class RunConfig:
     name: str = knob("run", "Run name; the run directory is <runs_dir>/<name>-<time>.")
     runs_dir: str = knob("runs", "Where run directories are created (shared storage on a cluster).")
     model: str = knob("tiny", "Hugging Face model directory, or 'tiny' for the offline tiny Qwen3.")
-    seed: int = knob(0, "Seed for prompts, sampling and initialisation.", min=0)
-    steps: int = knob(2, "Optimizer steps to run.", min=1)
+    seed: int = knob(0, "Seed for prompts, sampling and initialisation.", min=0, max=(1 << 32) - 1)
+    steps: int = knob(2, "Optimizer steps to run.", min=1, max=10_000_000)
     max_restarts: int = knob(
-        0, "Restarts of the world from the newest checkpoint when a rank dies (node loss, OOM).", min=0
+        0,
+        "Restarts of the world from the newest checkpoint when a rank dies (node loss, OOM).",
+        min=0,
+        max=1000,
     )
 
 
@@ -49,13 +55,19 @@ class RunConfig:
 class CellsConfig:
     """How the GPUs are grouped into cells, each holding one complete model replica."""
 
-    count: int = knob(2, "Number of cells; cell 0 is the core (weights and optimizer).", min=1)
-    ranks_per_cell: int = knob(1, "MPI ranks per cell (one per GPU on a cluster).", min=1)
-    capacity: int = knob(8, "Concurrent executions one sampling cell serves.", min=1)
-    rollout_pool: int = knob(0, "Standalone rollout engines that never switch role (one rank each).", min=0)
-    heartbeat_s: float = knob(0.5, "Seconds between a cell's status reports to the controller.", min=0.01)
-    heartbeat_timeout_s: float = knob(60.0, "A cell silent this long is declared dead.", min=1)
-    hello_timeout_s: float = knob(120.0, "Seconds the controller waits for every cell to say hello.", min=1)
+    count: int = knob(2, "Number of cells; cell 0 is the core (weights and optimizer).", min=1, max=4096)
+    ranks_per_cell: int = knob(1, "MPI ranks per cell (one per GPU on a cluster).", min=1, max=4096)
+    capacity: int = knob(8, "Concurrent executions one sampling cell serves.", min=1, max=100_000)
+    rollout_pool: int = knob(
+        0, "Standalone rollout engines that never switch role (one rank each).", min=0, max=4096
+    )
+    heartbeat_s: float = knob(
+        0.5, "Seconds between a cell's status reports to the controller.", min=0.01, max=60
+    )
+    heartbeat_timeout_s: float = knob(60.0, "A cell silent this long is declared dead.", min=1, max=86400)
+    hello_timeout_s: float = knob(
+        120.0, "Seconds the controller waits for every cell to say hello.", min=1, max=86400
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,10 +76,16 @@ class SchedulerConfig:
 
     mode: Mode = knob("elastic", "elastic (water level), async (fixed split) or colocate (all, in turn).")
     async_train_cells: int = knob(
-        1, "async: number of cells, first in switch order, that always train.", min=1
+        1,
+        "async: number of cells, first in switch order, that always train.",
+        min=1,
+        max=4096,
     )
     min_queued_microsteps: int = knob(
-        1, "elastic: micro-steps that must be queued before the next cell may switch to training.", min=1
+        1,
+        "elastic: micro-steps that must be queued before the next cell may switch to training.",
+        min=1,
+        max=1_000_000,
     )
     carry_tail: bool = knob(
         False,
@@ -83,6 +101,7 @@ class SchedulerConfig:
         "versions after its first call is stopped and partially scored (replaces carry_tail); steps "
         "that write a checkpoint still wait for every execution (so set trainer.checkpoint_every > 1).",
         min=0,
+        max=1000,
     )
     lookahead: float = knob(
         0.25,
@@ -111,33 +130,47 @@ class EngineConfig:
         "(it serves a float32 checkpoint as float16).",
     )
     tp_size: int = knob(
-        1, "Tensor-parallel size of one engine (sglang: the GPUs of the cell's first tp_size ranks).", min=1
+        1,
+        "Tensor-parallel size of one engine (sglang: the GPUs of the cell's first tp_size ranks).",
+        min=1,
+        max=1024,
     )
     mem_fraction_static: float = knob(0.8, "GPU memory fraction for weights and KV cache.", min=0.05, max=1.0)
     enable_memory_saver: bool = knob(
         True, "sglang on a GPU: release and resume GPU memory on role switches (it needs CUDA)."
     )
     max_total_tokens: int = knob(
-        0, "KV cache size in tokens; 0 lets the engine decide (sglang on the CPU: 16384).", min=0
+        0,
+        "KV cache size in tokens; 0 lets the engine decide (sglang on the CPU: 16384).",
+        min=0,
+        max=1 << 40,
     )
     weight_sync: Literal["broadcast", "disk"] = knob(
         "broadcast",
         "sglang: how a new version reaches the server: one broadcast of the flat snapshot over a "
         "group the cell leader forms with it (gloo on the CPU, NCCL on a GPU), or a checkpoint on disk.",
     )
-    start_timeout_s: float = knob(900.0, "sglang: seconds a server may take to become healthy.", min=1)
-    max_new_tokens: int = knob(1024, "Tokens one model call may generate.", min=1)
+    start_timeout_s: float = knob(
+        900.0, "sglang: seconds a server may take to become healthy.", min=1, max=86400
+    )
+    max_new_tokens: int = knob(1024, "Tokens one model call may generate.", min=1, max=1 << 24)
     prefix_cache: bool = knob(
         True, "Reuse the KV of earlier turns; off with cells.capacity = 1, every call is bit-reproducible."
     )
-    temperature: float = knob(1.0, "Sampling temperature.", min=0.0)
+    temperature: float = knob(1.0, "Sampling temperature.", min=0.0, max=100.0)
     top_p: float = knob(1.0, "Nucleus sampling mass.", min=0.0, max=1.0)
     emulated_decode_s: float = knob(
-        0.02, "emulated: seconds per decode step; every running call gains one token.", min=0.001
+        0.02,
+        "emulated: seconds per decode step; every running call gains one token.",
+        min=0.001,
+        max=60,
     )
-    emulated_tokens_median: float = knob(100.0, "emulated: median reply length in tokens.", min=1)
+    emulated_tokens_median: float = knob(100.0, "emulated: median reply length in tokens.", min=1, max=1e7)
     emulated_tokens_sigma: float = knob(
-        0.6, "emulated: log-normal spread of reply lengths (the long tail).", min=0.0
+        0.6,
+        "emulated: log-normal spread of reply lengths (the long tail).",
+        min=0.0,
+        max=10.0,
     )
 
 
@@ -149,19 +182,27 @@ class TrainerConfig:
         "torch", "torch (plain PyTorch), megatron (megatron-core) or emulated (compute is a delay)."
     )
     dtype: Literal["float32", "bfloat16"] = knob("float32", "Parameter and compute dtype.")
-    lr: float = knob(1e-6, "Adam learning rate.", min=0.0)
-    weight_decay: float = knob(0.0, "AdamW weight decay.", min=0.0)
-    grad_clip: float = knob(1.0, "Global gradient-norm clip; 0 disables.", min=0.0)
+    lr: float = knob(1e-6, "Adam learning rate.", min=0.0, max=1.0)
+    weight_decay: float = knob(0.0, "AdamW weight decay.", min=0.0, max=10.0)
+    grad_clip: float = knob(1.0, "Global gradient-norm clip; 0 disables.", min=0.0, max=1e6)
     clip_low: float = knob(0.2, "PPO ratio clip below 1.", min=0.0, max=1.0)
-    clip_high: float = knob(0.28, "PPO ratio clip above 1.", min=0.0)
-    micro_step_tokens: int = knob(8192, "Tokens packed into one micro-step.", min=16)
+    clip_high: float = knob(0.28, "PPO ratio clip above 1.", min=0.0, max=100.0)
+    micro_step_tokens: int = knob(8192, "Tokens packed into one micro-step.", min=16, max=1 << 26)
     tp_size: int = knob(
-        1, "Tensor-parallel size inside a cell (megatron; ranks beyond tp × pp are data-parallel).", min=1
+        1,
+        "Tensor-parallel size inside a cell (megatron; ranks beyond tp × pp are data-parallel).",
+        min=1,
+        max=1024,
     )
-    pp_size: int = knob(1, "Pipeline-parallel size inside a cell (megatron; GPipe over sequences).", min=1)
-    checkpoint_every: int = knob(1, "Write a checkpoint every N steps; 0 never.", min=0)
+    pp_size: int = knob(
+        1, "Pipeline-parallel size inside a cell (megatron; GPipe over sequences).", min=1, max=1024
+    )
+    checkpoint_every: int = knob(1, "Write a checkpoint every N steps; 0 never.", min=0, max=10_000_000)
     emulated_s_per_token: float = knob(
-        0.001, "emulated: seconds one cell spends per trained token (forward and backward).", min=0.0
+        0.001,
+        "emulated: seconds one cell spends per trained token (forward and backward).",
+        min=0.0,
+        max=60.0,
     )
 
 
@@ -173,8 +214,8 @@ class TransportConfig:
         "auto", "auto picks verbs when an RDMA device exists, else mpi."
     )
     verbs_device: str = knob("", "RDMA device name (e.g. mlx5_0); empty: the first one found.")
-    verbs_port: int = knob(1, "RDMA device port.", min=1)
-    gid_index: int = knob(0, "GID index (RoCE needs the right one).", min=0)
+    verbs_port: int = knob(1, "RDMA device port.", min=1, max=255)
+    gid_index: int = knob(0, "GID index (RoCE needs the right one).", min=0, max=255)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -183,14 +224,19 @@ class ProxyConfig:
 
     host: str = knob("127.0.0.1", "Address the proxy listens on.")
     port: int = knob(0, "Port; 0 picks a free one (written to the run directory).", min=0, max=65535)
-    max_body_mb: int = knob(64, "Largest request body accepted (MiB); larger gets HTTP 413.", min=1)
+    max_body_mb: int = knob(64, "Largest request body accepted (MiB); larger gets HTTP 413.", min=1, max=4096)
     request_timeout_s: float = knob(
-        900.0, "A model call that cannot be served in this time fails (503).", min=1
+        900.0,
+        "A model call that cannot be served in this time fails (503).",
+        min=1,
+        max=7 * 86400,
     )
     drain_mode: Literal["continue", "restart"] = knob(
         "continue", "On drain: continue in-flight requests elsewhere (KV migration) or restart them."
     )
-    admission_limit: int = knob(0, "Requests in flight per engine; 0 uses cells.capacity.", min=0)
+    admission_limit: int = knob(
+        0, "Requests in flight per engine; 0 uses cells.capacity.", min=0, max=100_000
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -205,11 +251,17 @@ class AgentConfig:
     )
     entry: str = knob("", "kind=python: module:function, an async function of an AgentContext.")
 
-    max_calls: int = knob(64, "Built-in: model calls one execution may make (sub-agents included).", min=1)
-    context_limit_tokens: int = knob(8192, "Compact the main context past this many tokens.", min=64)
-    timeout_s: float = knob(1800.0, "Wall-clock limit of one execution; then it is partially scored.", min=1)
-    max_subagents: int = knob(4, "Sub-agents one execution may delegate to.", min=0)
-    command_timeout_s: float = knob(60.0, "Limit of one shell command run by the agent.", min=1)
+    max_calls: int = knob(
+        64, "Built-in: model calls one execution may make (sub-agents included).", min=1, max=1_000_000
+    )
+    context_limit_tokens: int = knob(
+        8192, "Compact the main context past this many tokens.", min=64, max=1 << 24
+    )
+    timeout_s: float = knob(
+        1800.0, "Wall-clock limit of one execution; then it is partially scored.", min=1, max=7 * 86400
+    )
+    max_subagents: int = knob(4, "Sub-agents one execution may delegate to.", min=0, max=10_000)
+    command_timeout_s: float = knob(60.0, "Limit of one shell command run by the agent.", min=1, max=86400)
     journal: bool = knob(True, "Journal each execution after every call, so a restarted run continues it.")
     sandbox: Literal["auto", "bwrap", "apptainer", "none"] = knob(
         "auto",
@@ -219,11 +271,39 @@ class AgentConfig:
     )
     sandbox_image: str = knob("", "sandbox=apptainer: the image (a .sif path or docker://…).")
     sandbox_uid: int = knob(
-        65534, "Uid and gid sandboxed processes run as when the runtime is root (default: nobody).", min=1
+        65534,
+        "Uid and gid sandboxed processes run as when the runtime is root (default: nobody).",
+        min=1,
+        max=(1 << 31) - 1,
     )
     sandbox_binds: list[str] = knob(
         [], "More read-only paths a sandbox shows (a command harness's program, a toolchain)."
     )
+    limits: Literal["auto", "cgroup", "uid", "none"] = knob(
+        "auto",
+        "How an execution's processes are limited together (max_processes, memory_mb, cpus): cgroup "
+        "(v1 or v2, one per execution), uid (root without cgroups: a uid of its own per execution, "
+        "RLIMIT_NPROC; memory and CPU per process only), none (per process only); auto: cgroup where "
+        "writable, else uid as root, else none with a warning.",
+    )
+    max_processes: int = knob(
+        512, "Processes (and threads) one execution may run at once.", min=8, max=1 << 22
+    )
+    memory_mb: int = knob(
+        4096, "Memory one execution's processes may use together (MiB; also each one's address space).",
+        min=64, max=1 << 24,
+    )  # fmt: skip
+    cpus: float = knob(2.0, "CPUs one execution's processes may use together.", min=0.01, max=4096.0)
+    workspace_mb: int = knob(
+        2048, "Size of one workspace (MiB); a command that grows it past this is killed.", min=1, max=1 << 24
+    )
+    workspace_files: int = knob(
+        200_000, "Files and directories one workspace may hold; likewise.", min=16, max=1 << 30
+    )
+    command_output_mb: int = knob(
+        256, "A command printing more than this (MiB) is killed; the model is shown far less.",
+        min=1, max=1 << 20,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -231,17 +311,17 @@ class TasksConfig:
     """Which tasks are run and how many per step."""
 
     suite: str = knob("smoke", "Built-in suite name or path to a JSONL suite.")
-    group_size: int = knob(4, "Executions per prompt (group-relative advantages).", min=1)
-    prompts_per_step: int = knob(4, "Prompts per optimizer step.", min=1)
-    eval_every: int = knob(0, "Held-out evaluation every N steps; 0 never.", min=0)
-    eval_n: int = knob(32, "Held-out tasks per evaluation.", min=1)
+    group_size: int = knob(4, "Executions per prompt (group-relative advantages).", min=1, max=4096)
+    prompts_per_step: int = knob(4, "Prompts per optimizer step.", min=1, max=1_000_000)
+    eval_every: int = knob(0, "Held-out evaluation every N steps; 0 never.", min=0, max=10_000_000)
+    eval_n: int = knob(32, "Held-out tasks per evaluation.", min=1, max=1_000_000)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrajectoryConfig:
     """How TITO records become training sequences."""
 
-    jmax: int = knob(8, "Paths selected per run at most.", min=1)
+    jmax: int = knob(8, "Paths selected per run at most.", min=1, max=100_000)
     priority: list[str] = knob(list(ROLE_PRIORITY), "Role classes in selection priority order.")
     std_normalize: bool = knob(False, "Divide group-relative advantages by the group's std.")
     packing: Literal["tree", "paths"] = knob(
@@ -256,8 +336,14 @@ class ScoringConfig:
     """How finished and timed-out executions are scored."""
 
     scorer: str = knob("hidden-tests", "Built-in scorer name or dotted path module:Class.")
-    max_retries: int = knob(2, "Retries of an evaluation error before the run is dropped.", min=0)
-    timeout_s: float = knob(300.0, "Limit of one evaluation.", min=1)
+    max_retries: int = knob(2, "Retries of an evaluation error before the run is dropped.", min=0, max=100)
+    timeout_s: float = knob(
+        300.0, "Limit of one evaluation (one scorer run on one copy); past it, the policy's code scores 0.",
+        min=1, max=86400,
+    )  # fmt: skip
+    test_timeout_s: float = knob(
+        60.0, "Limit of one hidden test or check; past it, that test fails.", min=0.1, max=86400
+    )
     sandbox_binds: list[str] = knob(
         [],
         "Read-only paths a scorer's sandbox shows besides what an execution's shows (a verifier's "
@@ -275,11 +361,14 @@ class SlurmConfig:
     qos: str = knob("", "Quality of service; empty: default.")
     time: str = knob("04:00:00", "Wall-clock limit (Slurm time format).")
     nodes_per_cell: int = knob(
-        1, "Nodes one cell spans; cells.ranks_per_cell is split evenly over them.", min=1
+        1,
+        "Nodes one cell spans; cells.ranks_per_cell is split evenly over them.",
+        min=1,
+        max=4096,
     )
-    gpus_per_node: int = knob(0, "GPUs per cell node (--gpus-per-node); 0 asks for none.", min=0)
-    cpus_per_task: int = knob(4, "CPUs per cell rank.", min=1)
-    controller_cpus: int = knob(4, "CPUs for the controller (proxy, harness, trajectories).", min=1)
+    gpus_per_node: int = knob(0, "GPUs per cell node (--gpus-per-node); 0 asks for none.", min=0, max=64)
+    cpus_per_task: int = knob(4, "CPUs per cell rank.", min=1, max=1024)
+    controller_cpus: int = knob(4, "CPUs for the controller (proxy, harness, trajectories).", min=1, max=1024)
     mem: str = knob("", "Memory per node (e.g. 200G); empty: the partition default.")
     constraint: str = knob("", "Node feature constraint; empty: none.")
     exclusive: bool = knob(False, "Ask for cell nodes exclusively.")
@@ -287,7 +376,10 @@ class SlurmConfig:
     python: str = knob("", "Python on the compute nodes; empty: the one running gyre-hpc submit.")
     setup: list[str] = knob([], "Shell lines run before srun (module load, activate an environment).")
     signal_grace_s: int = knob(
-        120, "Seconds before the time limit at which the job is told to checkpoint.", min=0
+        120,
+        "Seconds before the time limit at which the job is told to checkpoint.",
+        min=0,
+        max=86400,
     )
     requeue: bool = knob(True, "Requeue the job on preemption or node failure.")
 

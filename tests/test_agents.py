@@ -13,11 +13,12 @@ from loopback import Stack
 from gyre_hpc.agents.dispatch import Dispatcher, artifacts
 from gyre_hpc.agents.harness import Harness
 from gyre_hpc.agents.tools import MAIN_TOOLS, execute, parse_call
-from gyre_hpc.agents.workspace import FILE_SIZE_BYTES, ToolError, Workspace
+from gyre_hpc.agents.workspace import ToolError, Workspace
 from gyre_hpc.errors import GyreError
 from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.recipe.schema import AgentConfig, ScoringConfig
-from gyre_hpc.sandbox.confine import Sandbox
+from gyre_hpc.sandbox.confine import FILE_SIZE_BYTES, Sandbox
+from gyre_hpc.sandbox.limits import Groups, Limits
 from gyre_hpc.scoring import ScoringRunner, load_scorer
 from gyre_hpc.tasks.suites import load_suite, repo_mini
 from gyre_hpc.tasks.task import Task, load_jsonl, write_jsonl
@@ -40,10 +41,10 @@ def test_a_runaway_command_is_killed_at_its_timeout(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kind", ["none", pytest.param("bwrap", marks=pytest.mark.bwrap)])
 def test_a_command_runs_under_its_cpu_memory_and_file_size_limits(kind: str, tmp_path: Path) -> None:
-    box = Sandbox(kind)
+    box = Sandbox(kind, groups=Groups("none", Limits(memory_bytes=1 << 30)))
     box.prepare(tmp_path)
     ws = Workspace(tmp_path, box)
-    shown = ws.run("cat /proc/self/limits", timeout_s=7, memory_bytes=1 << 30)
+    shown = ws.run("cat /proc/self/limits", timeout_s=7)
     rows = {line[:26].strip(): line[26:].split()[:2] for line in shown.output.splitlines()[1:]}
     assert rows["Max cpu time"] == ["8", "8"], shown.output  # soft and hard: the timeout + 1 s
     assert rows["Max address space"] == [str(1 << 30)] * 2
@@ -189,7 +190,7 @@ def test_built_in_suites_are_deterministic_and_split() -> None:
     train, held = load_suite("smoke", 50, split="train"), load_suite("smoke", 50, split="heldout")
     assert {t.id for t in train}.isdisjoint({t.id for t in held})
     long = load_suite("repo-mini-long", 1)[0]
-    assert long.hidden_test_count >= 30 and "part3.py" in long.spec
+    assert len(long.hidden_checks) >= 30 and "part3.py" in long.spec
     with pytest.raises(GyreError, match="neither a built-in suite \\(smoke, repo-mini"):
         load_suite("nl2repo", 1)
 

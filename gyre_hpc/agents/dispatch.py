@@ -12,7 +12,6 @@ from its last completed call in the workspace it left.
 from __future__ import annotations
 
 import asyncio
-import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from gyre_hpc.agents.external import CommandHarness, Endpoint, PythonHarness
 from gyre_hpc.agents.harness import Execution, Harness
 from gyre_hpc.agents.journal import Journal
 from gyre_hpc.recipe.schema import AgentConfig
+from gyre_hpc.sandbox import supervise, untrusted
 from gyre_hpc.sandbox.confine import UNCONFINED, Sandbox
 from gyre_hpc.scoring import RunArtifacts, ScoreResult, ScoringRunner
 from gyre_hpc.tasks.task import Task
@@ -144,18 +144,23 @@ class Dispatcher:
             self.on_event("started", run_id)
             workspace = self.workspaces / run_id
             if entry is None or entry.calls == 0:
-                shutil.rmtree(workspace, ignore_errors=True)  # an abandoned attempt's files go
+                await asyncio.to_thread(untrusted.remove, workspace)  # an abandoned attempt's files go
                 task.materialize(workspace)
                 failed = await setup(task, workspace)  # the task's own command: outside the sandbox
             else:
                 failed = None
-            self.harness.sandbox.prepare(workspace)
-            if failed is not None:
-                ex = Execution(run_id, task.id, workspace, status="crashed", error=failed)
-            else:
-                stop = self.stops.get(run_id)
-                ex = await self.harness.run(task, workspace, run_id, self.journal, entry, stop)
-            score = await asyncio.to_thread(
+            sandbox = self.harness.sandbox
+            group = await asyncio.to_thread(sandbox.groups.open, run_id)  # its limits, all processes
+            try:
+                await asyncio.to_thread(sandbox.prepare, workspace, group)
+                if failed is not None:
+                    ex = Execution(run_id, task.id, workspace, status="crashed", error=failed)
+                else:
+                    stop = self.stops.get(run_id)
+                    ex = await self.harness.run(task, workspace, run_id, self.journal, entry, stop, group)
+            finally:
+                await asyncio.to_thread(group.close)  # nothing it started outlives it
+            score = await supervise.aside(
                 self.scoring(task).score, artifacts(ex, task, self.task_dir, self.harness.sandbox)
             )
             outcome = Outcome(ex, score)

@@ -43,7 +43,7 @@ import importlib.util
 import inspect
 import os
 import shutil
-import signal
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
@@ -58,13 +58,16 @@ from gyre_hpc.agents.stops import REASON, Stopped, within
 from gyre_hpc.agents.workspace import CommandResult, Workspace
 from gyre_hpc.errors import GyreError
 from gyre_hpc.recipe.schema import AgentConfig
-from gyre_hpc.sandbox import relay
+from gyre_hpc.sandbox import relay, supervise
 from gyre_hpc.sandbox.confine import UNCONFINED, Launch, Sandbox
+from gyre_hpc.sandbox.limits import Group
 from gyre_hpc.sandbox.policy import ProxyReach
 from gyre_hpc.tasks.task import Task
 
 ROLES = ("main", "main-summary", "sub-agent", "sub-agent-summary")
 INTERPRETERS = ("python", "bash", "sh", "node", "perl", "ruby")
+LOG_BYTES = 16 << 20
+"""What of a program's output goes to its log (``logs/executions/<run>.log``); the rest is counted."""
 Usage = Callable[[str], tuple[int, int]]
 """Calls the proxy recorded for a run, and the tokens they processed (input + output)."""
 
@@ -94,11 +97,14 @@ class AgentContext:
     """One client per role (``main``, ``main-summary``, ``sub-agent``, ``sub-agent-summary``)."""
     timeout_s: float
     sandbox: Sandbox = UNCONFINED
+    group: Group | None = None
+    """The execution's limits group (every command it runs counts against the same limits)."""
 
     async def shell(self, command: str, timeout_s: float = 60.0) -> CommandResult:
         """Run ``command`` in the workspace as the built-in ``run_shell`` tool does: in the run's
-        sandbox, with its limits."""
-        return await asyncio.to_thread(Workspace(self.workspace, self.sandbox).run, command, timeout_s)
+        sandbox, within the execution's limits, its output streamed and cut."""
+        ws = Workspace(self.workspace, self.sandbox, group=self.group)
+        return await supervise.aside(ws.run, command, timeout_s)
 
 
 PythonAgent = Callable[[AgentContext], Awaitable[str | None]]
@@ -165,6 +171,7 @@ class CommandHarness:
         journal: Journal | None = None,
         resume: Entry | None = None,
         stop: asyncio.Event | None = None,
+        group: Group | None = None,
     ) -> Execution:
         ex = Execution(run_id, task.id, workspace)
         limit = task.timeout_s or self.config.timeout_s
@@ -172,52 +179,76 @@ class CommandHarness:
         self.logs.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         async with contextlib.AsyncExitStack() as scope:
+            if group is None:
+                group = scope.enter_context(self.sandbox.group(run_id))
+            cpu_s = int(limit) + 1
             if self.sandbox.confined:
                 url = urlsplit(self.endpoint.base_url)
                 port = url.port or 80
                 sock = await scope.enter_async_context(
-                    relay.outside(url.hostname or "", port, self.sandbox.owner)
+                    relay.outside(url.hostname or "", port, self.sandbox.owner_in(group))
                 )
                 inside = replace(self.endpoint, base_url=f"http://127.0.0.1:{port}")
                 env = _inherited() | {"HOME": str(workspace)} | environment(inside, run_id, task, workspace)
-                launch = self.sandbox.launch(workspace, argv, env, ProxyReach(sock, port))
+                launch = self.sandbox.launch(
+                    workspace, argv, env, ProxyReach(sock, port), group=group, cpu_s=cpu_s
+                )
             else:
                 env = {**os.environ, **environment(self.endpoint, run_id, task, workspace)}
-                launch = Launch(argv, env, workspace)
-            ex = await self._run(ex, launch, limit, stop)
+                launch = self.sandbox.launch(workspace, argv, env, group=group, cpu_s=cpu_s)
+            ex = await self._run(ex, launch, limit, stop, group)
         return _finish(ex, self.endpoint, started)
 
     async def _run(
-        self, ex: Execution, launch: Launch, limit: float, stop: asyncio.Event | None
+        self, ex: Execution, launch: Launch, limit: float, stop: asyncio.Event | None, group: Group
     ) -> Execution:
-        run_id = ex.run_id
-        with (self.logs / f"{run_id}.log").open("ab") as out:
-            try:
-                proc = await asyncio.create_subprocess_exec(
-                    *launch.argv, **launch.popen(), stdin=asyncio.subprocess.DEVNULL,
-                    stdout=out, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+        """The program to its end in a thread (``supervise``: the time limit, the quota, its output
+        to the log, cut); a stop from the controller, or the run ending, kills its group."""
+        run_id, limits = ex.run_id, self.sandbox.limits
+        quota = supervise.Quota(ex.workspace, limits.workspace_entries, limits.workspace_bytes)
+        halt = threading.Event()
+        with (self.logs / f"{run_id}.log").open("ab", buffering=0) as log:  # live, for `tail -f`
+            job = asyncio.ensure_future(
+                supervise.aside(
+                    supervise.run,
+                    launch.argv,
+                    launch.popen(),
+                    group=group,
+                    timeout_s=limit,
+                    keep_bytes=4096,
+                    quota=quota,
+                    stop=halt,
+                    sink=log,
+                    sink_bytes=LOG_BYTES,
                 )  # fmt: skip
-            except OSError as err:
+            )
+            try:
+                if stop is not None:
+                    waiter = asyncio.ensure_future(stop.wait())
+                    await asyncio.wait({job, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                    waiter.cancel()
+                    if stop.is_set():
+                        halt.set()
+                done = await asyncio.shield(job)
+            except OSError as err:  # it could not even start (its workspace is gone, say)
                 ex.status, ex.error = "crashed", f"{launch.argv[0]}: {err.strerror or err}"
                 return ex
-            try:
-                code = await within(proc.wait(), limit, stop)
-            except TimeoutError:
-                ex.status, ex.error = "timed_out", f"killed at its time limit ({limit:g} s)"
-                await _kill_group(proc)
-                return ex
-            except Stopped:
-                ex.status, ex.error = "stopped", REASON
-                await _kill_group(proc)
-                return ex
             except BaseException:  # the run stops: nothing it started may outlive it
-                await _kill_group(proc)
+                halt.set()
+                with contextlib.suppress(BaseException):
+                    await job
                 raise
-        await _kill_group(proc)  # what it left running in the background
-        if code == 0:
+        logged = f"(see logs/executions/{run_id}.log)"
+        if done.killed == "stopped":
+            ex.status, ex.error = "stopped", REASON
+        elif done.timed_out:
+            ex.status, ex.error = "timed_out", f"killed at its time limit ({limit:g} s)"
+        elif done.killed:
+            ex.status, ex.error = "crashed", f"killed: {done.killed} {logged}"
+        elif done.exit_code == 0:
             ex.status = "finished"
         else:
-            ex.status, ex.error = "crashed", f"exit code {code} (see logs/executions/{run_id}.log)"
+            ex.status, ex.error = "crashed", f"exit code {done.exit_code} {logged}"
         return ex
 
 
@@ -247,13 +278,6 @@ def _home(program: Path) -> Path:
     return where.parent if where.name == "bin" and (where.parent / "pyvenv.cfg").exists() else where
 
 
-async def _kill_group(proc: asyncio.subprocess.Process) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    if proc.returncode is None:
-        await proc.wait()
-
-
 class PythonHarness:
     """Each execution awaits ``agent.entry`` (``module:function``) with an ``AgentContext``."""
 
@@ -269,6 +293,7 @@ class PythonHarness:
         journal: Journal | None = None,
         resume: Entry | None = None,
         stop: asyncio.Event | None = None,
+        group: Group | None = None,
     ) -> Execution:
         ex = Execution(run_id, task.id, workspace)
         limit = task.timeout_s or self.config.timeout_s
@@ -282,7 +307,7 @@ class PythonHarness:
             for role in ROLES
         }
         ctx = AgentContext(
-            task, workspace, run_id, self.endpoint.model, clients["main"], clients, limit, self.sandbox
+            task, workspace, run_id, self.endpoint.model, clients["main"], clients, limit, self.sandbox, group
         )
         started = time.monotonic()
         try:

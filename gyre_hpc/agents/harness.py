@@ -34,7 +34,9 @@ from gyre_hpc.agents.stops import REASON, Stopped, within
 from gyre_hpc.agents.tools import MAIN_TOOLS, SPECS, SUB_AGENT_TOOLS, execute, parse_call
 from gyre_hpc.agents.workspace import ToolError, Workspace
 from gyre_hpc.recipe.schema import AgentConfig
+from gyre_hpc.sandbox import supervise
 from gyre_hpc.sandbox.confine import UNCONFINED, Sandbox
+from gyre_hpc.sandbox.limits import Group
 from gyre_hpc.tasks.task import Task
 
 MAIN_SYSTEM = "You are a software agent working in a workspace. Use the tools; call finish when done."
@@ -94,7 +96,9 @@ class Harness:
         journal: Journal | None = None,
         resume: Entry | None = None,
         stop: asyncio.Event | None = None,
+        group: Group | None = None,
     ) -> Execution:
+        """One execution; its commands run in ``group`` (the execution's limits), else each in its own."""
         ex = Execution(run_id, task.id, workspace)
         spent = 0.0
         if resume is not None:
@@ -122,7 +126,7 @@ class Harness:
             await within(
                 self._main(
                     task,
-                    Workspace(workspace, self.sandbox),
+                    Workspace(workspace, self.sandbox, group=group),
                     ex,
                     clients,
                     log,
@@ -236,12 +240,15 @@ class Harness:
                 elif call.name == "delegate":
                     result = await self._delegate(call.args["task"], ws, ex, task, clients)
                 else:
-                    result = await asyncio.to_thread(
+                    result = await supervise.aside(
                         execute, call, ws, self.config.command_timeout_s, task.test_command
                     )
             except ToolError as err:
                 ex.tool_errors += 1
                 result = f"error: {err}"
+            except (OSError, ValueError, RecursionError) as err:  # the workspace's doing: the model's to see
+                ex.tool_errors += 1
+                result = f"error: {tc.function.name} failed: {err}"
             messages.append({"role": "tool", "tool_call_id": tc.id, "content": result})
         return finished
 

@@ -86,8 +86,11 @@ def execute(call: Call, ws: Workspace, command_timeout_s: float, test_command: s
         if not command:
             raise ToolError("this task has no visible tests")
         r = ws.run(command, command_timeout_s)
-        status = (
-            f"timed out after {command_timeout_s:g} s (killed)" if r.timed_out else f"exit code {r.exit_code}"
-        )
+        if r.timed_out:
+            status = f"timed out after {command_timeout_s:g} s (killed)"
+        elif r.killed:
+            status = f"killed: {r.killed}"
+        else:
+            status = f"exit code {r.exit_code}"
         return f"{status}\n{r.output}"
     raise ToolError(f"{call.name} is not executed here")

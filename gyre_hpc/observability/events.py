@@ -73,7 +73,9 @@ class SandboxUp(Event):
     backend: str
     """bwrap, apptainer or none."""
     warning: str = ""
-    """Why ``auto`` fell back to none."""
+    """Why ``auto`` fell back to none (or, for the limits, to a weaker kind)."""
+    limits: str = ""
+    """How an execution's processes are limited together: cgroup-v1, cgroup-v2, uid or none."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -178,7 +178,9 @@ def controller(
         )
         for line in warnings:
             print(f"gyre-hpc: {line}", file=sys.stderr, flush=True)
-        events.emit(ev.SandboxUp(backend=sandbox.kind, warning=" ".join(warnings)))
+        events.emit(
+            ev.SandboxUp(backend=sandbox.kind, warning=" ".join(warnings), limits=sandbox.groups.kind)
+        )
         return Serving(
             run_dir,
             model_dir,

@@ -3,7 +3,8 @@
 New mount, pid, net, ipc and uts namespaces: the sandbox starts from an empty root with the
 system read-only, sees only its own processes, and has a loopback network and nothing else.
 It dies with the process that started it, and everything it started dies with it (its pid 1
-goes): no command outlives its tool call.
+goes): no command outlives its tool call. Its command runs under a seccomp filter that refuses
+new user namespaces (``sandbox.seccomp``).
 
 Run by root, bwrap mounts as root (so that it can bind paths only root may traverse) and the
 command then drops to the policy's uid with ``setpriv``: no capabilities, no way back
@@ -18,12 +19,24 @@ from pathlib import Path
 from gyre_hpc.sandbox.policy import INSIDE, Policy, System
 
 RELAY = Path(__file__).with_name("relay.py")
+SECCOMP_FD = 9
+"""The fd bwrap reads the seccomp filter from (opened by ``limits.JOIN``)."""
 NAMESPACES = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
 
 
-def argv(policy: Policy, command: list[str], system: System, python: str, privileged: bool) -> list[str]:
-    """``bwrap … -- command``; with a proxy reach, the command runs under the relay (``python``)."""
+def argv(
+    policy: Policy,
+    command: list[str],
+    system: System,
+    python: str,
+    privileged: bool,
+    seccomp_fd: int | None = SECCOMP_FD,
+) -> list[str]:
+    """``bwrap … -- command``; with a proxy reach, the command runs under the relay (``python``);
+    with ``seccomp_fd``, under the filter read from it (``sandbox.seccomp``)."""
     a = ["bwrap", *NAMESPACES, "--die-with-parent", "--new-session"]
+    if seccomp_fd is not None:
+        a += ["--seccomp", str(seccomp_fd)]
     if not privileged:
         a.insert(1, "--unshare-user")
     mounts: list[tuple[Path, bool]] = []  # (destination, shows host content?) in mount order

@@ -8,10 +8,15 @@ When the runtime is root, sandboxed processes also leave root outside: they run 
 ``agent.sandbox_uid`` (nobody by default) and the workspace is handed to that uid. (Inside a
 user namespace created by root, a "uid 65534" would still be root to the files of every bound
 path: ``/etc/shadow`` would be readable.)
+
+Every process an execution starts belongs to its ``limits.Group`` (``group``): its processes,
+memory and CPU are bounded together, and it is killed whole when the execution ends. Under
+bwrap, a seccomp filter (``seccomp``) refuses new user namespaces.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -23,11 +28,14 @@ from pathlib import Path
 
 from gyre_hpc.errors import GyreError
 from gyre_hpc.recipe.schema import AgentConfig
-from gyre_hpc.sandbox import apptainer, bwrap
+from gyre_hpc.sandbox import apptainer, bwrap, seccomp, untrusted
+from gyre_hpc.sandbox.limits import Group, Groups, Limits, choose
 from gyre_hpc.sandbox.policy import ProxyReach, System, host_system, policy
 from gyre_hpc.tasks.task import private_paths
 
 KINDS = ("bwrap", "apptainer", "none")
+FILE_SIZE_BYTES = 64 << 20
+"""The largest file one process may write (``RLIMIT_FSIZE``)."""
 
 
 @dataclass(frozen=True)
@@ -55,9 +63,22 @@ def bind_paths(values: list[str], key: str) -> tuple[Path, ...]:
     return paths
 
 
+def limits_of(config: AgentConfig) -> Limits:
+    """An execution's limits as the recipe sets them (``agent.*``)."""
+    return Limits(
+        processes=config.max_processes,
+        memory_bytes=config.memory_mb << 20,
+        cpus=config.cpus,
+        workspace_bytes=config.workspace_mb << 20,
+        workspace_entries=config.workspace_files,
+        output_bytes=config.command_output_mb << 20,
+    )
+
+
 class Sandbox:
     """How an execution's processes start: ``kind`` (bwrap, apptainer, none), the extra read-only
-    ``binds``, the ``hidden`` paths (never shown), the ``uid`` they run as when the runtime is root."""
+    ``binds``, the ``hidden`` paths (never shown), the ``uid`` they run as when the runtime is root,
+    and the ``groups`` each execution's processes are limited together in."""
 
     def __init__(
         self,
@@ -68,6 +89,7 @@ class Sandbox:
         binds: tuple[Path, ...] = (),
         hidden: tuple[Path, ...] = (),
         system: System | None = None,
+        groups: Groups | None = None,
     ) -> None:
         if kind not in KINDS:
             raise GyreError(f"agent.sandbox = {kind!r}; valid: auto, {', '.join(KINDS)}")
@@ -76,6 +98,26 @@ class Sandbox:
         self.hidden = tuple(h.resolve() for h in hidden)
         self.uid = uid if os.getuid() == 0 else os.getuid()
         self._system = system
+        self.groups = groups if groups is not None else Groups("none", Limits())
+        self._seccomp: Path | None = None
+        self._paths: dict[str, str] = {}
+        self._roots: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+
+    @property
+    def limits(self) -> Limits:
+        return self.groups.limits
+
+    def group(self, name: str) -> contextlib.AbstractContextManager[Group]:
+        """A new group for one execution's (or one scorer run's) processes, killed and removed at
+        the end of the block."""
+        return self.groups.group(name)
+
+    @property
+    def seccomp(self) -> Path | None:
+        """The filter bwrap installs (``sandbox.seccomp``), written on first use."""
+        if self.kind == "bwrap" and (self._seccomp is None or not self._seccomp.exists()):
+            self._seccomp = seccomp.write()  # again if something cleaned /tmp under a long run
+        return self._seccomp
 
     @property
     def system(self) -> System:
@@ -89,14 +131,24 @@ class Sandbox:
     ) -> Sandbox:
         """The sandbox ``config`` asks for, hiding ``hidden`` (the run directory, the task suite)."""
         binds = bind_paths(config.sandbox_binds, "agent.sandbox_binds")
+        groups, note = choose(config.limits, limits_of(config))
+        if note is not None:
+            warn(note)
         kind = "bwrap" if config.sandbox == "auto" else config.sandbox
-        box = cls(kind, uid=config.sandbox_uid, image=config.sandbox_image, binds=binds, hidden=hidden)
+        box = cls(
+            kind,
+            uid=config.sandbox_uid,
+            image=config.sandbox_image,
+            binds=binds,
+            hidden=hidden,
+            groups=groups,
+        )
         why = box.problem()
         if why is None:
             return box
         if config.sandbox == "auto":
             warn(f"agent.sandbox = auto: {why}; executions run unconfined (agent.sandbox = none)")
-            return cls("none", hidden=hidden)
+            return cls("none", hidden=hidden, groups=groups)
         raise GyreError(
             f"agent.sandbox = {config.sandbox}: {why}; set agent.sandbox = none to run unconfined"
         )
@@ -106,8 +158,10 @@ class Sandbox:
         (``scoring.sandbox_binds``: only scorers are given those)."""
         binds = tuple(dict.fromkeys((*self.binds, *(p.resolve() for p in paths))))
         hidden = tuple(h for h in self.hidden if h not in binds)
-        box = Sandbox(self.kind, uid=self.uid, image=self.image, binds=binds, hidden=hidden)
-        box._system = self._system
+        box = Sandbox(
+            self.kind, uid=self.uid, image=self.image, binds=binds, hidden=hidden, groups=self.groups
+        )
+        box._system, box._seccomp = self._system, self._seccomp
         return box
 
     @property
@@ -119,44 +173,70 @@ class Sandbox:
         """The uid a workspace must belong to; None when its processes run as the runtime."""
         return self.uid if self.confined and os.getuid() == 0 else None
 
+    def owner_in(self, group: Group) -> int | None:
+        """The uid ``group``'s processes run as, and so own their workspace: its own uid (the
+        ``uid`` limits), else ``owner``."""
+        return group.uid if group.uid is not None else self.owner
+
     def path(self, host_path: str) -> str:
         """``PATH`` inside: the runtime's interpreter first (``python`` is the one with the runtime's
         packages), then the host's entries the sandbox shows."""
-        entries = [str(Path(sys.executable).parent)]
-        entries += [e for e in host_path.split(":") if e and self.shows(Path(e)) and e not in entries]
-        return ":".join(entries)
+        if host_path not in self._paths:
+            entries = [str(Path(sys.executable).parent)]
+            entries += [e for e in host_path.split(":") if e and self.shows(Path(e)) and e not in entries]
+            self._paths[host_path] = ":".join(entries)
+        return self._paths[host_path]
 
     def shows(self, path: Path) -> bool:
         """Whether a bwrap sandbox sees ``path`` (read-only): under the system or a bind, not hidden."""
-        roots = [*map(Path, self.system.dirs), *(Path(link) for link, _ in self.system.links), *self.binds]
-        p = path.absolute()
-        return any(p.is_relative_to(r) for r in roots) and not any(p.is_relative_to(h) for h in self.hidden)
+        if self._roots is None:  # strings: this is asked for every PATH entry of every launch
+            roots = [*self.system.dirs, *(link for link, _ in self.system.links), *map(str, self.binds)]
+            self._roots = (tuple(roots), tuple(map(str, self.hidden)))
+        shown, hidden = self._roots
+        p = os.path.abspath(path)
 
-    def prepare(self, workspace: Path) -> None:
-        """Hand ``workspace`` (and all in it) to the sandbox's uid, so that its commands may write it."""
-        if (uid := self.owner) is None or not workspace.exists():
-            return
-        os.chown(workspace, uid, uid)
-        # Never through a link: a workspace the policy wrote may link to /etc.
-        for root, dirs, files in os.walk(workspace, followlinks=False):
-            for name in (*dirs, *files):
-                os.chown(os.path.join(root, name), uid, uid, follow_symlinks=False)
+        def under(root: str) -> bool:
+            return p == root or p.startswith(root.rstrip("/") + "/")
+
+        return any(map(under, shown)) and not any(map(under, hidden))
+
+    def prepare(self, workspace: Path, group: Group | None = None) -> None:
+        """Hand ``workspace`` (and all in it) to the uid the sandbox's processes (``group``'s, if
+        given) run as, so that its commands may write it. Never through a link: a workspace the
+        policy wrote may link to /etc."""
+        uid = self.owner if group is None else self.owner_in(group)
+        if uid is not None and workspace.exists():
+            untrusted.own_tree(workspace, uid)
 
     def launch(
-        self, workspace: Path, command: list[str], env: dict[str, str], proxy: ProxyReach | None = None
+        self,
+        workspace: Path,
+        command: list[str],
+        env: dict[str, str],
+        proxy: ProxyReach | None = None,
+        *,
+        group: Group,
+        cpu_s: int,
     ) -> Launch:
-        """How to start ``command`` in ``workspace`` as an execution's process."""
+        """How to start ``command`` in ``workspace`` as one of ``group``'s processes, with at most
+        ``cpu_s`` seconds of CPU."""
+        head = [*group.prefix(str(self.seccomp or "/dev/null")), *group.rlimits(cpu_s, FILE_SIZE_BYTES)]
+        uid = self.owner_in(group)
         if not self.confined:
-            return Launch(command, env, workspace)
-        p = policy(workspace, uid=self.uid, binds=self.binds, hidden=self.hidden, proxy=proxy)
+            as_user = group.uid if group.uid is not None else None  # a uid of its own, or the runtime's
+            return Launch([*head, *command], env, workspace, as_user)
+        p = policy(workspace, uid=uid if uid is not None else self.uid, binds=self.binds, hidden=self.hidden,
+                   proxy=proxy)  # fmt: skip
         env = {**env, "TMPDIR": "/tmp"}  # its own, private
         if self.kind == "bwrap":
             env["PATH"] = self.path(env.get("PATH", ""))
             privileged = os.getuid() == 0  # then bwrap drops to the uid itself, after mounting
-            return Launch(bwrap.argv(p, command, self.system, sys.executable, privileged), env, workspace)
+            fd = bwrap.SECCOMP_FD if self.seccomp is not None else None
+            inner = bwrap.argv(p, command, self.system, sys.executable, privileged, fd)
+            return Launch([*head, *inner], env, workspace)
         host = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL")}
-        inner = {f"APPTAINERENV_{k}": v for k, v in env.items() if k not in ("HOME", "PATH")}
-        return Launch(apptainer.argv(p, self.image, command), host | inner, workspace, self.owner)
+        inner_env = {f"APPTAINERENV_{k}": v for k, v in env.items() if k not in ("HOME", "PATH")}
+        return Launch([*head, *apptainer.argv(p, self.image, command)], host | inner_env, workspace, uid)
 
     def problem(self) -> str | None:
         """Why this sandbox cannot run here; None if a probe command ran in it."""
@@ -169,9 +249,10 @@ class Sandbox:
             )
         if self.kind == "apptainer" and not self.image:
             return "agent.sandbox_image is empty (a .sif path or docker://…)"
-        with tempfile.TemporaryDirectory(prefix="gyre-sandbox-check-") as tmp:
-            self.prepare(Path(tmp))
-            launch = self.launch(Path(tmp), ["true"], {"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+        with tempfile.TemporaryDirectory(prefix="gyre-sandbox-check-") as tmp, self.group("probe") as group:
+            self.prepare(Path(tmp), group)
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+            launch = self.launch(Path(tmp), ["true"], env, group=group, cpu_s=60)
             try:
                 proc = subprocess.run(
                     launch.argv, capture_output=True, text=True, timeout=120, **launch.popen()

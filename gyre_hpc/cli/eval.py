@@ -50,7 +50,7 @@ def evaluate(
         f"with {r.run.model} → [cyan]{run_dir.path}[/]"
     )
     model = resolve_model(r.run.model)
-    outcomes = asyncio.run(_run(r, model, tasks, run_dir, console))
+    outcomes = asyncio.run(_run(r, model, tasks, suite or r.tasks.suite, run_dir, console))
     summary = summarize(outcomes)
     run_dir.executions.write_text("".join(json.dumps(o.to_json()) + "\n" for o in outcomes))
     run_dir.eval_summary.write_text(json.dumps(summary, indent=1) + "\n")
@@ -61,7 +61,9 @@ def evaluate(
     console.print(f"run directory: {run_dir.path}  (trees: gyre-hpc traj show {run_dir.path})")
 
 
-async def _run(r: Recipe, model: Path, tasks: list[Task], run_dir: RunDir, console: Console) -> list[Outcome]:
+async def _run(
+    r: Recipe, model: Path, tasks: list[Task], suite: str, run_dir: RunDir, console: Console
+) -> list[Outcome]:
     sampling = {
         "temperature": r.engine.temperature,
         "top_p": r.engine.top_p,
@@ -94,7 +96,7 @@ async def _run(r: Recipe, model: Path, tasks: list[Task], run_dir: RunDir, conso
             sandbox = for_run(
                 r.agent,
                 run_dir.path,
-                r.tasks.suite,
+                suite,  # the suite evaluated: its hidden tests are hidden
                 lambda w: console.print(f"warning: {w}"),
                 scoring_binds=r.scoring.sandbox_binds,
             )

@@ -1,14 +1,17 @@
-"""``gyre-hpc sandbox exec``: one command in an execution's sandbox, as its tool call would run.
+"""``gyre-hpc sandbox exec``: one command in an execution's sandbox, as its tool call would run;
+``gyre-hpc sandbox score``: a workspace scored as the run scores the execution that left it.
 
 For debugging a task's environment on the node that runs it: what the model's ``run_shell``
-sees, with the same sandbox, limits, environment and timeout. A workspace inside a run
-directory takes that run's recipe (its ``[agent]`` section) and hides that run, as the run does.
+sees, with the same sandbox, limits, environment and timeout; and what a workspace earns (a
+task's reference solution should earn 1.0). A workspace inside a run directory takes that
+run's recipe (its ``[agent]`` and ``[scoring]`` sections) and hides that run, as the run does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import shlex
+import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -20,7 +23,8 @@ from gyre_hpc.agents.workspace import Workspace
 from gyre_hpc.errors import GyreError
 from gyre_hpc.recipe import Recipe, load_recipe
 from gyre_hpc.rundir import RunDir
-from gyre_hpc.sandbox.confine import for_run
+from gyre_hpc.sandbox.confine import Sandbox, for_run
+from gyre_hpc.scoring import RunArtifacts, ScoringRunners
 from gyre_hpc.tasks.suites import HELDOUT_OFFSET, SUITES, load_suite
 from gyre_hpc.tasks.task import Task
 
@@ -62,13 +66,7 @@ def exec(  # noqa: A001 - the verb users type
     if not workspace.is_dir():
         raise GyreError(f"--workspace {workspace} does not exist (give --task to seed a new one)")
     console = Console(stderr=True, highlight=False, soft_wrap=True)
-    sandbox = for_run(
-        r.agent,
-        run.path if run else None,
-        r.tasks.suite,
-        lambda line: console.print(f"warning: {line}"),
-        scoring_binds=r.scoring.sandbox_binds,
-    )
+    sandbox = _sandbox(r, run, console)
     sandbox.prepare(workspace)
     line = command[0] if len(command) == 1 else shlex.join(command)  # one argument: a shell line
     result = Workspace(workspace, sandbox, max_output_bytes=1 << 30).run(line, r.agent.command_timeout_s)
@@ -77,6 +75,55 @@ def exec(  # noqa: A001 - the verb users type
         console.print(f"timed out after {r.agent.command_timeout_s:g} s (agent.command_timeout_s): killed")
     console.print(f"sandbox: {sandbox.kind}  exit code {result.exit_code}", style="dim")
     raise typer.Exit(124 if result.timed_out else result.exit_code)
+
+
+@app.command()
+def score(
+    workspace: Annotated[
+        Path, typer.Option("--workspace", help="The workspace to score.", show_default=False)
+    ],
+    task: Annotated[
+        str, typer.Option("--task", help="The task it is for (an id in tasks.suite).", show_default=False)
+    ],
+    recipe: Annotated[
+        Path | None, typer.Option("--recipe", help="Recipe; default: the run's, if the workspace is in one.")
+    ] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", "-s", metavar="SECTION.KEY=VALUE", help="Override a recipe key."),
+    ] = None,
+) -> None:
+    """Score a workspace as the run scores an execution that finished in it (its task's scorer,
+    in the scoring sandbox, on a copy); print the kind, the reward and why.
+
+    Example: `gyre-hpc sandbox score --recipe r.toml --set tasks.suite=my.jsonl --task calc --workspace ref/`
+    """
+    workspace = workspace.resolve()
+    if not workspace.is_dir():
+        raise GyreError(f"--workspace {workspace} does not exist")
+    run = _enclosing_run(workspace)
+    r = _recipe(recipe, run, set_ or [])
+    found = _find(r, task)
+    console = Console(stderr=True, highlight=False, soft_wrap=True)
+    sandbox = _sandbox(r, run, console)
+    with tempfile.TemporaryDirectory(prefix="gyre-score-task-") as tasks:
+        artifacts = RunArtifacts("score", workspace, "finished", found.for_scorer(Path(tasks)), sandbox)
+        result = ScoringRunners(r.scoring).get(found.scorer).score(artifacts)
+    reward = "no reward" if result.reward is None else f"{result.reward:.3f}"
+    scorer = found.scorer or r.scoring.scorer
+    typer.echo(f"{result.kind} {reward} ({scorer}, {result.attempts} attempt{'s' * (result.attempts != 1)})")
+    if result.reason:
+        typer.echo(f"why: {result.reason}")
+
+
+def _sandbox(r: Recipe, run: RunDir | None, console: Console) -> Sandbox:
+    return for_run(
+        r.agent,
+        run.path if run else None,
+        r.tasks.suite,
+        lambda line: console.print(f"warning: {line}"),
+        scoring_binds=r.scoring.sandbox_binds,
+    )
 
 
 def _enclosing_run(workspace: Path) -> RunDir | None:

@@ -1,6 +1,6 @@
 """Scoring finished, timed-out and crashed executions on the artifacts they left."""
 
-from gyre_hpc.scoring.contract import EvaluationError, NoArtifact, RunArtifacts, Scorer
+from gyre_hpc.scoring.contract import EvaluationError, NoArtifact, RunArtifacts, Scorer, WorkspaceFault
 from gyre_hpc.scoring.runner import ScoreResult, ScoringRunner, ScoringRunners, load_scorer
 
 __all__ = [
@@ -11,5 +11,6 @@ __all__ = [
     "Scorer",
     "ScoringRunner",
     "ScoringRunners",
+    "WorkspaceFault",
     "load_scorer",
 ]

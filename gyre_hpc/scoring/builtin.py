@@ -1,103 +1,162 @@
-"""Built-in scorers: the fraction of hidden tests passing, rule-based milestones, a task's own
-verifier command, and a seeded coin for emulated runs."""
+"""Built-in scorers: hidden checks and hidden tests passing, rule-based milestones, a task's own
+verifier command, and a seeded coin for emulated runs.
+
+Each runs the policy's code only in a scoring sandbox of its own (``scoring.session``): on a
+pristine copy of the finished workspace, never the workspace itself, with the runner and its
+configuration from outside the workspace, and its verdict read from a pipe the tested code
+cannot reach. Files a scorer reads itself it reads from its copy, never through a link
+(``sandbox.untrusted``).
+"""
 
 from __future__ import annotations
 
+import ast
 import hashlib
-import os
+import json
+import secrets
 import shutil
-import subprocess
-import sys
-import tempfile
-import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from gyre_hpc.recipe.schema import ScoringConfig
-from gyre_hpc.scoring.contract import EvaluationError, RunArtifacts, Scorer
+from gyre_hpc.sandbox import untrusted
+from gyre_hpc.scoring import checks as hidden_checks
+from gyre_hpc.scoring.contract import EvaluationError, RunArtifacts, Scorer, WorkspaceFault
+from gyre_hpc.scoring.session import Session, bench, command
 
-# The agent's code runs here: keep the evaluation's environment small and predictable.
-_ENV_KEEP = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR")
-
-
-def _clean_env(**extra: str) -> dict[str, str]:
-    return {**{k: v for k, v in os.environ.items() if k in _ENV_KEEP}, **extra}
-
-
-def _run(
-    artifacts: RunArtifacts, command: list[str], cwd: Path, timeout_s: float, **env: str
-) -> subprocess.CompletedProcess[str]:
-    """Run ``command`` in ``cwd`` (the workspace or its copy) in the run's sandbox; it may raise
-    ``subprocess.TimeoutExpired``."""
-    sandbox = artifacts.sandbox
-    sandbox.prepare(cwd)
-    home = {"HOME": str(cwd)} if sandbox.confined else {}  # the host's HOME is not inside
-    launch = sandbox.launch(cwd, command, _clean_env(**env, **home))
-    return subprocess.run(launch.argv, **launch.popen(), capture_output=True, text=True, timeout=timeout_s)
+READ_BYTES = 64 << 20
+"""The most of one file a ``file_contains`` milestone reads."""
 
 
 class HiddenTestsScorer:
-    """Copies the workspace and the task's hidden tests aside, runs pytest, returns passed/total.
+    """The fraction of the task's hidden checks and hidden tests that pass.
 
-    ``task["hidden_tests"]``: a directory of test files. ``task["hidden_test_count"]`` (optional):
-    the number of tests, so that a test file that cannot even be imported still counts fully.
+    ``task["hidden_checks"]``: calls and the values they must return (``scoring.checks``), compared
+    outside the sandbox, types included: what every built-in suite uses, and what cannot be forged.
+    ``task["hidden_tests"]``: a directory of pytest files, run by the test bench's pytest with a
+    canary. ``task["hidden_test_count"]`` (optional): how many tests there are, so that a test file
+    that cannot even be imported still counts fully.
     """
 
     def __init__(self, config: ScoringConfig) -> None:
-        self.timeout_s = config.timeout_s
+        self.timeout_s, self.test_timeout_s = config.timeout_s, config.test_timeout_s
 
     def score(self, artifacts: RunArtifacts) -> float:
-        where = artifacts.task.get("hidden_tests") or ""
-        hidden = Path(where)
-        if not where or not hidden.is_dir():  # Path("") is the current directory: never test that
-            raise EvaluationError(f"task has no hidden tests directory ({hidden})")
-        with tempfile.TemporaryDirectory(prefix="gyre-score-") as tmp:
-            work = Path(tmp) / "workspace"
-            shutil.copytree(artifacts.workspace, work, symlinks=True)
-            shutil.copytree(hidden, work / "_hidden_tests")
-            report = work / ".gyre-report.xml"  # the sandbox writes only its workspace
-            cmd = [
-                sys.executable,
-                "-m",
-                "pytest",
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                "--continue-on-collection-errors",
-                f"--junitxml={report.name}",
-                "_hidden_tests",
-            ]
-            try:
-                proc = _run(
-                    artifacts, cmd, work, self.timeout_s, PYTHONPATH=str(work), PYTHONDONTWRITEBYTECODE="1"
-                )
-            except subprocess.TimeoutExpired:
-                raise EvaluationError(f"hidden tests ran over {self.timeout_s:g} s") from None
-            if proc.returncode not in (0, 1) or not report.exists():
-                raise EvaluationError(
-                    f"pytest exited {proc.returncode}: {proc.stdout[-300:]}{proc.stderr[-300:]}"
-                )
-            passed, total = _junit_counts(report)
-        total = max(total, int(artifacts.task.get("hidden_test_count", 0)))
+        task = artifacts.task
+        checks = task.get("hidden_checks") or []
+        where = task.get("hidden_tests") or ""
+        hidden = Path(where) if where else None  # Path("") is the current directory: never test that
+        if not checks and (hidden is None or not hidden.is_dir()):
+            raise EvaluationError(f"task has no hidden checks and no hidden tests directory ({where})")
+        passed = total = 0
+        with Session(artifacts) as session:
+            if checks:
+                p, t = self._checks(session, checks)
+                passed, total = passed + p, total + t
+            if hidden is not None and hidden.is_dir():
+                p, t = self._tests(session, hidden, int(task.get("hidden_test_count") or 0) - len(checks))
+                passed, total = passed + p, total + t
         if total == 0:
-            raise EvaluationError("no hidden tests were collected")
+            raise EvaluationError("no hidden tests were found")
         return passed / total
 
+    def _checks(self, session: Session, checks: list[dict[str, str]]) -> tuple[int, int]:
+        work = session.copy()
+        calls = session.input(
+            "checks.json", json.dumps([{k: c[k] for k in ("module", "call")} for c in checks])
+        )
+        argv = bench(
+            "checks",
+            "--workspace",
+            str(work),
+            "--checks",
+            str(calls),
+            "--timeout",
+            f"{self.test_timeout_s:g}",
+        )
+        b = session.ready(session.run(work, argv, self.timeout_s))
+        values: dict[int, Any] = {}
+        for line in b.lines:
+            i = line.get("check")
+            if isinstance(i, int) and i not in values:
+                values[i] = line.get("value")
+        passed = sum(
+            i in values and hidden_checks.same(hidden_checks.expected(c), hidden_checks.decode(values[i]))
+            for i, c in enumerate(checks)
+        )
+        return passed, len(checks)
 
-def _junit_counts(report: Path) -> tuple[int, int]:
-    root = ET.parse(report).getroot()
-    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    total = sum(int(s.get("tests", 0)) for s in suites)
-    bad = sum(int(s.get("failures", 0)) + int(s.get("errors", 0)) + int(s.get("skipped", 0)) for s in suites)
-    return total - bad, total
+    def _tests(self, session: Session, hidden: Path, count: int) -> tuple[int, int]:
+        work = session.copy()
+        tests = session.inputs / "tests"
+        shutil.copytree(hidden, tests, symlinks=False)  # the task's own files, read-only to the bench
+        nonce = secrets.token_hex(8)
+        canary = session.input(
+            f"canary/test_{nonce}.py", f"def test_{nonce}():\n    assert False, 'must fail'\n"
+        )
+        ini = session.input("pytest.ini", "[pytest]\naddopts =\n")
+        argv = bench(
+            "pytest", "--workspace", str(work), "--tests", str(tests), str(canary), "--ini", str(ini),
+            "--canary", nonce, "--timeout", f"{self.test_timeout_s:g}",
+        )  # fmt: skip
+        b = session.ready(session.run(work, argv, self.timeout_s, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1"))
+        phases: dict[str, dict[str, str]] = {}
+        for line in b.lines:
+            test, when, outcome = line.get("test"), line.get("when"), line.get("outcome")
+            if all(isinstance(v, str) for v in (test, when, outcome)):
+                phases.setdefault(test, {}).setdefault(when, outcome)  # type: ignore[arg-type]
+        mine = [t for t in phases if nonce in t]
+        if not mine or "call" not in phases[mine[0]]:
+            raise WorkspaceFault(f"the hidden tests did not run to the end ({b.why()})")
+        if phases[mine[0]]["call"] == "passed":
+            raise WorkspaceFault("a test that must fail passed: the test runner's results were changed")
+        real = {t: p for t, p in phases.items() if t.startswith("tests/") and nonce not in t}
+        passed = sum(
+            p.get("call") == "passed" and all(o == "passed" for o in p.values()) for p in real.values()
+        )
+        return passed, max(len(real), count_tests(hidden), count)
+
+
+def count_tests(root: Path) -> int:
+    """How many tests pytest would find in ``root``'s files, read from their source (a module that
+    cannot be imported still counts its tests; a literal ``parametrize`` list multiplies them)."""
+    total = 0
+    for path in sorted(root.rglob("*.py")):
+        if not (path.name.startswith("test_") or path.name.endswith("_test.py")):
+            continue
+        try:
+            tree = ast.parse(path.read_text(errors="replace"))
+        except (SyntaxError, ValueError, RecursionError):
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.startswith("test"):
+                total += _cases(node)
+            elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+                total += sum(
+                    _cases(n)
+                    for n in node.body
+                    if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name.startswith("test")
+                )
+    return total
+
+
+def _cases(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    n = 1
+    for d in fn.decorator_list:
+        if isinstance(d, ast.Call) and getattr(d.func, "attr", "") == "parametrize" and len(d.args) >= 2:
+            if isinstance(d.args[1], ast.List | ast.Tuple):
+                n *= max(1, len(d.args[1].elts))
+    return n
 
 
 class MilestonesScorer:
     """Weighted fraction of ``task["milestones"]`` reached in the workspace's end state.
 
     Each milestone is ``{"weight": w, <check>}`` with one check: ``"file_exists": path``,
-    ``"file_contains": [path, text]`` or ``"command": shell`` (reached when it exits 0).
+    ``"file_contains": [path, text]`` (read from a copy, never through a link) or ``"command":
+    shell`` (reached when it exits 0; each command on its own pristine copy, in the sandbox, so no
+    command's side effects reach another).
     """
 
     def __init__(self, config: ScoringConfig) -> None:
@@ -108,68 +167,88 @@ class MilestonesScorer:
         if not milestones:
             raise EvaluationError("task has no milestones")
         total = reached = 0.0
-        for m in milestones:
-            weight = float(m.get("weight", 1.0))
-            total += weight
-            reached += weight * self._reached(m, artifacts)
+        with Session(artifacts) as session:
+            base = session.copy()
+            for m in milestones:
+                weight = float(m.get("weight", 1.0))
+                total += weight
+                reached += weight * self._reached(m, session, base)
         return reached / total
 
-    def _reached(self, milestone: Mapping[str, Any], artifacts: RunArtifacts) -> bool:
-        ws = artifacts.workspace
+    def _reached(self, milestone: Mapping[str, Any], session: Session, base: Path) -> bool:
         checks: dict[str, Callable[[Any], bool]] = {
-            "file_exists": lambda p: _inside(ws, p).exists(),
-            "file_contains": lambda a: (
-                _inside(ws, a[0]).is_file() and a[1] in _inside(ws, a[0]).read_text(errors="replace")
-            ),
-            "command": lambda c: self._command_ok(c, artifacts),
+            "file_exists": lambda p: untrusted.exists(base, _rel(p)),
+            "file_contains": lambda a: _contains(untrusted.read(base, _rel(a[0]), READ_BYTES), a[1]),
+            "command": lambda c: self._command_ok(c, session),
         }
         kinds = [k for k in checks if k in milestone]
         if len(kinds) != 1:
             raise EvaluationError(f"milestone {milestone} needs exactly one of {', '.join(checks)}")
         return bool(checks[kinds[0]](milestone[kinds[0]]))
 
-    def _command_ok(self, command: str, artifacts: RunArtifacts) -> bool:
-        ws = artifacts.workspace
-        try:
-            return _run(artifacts, ["bash", "-c", command], ws, self.timeout_s).returncode == 0
-        except subprocess.TimeoutExpired:
-            return False
+    def _command_ok(self, line: str, session: Session) -> bool:
+        work = session.copy()
+        b = session.ready(session.run(work, command(line), self.timeout_s))
+        return b.exit_code == 0 and not b.killed
+
+
+def _contains(data: bytes | None, text: str) -> bool:
+    return data is not None and text in data.decode(errors="replace")
+
+
+def _rel(path: str) -> str:
+    """A milestone's path, which the task gives: inside the workspace, or the task is malformed."""
+    if not isinstance(path, str) or not path or Path(path).is_absolute() or ".." in Path(path).parts:
+        raise EvaluationError(f"milestone path {path!r} leaves the workspace")
+    return path
+
+
+VERIFIER_ENV = {
+    # The current directory is not put first on Python's path (a workspace pytest.py would run as
+    # pytest); pytest loads no conftest.py, no ini file and no plugin of the workspace's.
+    "PYTHONSAFEPATH": "1",
+    "PYTHONNOUSERSITE": "1",
+    "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+}
 
 
 class VerifierScorer:
-    """Runs ``task["verifier"]`` (a shell command) in a copy of the workspace: the reward is the
-    number its last line of output prints, if it is one in [0, 1]; else 1.0 when it exits 0,
-    0.0 otherwise. What a task for a black-box harness brings instead of hidden tests."""
+    """Runs ``task["verifier"]`` (a shell command) on a copy of the workspace: the reward is the
+    number its last line of standard output prints, if it is one in [0, 1]; else 1.0 when it exits
+    0, 0.0 otherwise. What a task for a black-box harness brings instead of hidden tests.
+
+    It runs as a command milestone does, with Python and pytest told not to take their runner or
+    configuration from the workspace (``VERIFIER_ENV``; pytest is given our ini, which puts the
+    workspace on its path, and ``--noconftest``). A verifier that runs past ``scoring.timeout_s``
+    on the policy's code scores 0.
+    """
 
     def __init__(self, config: ScoringConfig) -> None:
         self.timeout_s = config.timeout_s
 
     def score(self, artifacts: RunArtifacts) -> float:
-        command = artifacts.task.get("verifier")
-        if not command:
+        line = artifacts.task.get("verifier")
+        if not line:
             raise EvaluationError("task has no verifier command")
-        with tempfile.TemporaryDirectory(prefix="gyre-score-") as tmp:
-            work = Path(tmp) / "workspace"
-            shutil.copytree(artifacts.workspace, work, symlinks=True)
-            try:
-                proc = _run(artifacts, ["bash", "-c", command], work, self.timeout_s)
-            except subprocess.TimeoutExpired:
-                raise EvaluationError(f"verifier timed out after {self.timeout_s:g} s") from None
-        lines = proc.stdout.strip().splitlines()
+        with Session(artifacts) as session:
+            work = session.copy()
+            ini = session.input("pytest.ini", f"[pytest]\naddopts =\npythonpath = {work}\n")
+            addopts = f"-c {ini} --noconftest -p no:cacheprovider"
+            b = session.ready(
+                session.run(
+                    work, command(line, stderr=False), self.timeout_s, **VERIFIER_ENV, PYTEST_ADDOPTS=addopts
+                )
+            )
+        if b.killed:
+            raise WorkspaceFault(f"the verifier was {b.why()} on the workspace's code")
+        lines = b.output.strip().splitlines()
         try:
             value = float(lines[-1]) if lines else None
         except ValueError:
             value = None
         if value is not None and 0.0 <= value <= 1.0:
             return value
-        return 1.0 if proc.returncode == 0 else 0.0
-
-
-def _inside(ws: Path, rel: str) -> Path:
-    path = (ws / rel).resolve()
-    if not path.is_relative_to(ws.resolve()):
-        raise EvaluationError(f"milestone path {rel!r} leaves the workspace")
-    return path
+        return 1.0 if b.exit_code == 0 else 0.0
 
 
 class CoinScorer:

@@ -3,7 +3,10 @@
 A scorer looks only at what a run left behind (its workspace) and the task; never at its
 length, its transcript or whether it finished. It returns a reward in [0, 1], or raises
 ``EvaluationError`` when the *evaluation* failed (retried; not a legitimate 0), or
-``NoArtifact`` when there is nothing to evaluate at all (an infrastructure failure).
+``NoArtifact`` when there is nothing to evaluate at all (an infrastructure failure), or
+``WorkspaceFault`` when what the workspace did made the evaluation fail (its code crashed the
+test runner, hung past the time limit, changed the runner's results): that is a score, 0, and
+never a drop — the policy must not be able to turn a 0 into "not trained on".
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ class EvaluationError(Exception):
 
 class NoArtifact(Exception):
     """The run left nothing to evaluate."""
+
+
+class WorkspaceFault(Exception):
+    """The evaluation failed because of what the workspace holds: a score of 0, with the reason."""
 
 
 class Scorer(Protocol):

@@ -3,8 +3,14 @@
 ```
  workspace missing / NoArtifact ──────────────▶ placeholder: reward 0, counts in its group, no tokens
  score() ok ──▶ finished: scored │ timed_out/crashed: partial (scored on what it left)
- EvaluationError ──▶ retry … up to max_retries ──▶ dropped from training (why is recorded)
+ WorkspaceFault (the workspace's doing) ──────▶ scored / partial with reward 0 (why is recorded)
+ EvaluationError, or any other exception ──▶ retry … up to max_retries ──▶ dropped (why is recorded)
 ```
+
+Only a failure of the *scorer* is ever dropped: the built-in scorers turn everything the
+workspace can make happen into a score (``scoring.session``), so the policy cannot escape a 0 by
+making its evaluation fail. A scorer that raises anything else is the scorer's bug: retried,
+then dropped, never allowed to stop the run.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import Literal
 from gyre_hpc.errors import RecipeError
 from gyre_hpc.recipe.schema import ScoringConfig
 from gyre_hpc.sandbox.confine import bind_paths
-from gyre_hpc.scoring.contract import EvaluationError, NoArtifact, RunArtifacts, Scorer
+from gyre_hpc.scoring.contract import EvaluationError, NoArtifact, RunArtifacts, Scorer, WorkspaceFault
 
 Kind = Literal["scored", "partial", "placeholder", "dropped"]
 
@@ -59,19 +65,26 @@ class ScoringRunner:
         errors = []
         while attempts <= self.max_retries:
             attempts += 1
+            kind: Kind = "scored" if artifacts.status == "finished" else "partial"
+            note = artifacts.status if kind == "partial" else ""
             try:
                 reward = float(self.scorer.score(artifacts))
             except NoArtifact as err:
                 return ScoreResult(artifacts.run_id, "placeholder", 0.0, attempts, f"no artifact: {err}")
+            except WorkspaceFault as err:
+                return ScoreResult(
+                    artifacts.run_id, kind, 0.0, attempts, "; ".join(filter(None, (note, str(err))))
+                )
             except EvaluationError as err:
                 errors.append(str(err))
                 continue
+            except Exception as err:  # noqa: BLE001 - a scorer's bug: dropped with its name, the run goes on
+                errors.append(f"{type(self.scorer).__name__} raised {type(err).__name__}: {err}")
+                continue
             if not 0.0 <= reward <= 1.0:
-                raise ValueError(f"{type(self.scorer).__name__} returned {reward}, outside [0, 1]")
-            kind: Kind = "scored" if artifacts.status == "finished" else "partial"
-            return ScoreResult(
-                artifacts.run_id, kind, reward, attempts, artifacts.status if kind == "partial" else ""
-            )
+                errors.append(f"{type(self.scorer).__name__} returned {reward}, outside [0, 1]")
+                continue
+            return ScoreResult(artifacts.run_id, kind, reward, attempts, note)
         return ScoreResult(
             artifacts.run_id, "dropped", None, attempts, f"evaluation failed {attempts} times: {errors[-1]}"
         )

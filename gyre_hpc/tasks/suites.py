@@ -1,7 +1,8 @@
 """Built-in task suites, generated deterministically from a seed; and the suite registry.
 
-- ``repo-mini``: build a small multi-file Python package from a spec; hidden tests; partial
-  score = fraction passing. ``repo-mini-long`` asks for dozens of functions.
+- ``repo-mini``: build a small multi-file Python package from a spec; hidden checks (each call's
+  value compared, types included); partial score = fraction passing. ``repo-mini-long`` asks
+  for dozens of functions.
 - ``terminal-mini``: multi-step shell / configuration tasks checked on the end state, with
   milestones for partial credit.
 - ``smoke``: one-file tasks sized so the tiny CPU model can learn them.
@@ -21,102 +22,133 @@ from pathlib import Path
 from gyre_hpc.errors import GyreError
 from gyre_hpc.tasks.task import Task, load_jsonl
 
-# name, parameters, what it does, hidden assertions (the first one is also a visible test)
-FUNCTIONS: list[tuple[str, str, str, list[str]]] = [
-    ("add", "a, b", "returns a + b", ["add(2, 3) == 5", "add(-1, 1) == 0", "add(0, 0) == 0"]),
-    ("sub", "a, b", "returns a - b", ["sub(5, 3) == 2", "sub(0, 4) == -4"]),
-    ("mul", "a, b", "returns a * b", ["mul(2, 3) == 6", "mul(-2, 4) == -8"]),
+# name, parameters, what it does, hidden checks: (call, expected value as a Python literal); the
+# first one is also the visible test
+FUNCTIONS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
+    (
+        "add",
+        "a, b",
+        "returns a + b",
+        [("add(2, 3)", "5"), ("add(-1, 1)", "0"), ("add(0, 0)", "0")],
+    ),
+    (
+        "sub",
+        "a, b",
+        "returns a - b",
+        [("sub(5, 3)", "2"), ("sub(0, 4)", "-4")],
+    ),
+    (
+        "mul",
+        "a, b",
+        "returns a * b",
+        [("mul(2, 3)", "6"), ("mul(-2, 4)", "-8")],
+    ),
     (
         "clamp",
         "x, lo, hi",
         "returns x limited to the range [lo, hi]",
-        ["clamp(5, 0, 3) == 3", "clamp(-1, 0, 3) == 0", "clamp(2, 0, 3) == 2"],
+        [("clamp(5, 0, 3)", "3"), ("clamp(-1, 0, 3)", "0"), ("clamp(2, 0, 3)", "2")],
     ),
     (
         "is_prime",
         "n",
         "returns True when n is a prime number",
-        ["is_prime(7)", "not is_prime(8)", "not is_prime(1)", "is_prime(2)"],
+        [
+            ("is_prime(7)", "True"),
+            ("is_prime(8)", "False"),
+            ("is_prime(1)", "False"),
+            ("is_prime(2)", "True"),
+        ],
     ),
     (
         "fib",
         "n",
         "returns the n-th Fibonacci number, fib(0) == 0 and fib(1) == 1",
-        ["fib(0) == 0", "fib(1) == 1", "fib(10) == 55"],
+        [("fib(0)", "0"), ("fib(1)", "1"), ("fib(10)", "55")],
     ),
-    ("factorial", "n", "returns n!", ["factorial(0) == 1", "factorial(5) == 120"]),
-    ("gcd", "a, b", "returns the greatest common divisor", ["gcd(12, 18) == 6", "gcd(7, 5) == 1"]),
+    (
+        "factorial",
+        "n",
+        "returns n!",
+        [("factorial(0)", "1"), ("factorial(5)", "120")],
+    ),
+    (
+        "gcd",
+        "a, b",
+        "returns the greatest common divisor",
+        [("gcd(12, 18)", "6"), ("gcd(7, 5)", "1")],
+    ),
     (
         "reverse_words",
         "s",
         "returns the words of s in reverse order joined by single spaces",
-        ["reverse_words('a b c') == 'c b a'", "reverse_words('hi') == 'hi'"],
+        [("reverse_words('a b c')", "'c b a'"), ("reverse_words('hi')", "'hi'")],
     ),
     (
         "count_vowels",
         "s",
         "returns how many of the letters of s are vowels (aeiou, any case)",
-        ["count_vowels('hello') == 2", "count_vowels('AEIOU') == 5", "count_vowels('xyz') == 0"],
+        [("count_vowels('hello')", "2"), ("count_vowels('AEIOU')", "5"), ("count_vowels('xyz')", "0")],
     ),
     (
         "is_palindrome",
         "s",
         "returns True when s reads the same backwards, ignoring case",
-        ["is_palindrome('Level')", "not is_palindrome('abc')"],
+        [("is_palindrome('Level')", "True"), ("is_palindrome('abc')", "False")],
     ),
     (
         "flatten",
         "xs",
         "flattens one level of nesting of a list of lists",
-        ["flatten([[1, 2], [3]]) == [1, 2, 3]", "flatten([]) == []"],
+        [("flatten([[1, 2], [3]])", "[1, 2, 3]"), ("flatten([])", "[]")],
     ),
     (
         "chunk",
         "xs, n",
         "splits the list xs into consecutive lists of length n (the last may be shorter)",
-        ["chunk([1, 2, 3], 2) == [[1, 2], [3]]", "chunk([], 3) == []"],
+        [("chunk([1, 2, 3], 2)", "[[1, 2], [3]]"), ("chunk([], 3)", "[]")],
     ),
     (
         "dedupe",
         "xs",
         "removes repeated items, keeping the first of each",
-        ["dedupe([1, 2, 1, 3, 2]) == [1, 2, 3]", "dedupe([]) == []"],
+        [("dedupe([1, 2, 1, 3, 2])", "[1, 2, 3]"), ("dedupe([])", "[]")],
     ),
     (
         "mean",
         "xs",
         "returns the arithmetic mean of a non-empty list",
-        ["mean([1, 2, 3]) == 2", "mean([4]) == 4"],
+        [("mean([1, 2, 3])", "2"), ("mean([4])", "4")],
     ),
     (
         "word_count",
         "s",
         "returns a dict mapping each word of s to how often it occurs",
-        ["word_count('a b a') == {'a': 2, 'b': 1}", "word_count('') == {}"],
+        [("word_count('a b a')", "{'a': 2, 'b': 1}"), ("word_count('')", "{}")],
     ),
     (
         "caesar",
         "s, k",
         "shifts every lower-case letter of s by k places in the alphabet, wrapping around",
-        ["caesar('abc', 1) == 'bcd'", "caesar('xyz', 3) == 'abc'"],
+        [("caesar('abc', 1)", "'bcd'"), ("caesar('xyz', 3)", "'abc'")],
     ),
     (
         "to_snake",
         "s",
         "converts CamelCase to snake_case",
-        ["to_snake('HelloWorld') == 'hello_world'", "to_snake('A') == 'a'"],
+        [("to_snake('HelloWorld')", "'hello_world'"), ("to_snake('A')", "'a'")],
     ),
     (
         "running_sum",
         "xs",
         "returns the list of prefix sums of xs",
-        ["running_sum([1, 2, 3]) == [1, 3, 6]", "running_sum([]) == []"],
+        [("running_sum([1, 2, 3])", "[1, 3, 6]"), ("running_sum([])", "[]")],
     ),
     (
         "maximum",
         "xs",
         "returns the largest item of a non-empty list without using max()",
-        ["maximum([3, 9, 2]) == 9", "maximum([-5]) == -5"],
+        [("maximum([3, 9, 2])", "9"), ("maximum([-5])", "-5")],
     ),
 ]
 
@@ -132,23 +164,22 @@ def repo_mini(n: int, seed: int, size: tuple[int, int] = (2, 6)) -> list[Task]:
         lines = [
             f"Create a Python package `pkg{i}` (a directory pkg{i}/ with __init__.py) with these modules:"
         ]
-        hidden, visible, count = {}, {}, 0
+        checks, visible = [], {}
         for mod, fns in modules.items():
             lines.append(
                 f"- pkg{i}/{mod}.py: "
                 + "; ".join(f"{name}({params}) {what}" for name, params, what, _ in fns)
             )
-            # Imports inside each test: a missing function fails its tests only (partial credit).
-            tests = [
-                f"def test_{name}_{t}():\n    from pkg{i}.{mod} import {name}\n    assert {a}\n"
-                for name, _, _, asserts in fns
-                for t, a in enumerate(asserts)
+            # Checks, not pytest files: each value is compared outside the sandbox, types included.
+            checks += [
+                {"module": f"pkg{i}.{mod}", "call": call, "expect": expect}
+                for _, _, _, cases in fns
+                for call, expect in cases
             ]
-            count += len(tests)
-            hidden[f"test_{mod}.py"] = "\n\n".join(tests)
             visible[f"test_{mod}.py"] = "\n\n".join(
-                f"def test_{name}():\n    from pkg{i}.{mod} import {name}\n    assert {asserts[0]}\n"
-                for name, _, _, asserts in fns
+                f"def test_{name}():\n    from pkg{i}.{mod} import {name}\n"
+                f"    assert {_assertion(*cases[0])}\n"
+                for name, _, _, cases in fns
             )
         lines.append("Run the visible tests with run_tests, then call finish.")
         tasks.append(
@@ -156,12 +187,18 @@ def repo_mini(n: int, seed: int, size: tuple[int, int] = (2, 6)) -> list[Task]:
                 id=f"repo-mini-{seed}-{i}",
                 spec="\n".join(lines),
                 scorer="hidden-tests",
-                hidden_tests=hidden,
-                hidden_test_count=count,
+                hidden_checks=checks,
                 visible_tests=visible,
             )
         )
     return tasks
+
+
+def _assertion(call: str, expect: str) -> str:
+    """A check as a visible test's assertion."""
+    if expect in ("True", "False"):
+        return call if expect == "True" else f"not {call}"
+    return f"{call} == {expect}"
 
 
 def terminal_mini(n: int, seed: int) -> list[Task]:

@@ -7,6 +7,7 @@ One task per line::
                                                   # ("instruction" is the same, for agent CLIs)
      "seed": {"files": {"README.md": "..."}} | {"dir": "seeds/calc"}, # workspace seed (optional)
      "scorer": "hidden-tests" | "milestones" | "package.module:Class",
+     "hidden_checks": [{"module": "calc", "call": "add(2, 3)", "expect": "5"}, ...],
      "hidden_tests": {"files": {"test_calc.py": "..."}} | {"dir": "hidden/calc"},
      "hidden_test_count": 12,                                          # optional
      "visible_tests": {"files": {...}} | {"dir": ...},                 # copied into tests_visible/
@@ -14,6 +15,12 @@ One task per line::
      "setup": "git init -q && pip install -q -e .",                   # run in the workspace first
      "verifier": "pytest -q tests && echo 1",                         # the verifier scorer's check
      "timeout_s": 1800}
+
+``hidden_checks`` are what a reward the policy cannot forge needs: each call is evaluated in the
+scoring sandbox, and its value compared with ``expect`` (a Python literal) outside it, types
+included (``scoring.checks``). ``hidden_tests`` are pytest files, run in the same process as the
+code they test: they resist every generic way to forge a result (``scoring.testbench``), but not
+code written against our runner in particular. Both score with ``hidden-tests``.
 
 A task with a ``verifier`` and no ``scorer`` is scored by it (``scoring.builtin.VerifierScorer``).
 ``setup`` runs in the seeded workspace before the agent starts (an execution whose setup fails
@@ -26,6 +33,7 @@ ones, so a misspelt key never silently drops a verifier.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from collections.abc import Mapping
@@ -45,6 +53,8 @@ class Task:
     scorer: str = ""
     """Scorer name or module:Class; empty: the recipe's ``scoring.scorer``."""
     seed: dict[str, str] = field(default_factory=dict)
+    hidden_checks: list[dict[str, str]] = field(default_factory=list)
+    """Calls into the workspace's code and the values they must return (``scoring.checks``)."""
     hidden_tests: dict[str, str] = field(default_factory=dict)
     hidden_test_count: int = 0
     visible_tests: dict[str, str] = field(default_factory=dict)
@@ -73,6 +83,7 @@ class Task:
         out: dict[str, Any] = {
             "id": self.id,
             "milestones": self.milestones,
+            "hidden_checks": self.hidden_checks,
             "hidden_test_count": self.hidden_test_count,
             "verifier": self.verifier,
         }
@@ -89,7 +100,7 @@ class Task:
         for key in ("seed", "hidden_tests", "visible_tests"):
             if getattr(self, key):
                 d[key] = {"files": getattr(self, key)}
-        for key in ("hidden_test_count", "milestones", "timeout_s", "setup", "verifier"):
+        for key in ("hidden_checks", "hidden_test_count", "milestones", "timeout_s", "setup", "verifier"):
             if getattr(self, key):
                 d[key] = getattr(self, key)
         return d
@@ -102,6 +113,7 @@ def _write(path: Path, content: str) -> None:
 
 _VALID = [f.name for f in fields(Task)]
 TASK_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,95}")
+MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 def task_from_json(d: Mapping[str, Any], base: Path, where: str) -> Task:
@@ -124,10 +136,37 @@ def task_from_json(d: Mapping[str, Any], base: Path, where: str) -> Task:
     if not TASK_ID.fullmatch(d["id"]):  # it names runs and workspaces: a name, not a path
         raise GyreError(f"{where}: id {d['id']!r} is not valid: letters, digits and ._- (at most 96)")
     values = dict(d)
+    if "hidden_checks" in values:
+        values["hidden_checks"] = _checks(values["hidden_checks"], f"{where}: hidden_checks")
     for key in ("seed", "hidden_tests", "visible_tests"):
         if key in values:
             values[key] = _files(values[key], base, f"{where}: {key}")
     return Task(**values)
+
+
+def _checks(checks: Any, where: str) -> list[dict[str, str]]:
+    """A task's ``hidden_checks``, validated: one line naming what is wrong."""
+    if not isinstance(checks, list):
+        raise GyreError(f'{where} must be a list of {{"module": …, "call": …, "expect": …}}')
+    out = []
+    for i, c in enumerate(checks):
+        at = f"{where}[{i}]"
+        if not isinstance(c, dict) or set(c) != {"module", "call", "expect"}:
+            raise GyreError(f'{at} must be {{"module": "pkg.mod", "call": "f(1, 2)", "expect": "3"}}')
+        if not all(isinstance(c[k], str) for k in c):
+            raise GyreError(f"{at}: module, call and expect are strings")
+        if not MODULE.fullmatch(c["module"]):
+            raise GyreError(f"{at}: module {c['module']!r} is not a dotted module name")
+        try:
+            ast.parse(c["call"], mode="eval")
+        except SyntaxError:
+            raise GyreError(f"{at}: call {c['call']!r} is not a Python expression") from None
+        try:
+            ast.literal_eval(c["expect"])
+        except (ValueError, SyntaxError, RecursionError, MemoryError):
+            raise GyreError(f"{at}: expect {c['expect']!r} is not a Python literal") from None
+        out.append(dict(c))
+    return out
 
 
 def _files(spec: Any, base: Path, where: str) -> dict[str, str]:

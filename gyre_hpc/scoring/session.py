@@ -1,0 +1,158 @@
+"""One scorer run: pristine copies of the workspace, a fresh sandbox per command, the verdict
+over a pipe the tested code cannot reach.
+
+```
+ workspace (the policy's) ─untrusted.copy_tree─▶ scratch/work-N   (read-write; one per command)
+ hidden tests, checks, ini, canary ────────────▶ scratch/inputs   (read-only)
+ the test bench, or a command under `ready`   ─▶ a fresh sandbox in the scorer's limits group
+                                                  └─ report pipe ─▶ Bench: ready? what it said
+```
+
+The fault rule every built-in scorer follows: before the bench says ``ready`` nothing of the
+workspace has run, so a failure then (no sandbox, no interpreter, a missing pytest) is the
+scorer's: ``EvaluationError``, retried, then dropped with the reason. Once it is ready only the
+policy's code can change what happens: a crash, a hang past the time limit, a flood, a report
+that stops — all are the workspace's, and score what was earned (``WorkspaceFault`` is a 0).
+
+A command's readiness is said by ``bash`` itself before it runs the command (``READY``), and the
+report pipe is closed before the command starts: the command's exit status, which bwrap hands
+back, is the result. The test bench closes its pipe to what it starts as well.
+
+This module knows nothing of what a scorer checks: it copies, runs and listens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from gyre_hpc.sandbox import supervise, untrusted
+from gyre_hpc.sandbox.limits import Group
+from gyre_hpc.scoring.contract import EvaluationError, RunArtifacts
+
+TESTBENCH = Path(__file__).with_name("testbench.py")
+REPORT = "{report}"
+"""Where an argv names the report pipe's fd."""
+READY = 'r=$1; c=$2; shift 2; printf \'{"ready":true}\\n\' >&"$r"; exec {r}>&-; unset r; eval "$c"'
+"""A command's start: say ready on the report pipe, close it, run the command (in the same bash)."""
+QUIET = READY.replace("exec {r}>&-;", "exec {r}>&- 2>/dev/null;")
+"""The same, its standard error discarded (a verifier's reward is its standard output's last line)."""
+ENV_KEEP = ("PATH", "LANG", "LC_ALL")
+KEEP_OUTPUT = 4096
+
+
+@dataclass(frozen=True)
+class Bench:
+    """What one run in the scoring sandbox left."""
+
+    ready: bool
+    lines: list[dict]
+    """The report's JSON objects after ``ready``, in order (malformed lines skipped)."""
+    exit_code: int
+    killed: str
+    """Why it was killed ("" when it ended by itself): the time limit, the quota, its output."""
+    output: str
+    """What was kept of its stdout and stderr (for reasons)."""
+
+    def why(self) -> str:
+        if self.killed:
+            return f"killed: {self.killed}"
+        tail = self.output.strip().splitlines()[-1:] or [""]
+        return f"exit code {self.exit_code}" + (f": {tail[0][:200]}" if tail[0] else "")
+
+
+def command(line: str, stderr: bool = True) -> list[str]:
+    """The argv that runs the shell ``line`` after saying ready (its stderr discarded if not ``stderr``)."""
+    return ["bash", "-c", READY if stderr else QUIET, "gyre-ready", REPORT, line]
+
+
+def bench(mode: str, *args: str) -> list[str]:
+    """The argv of the test bench in ``mode`` (checks, pytest)."""
+    return [sys.executable, "-I", "-B", str(TESTBENCH), mode, "--report", REPORT, *args]
+
+
+class Session:
+    """A scratch directory, the scorer's limits group, and its sandbox: copies, inputs, runs."""
+
+    def __init__(self, artifacts: RunArtifacts) -> None:
+        self.artifacts = artifacts
+        self.runs = 0
+
+    def __enter__(self) -> Session:
+        self.dir = Path(tempfile.mkdtemp(prefix="gyre-score-"))
+        self.dir.chmod(0o755)  # the sandbox's uid traverses it to its copy
+        self.inputs = self.dir / "inputs"
+        self.inputs.mkdir(mode=0o755)
+        sandbox = self.artifacts.sandbox
+        self.sandbox = sandbox.showing([self.inputs, TESTBENCH]) if sandbox.confined else sandbox
+        self.group: Group = self.sandbox.groups.open(f"score-{self.artifacts.run_id}")
+        return self
+
+    def __exit__(self, kind: type | None, err: BaseException | None, tb: TracebackType | None) -> None:
+        self.group.close()
+        untrusted.remove(self.dir)
+
+    def copy(self) -> Path:
+        """A pristine copy of the workspace (bounded by the workspace's quota), for one command."""
+        self.runs += 1
+        work = self.dir / f"work-{self.runs}"
+        limits = self.sandbox.limits
+        untrusted.copy_tree(
+            self.artifacts.workspace, work, limits.workspace_entries, limits.workspace_bytes,
+            self.sandbox.owner_in(self.group),
+        )  # fmt: skip
+        return work
+
+    def input(self, rel: str, content: str) -> Path:
+        """A read-only file the sandbox is shown (checks, an ini file, a canary test)."""
+        path = self.inputs / rel
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+        path.write_text(content)
+        path.chmod(0o644)
+        return path
+
+    def run(self, work: Path, argv: list[str], timeout_s: float, **env: str) -> Bench:
+        """``argv`` in a fresh sandbox on ``work``; its report, what it printed, how it ended."""
+        base = {k: v for k, v in os.environ.items() if k in ENV_KEEP}
+        env = {**base, "HOME": str(work), "PYTHONDONTWRITEBYTECODE": "1", **env}
+        read, write = supervise.report_pipe()
+        argv = [a.replace(REPORT, str(write)) for a in argv]
+        try:
+            launch = self.sandbox.launch(work, argv, env, group=self.group, cpu_s=int(timeout_s) + 1)
+            limits = self.sandbox.limits
+            done = supervise.run(
+                launch.argv, launch.popen(), group=self.group, timeout_s=timeout_s,
+                keep_bytes=KEEP_OUTPUT, report=(read, write),
+                quota=supervise.Quota(work, limits.workspace_entries, limits.workspace_bytes),
+            )  # fmt: skip
+        except OSError as err:
+            raise EvaluationError(f"the scorer's sandbox did not start: {err.strerror or err}") from None
+        finally:
+            self.group.kill()  # what it left running goes before the next command
+        lines = _lines(done.report)
+        ready = bool(lines) and lines[0].get("ready") is True
+        return Bench(ready, lines[1:] if ready else [], done.exit_code, done.killed,
+                     done.output.decode(errors="replace"))  # fmt: skip
+
+    def ready(self, b: Bench) -> Bench:
+        """``b`` if the bench got as far as ready, else the scorer's failure (retried)."""
+        if not b.ready:
+            raise EvaluationError(f"the scorer's sandbox did not get ready ({b.why()})")
+        return b
+
+
+def _lines(report: bytes) -> list[dict]:
+    out = []
+    for raw in report.splitlines():
+        try:
+            obj = json.loads(raw)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(obj, dict):
+            out.append(obj)
+    return out

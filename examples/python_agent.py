@@ -9,11 +9,14 @@ run and role a call belongs to); every call through it is recorded token-exactly
 Use ``ctx.clients["main-summary"]`` for a call that compacts the context, and the ``sub-agent``
 clients for sub-agents. The function returns a short summary; raising marks the execution
 crashed; the time limit (``ctx.timeout_s``) cancels it and it is partially scored.
+
+The model's commands run through ``ctx.shell``, never a subprocess of our own: the agent runs in
+the runtime's process, and ``ctx.shell`` runs a command as the built-in ``run_shell`` tool does —
+in the execution's sandbox, within its limits, its output streamed and cut.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 TOOLS = [
@@ -48,16 +51,17 @@ async def agent(ctx) -> str:  # noqa: ANN001 - a gyre_hpc.agents.external.AgentC
             messages.append({"role": "user", "content": "Use run_shell, or say DONE."})
             continue
         for call in msg.tool_calls:
-            try:
-                command = json.loads(call.function.arguments)["command"]
-                proc = await asyncio.create_subprocess_shell(
-                    command,
-                    cwd=ctx.workspace,
-                    stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.STDOUT,
-                )
-                out = (await asyncio.wait_for(proc.communicate(), 10))[0].decode(errors="replace")[-2000:]
-            except (ValueError, KeyError, TypeError, TimeoutError) as err:
-                out = f"error: {err}"
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": out})
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": await run_tool(ctx, call)})
     return "turns spent"
+
+
+async def run_tool(ctx, call) -> str:  # noqa: ANN001 - an AgentContext and the model's tool call
+    """The model's ``run_shell`` call, run where the runtime runs the model's commands."""
+    try:
+        command = json.loads(call.function.arguments)["command"]
+    except (ValueError, KeyError, TypeError) as err:
+        return f"error: {err}"
+    if not isinstance(command, str):
+        return "error: command must be a string"
+    result = await ctx.shell(command, timeout_s=10)
+    return f"exit code {result.exit_code}\n{result.output[-2000:]}"

@@ -373,3 +373,167 @@ def test_the_proxy_still_serves_after_the_fuzzing(fuzz_stack) -> None:  # noqa: 
             return status
 
     assert asyncio.run_coroutine_threadsafe(go(), loop).result(60) == 200
+
+
+# ---- every API shape, hostile ------------------------------------------------------------------
+
+DEEP = b"[" * 10_000 + b"]" * 10_000
+DEEP_ARGS = json.dumps({"a": 1}).replace("1", "[" * 10_000 + "]" * 10_000)
+RESPONSES, MESSAGES = "/v1/responses", "/v1/messages"
+HOSTILE: list[tuple[str, Any, int]] = [
+    # (endpoint, body, status): unauthenticated first, then bodies no parser should choke on
+    (RESPONSES, {}, 401),
+    (MESSAGES, {}, 401),
+    ("/v1/chat/completions", DEEP, 400),
+    (RESPONSES, DEEP, 400),
+    (MESSAGES, DEEP, 400),
+    (MESSAGES, {"max_tokens": 4, "messages": [{"role": "user"}]}, 400),  # a turn without content
+    (MESSAGES, {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, 400),
+    (
+        MESSAGES,
+        {"max_tokens": 4, "system": [{"type": "text"}], "messages": [{"role": "user", "content": "x"}]},
+        400,
+    ),
+    (
+        MESSAGES,
+        {"max_tokens": 4, "messages": [{"role": "assistant", "content": [{"type": "tool_use"}]}]},
+        400,
+    ),
+    (RESPONSES, {"input": [{"type": "function_call"}]}, 400),
+    (RESPONSES, {"input": [{"type": "web_search_call"}]}, 400),
+    (RESPONSES, {"input": "x", "instructions": {"a": 1}}, 400),
+    (RESPONSES, {"input": "x", "tools": [{"type": "function"}]}, 400),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {"name": "f", "parameters": json.loads("{" + '"a":{' * 80 + "}" * 81)},
+                }
+            ],
+        },
+        400,
+    ),  # fmt: skip
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "x" * 5000: 1}, 400),
+]
+
+
+def test_hostile_bodies_of_every_api_shape_get_a_4xx_and_authentication_comes_first(
+    tiny: Path, tmp_path: Path
+) -> None:
+    async def go() -> list[tuple[int, str]]:
+        async with Stack(tiny, tmp_path) as stack, aiohttp.ClientSession() as session:
+            out = []
+            for path, body, expected in HOSTILE:
+                key = None if expected == 401 else stack.key("hostile")
+                raw = body if isinstance(body, bytes) else None
+                status, text, _ = await post(session, stack.url + path, key, body, raw)
+                out.append((status, text))
+            # A tool call's arguments nested past any parser are only text: served, not a 5xx.
+            call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP_ARGS}}
+            body = {"max_tokens": 2, "messages": [
+                {"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}  # fmt: skip
+            status, text, _ = await post(
+                session, stack.url + "/v1/chat/completions", stack.key("hostile"), body
+            )
+            out.append((status, text))
+            return out
+
+    results = asyncio.run(go())
+    for (path, body, expected), (status, text) in zip(HOSTILE, results, strict=False):
+        assert status == expected, (path, str(body)[:100], status, text)
+        assert "\n" not in json.loads(text)["error"]["message"]
+    assert results[-1][0] == 200, results[-1]
+
+
+def test_a_ten_megabyte_field_is_refused_at_once_and_other_clients_go_on(tiny: Path, tmp_path: Path) -> None:
+    """10 MB in a tool description, a function call's arguments, instructions or a system block
+    (past the message-content pre-check they once slipped by) is refused in under a second, and a
+    normal call made meanwhile is served as fast as without it."""
+    huge = "word " * (2 << 20)
+    hi = [{"role": "user", "content": "hi"}]
+    attacks = [
+        ("/v1/chat/completions",
+         {**GOOD, "tools": [{"type": "function", "function": {"name": "f", "description": huge}}]}),
+        (RESPONSES, {"input": [{"type": "function_call", "name": "f", "call_id": "c", "arguments": huge}],
+                     "max_output_tokens": 4}),
+        (RESPONSES, {"input": "hi", "instructions": huge, "max_output_tokens": 4}),
+        (MESSAGES, {"max_tokens": 4, "system": [{"type": "text", "text": huge}], "messages": hi}),
+        (MESSAGES, {"max_tokens": 4, "messages": hi, "tools": [{"name": "f", "description": huge}]}),
+    ]  # fmt: skip
+
+    async def go() -> tuple[list[float], list[tuple[int, float]], list[float]]:
+        async with Stack(tiny, tmp_path) as stack, aiohttp.ClientSession() as session:
+            chat, key = stack.url + "/v1/chat/completions", stack.key("normal")
+            alone = [(await post(session, chat, key, GOOD))[2] for _ in range(3)]
+            hostile = [post(session, stack.url + path, stack.key("big"), body) for path, body in attacks]
+            normal = [post(session, chat, key, GOOD) for _ in range(3)]
+            done = await asyncio.gather(*hostile, *normal)
+            refused = [(status, seconds) for status, _, seconds in done[: len(attacks)]]
+            during = [seconds for status, _, seconds in done[len(attacks) :] if status == 200]
+            return alone, refused, during
+
+    alone, refused, during = asyncio.run(go())
+    assert [s for s, _ in refused] == [400] * len(attacks)
+    assert max(t for _, t in refused) < 1.0, refused
+    assert len(during) == 3 and max(during) < max(alone) + 1.0, (alone, during)
+
+
+TEXT_OR_JUNK = st.one_of(st.text(max_size=12), JSON)
+RESPONSES_ITEM = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer", "assistant", "x"])},
+                          optional={"content": st.one_of(TEXT_OR_JUNK, st.lists(st.fixed_dictionaries(
+                              {"type": st.sampled_from(["input_text", "output_text", "text", "x"])},
+                              optional={"text": TEXT_OR_JUNK}), max_size=3))}),
+    st.fixed_dictionaries(
+        {"type": st.just("function_call")},
+        optional={"name": TEXT_OR_JUNK, "call_id": TEXT_OR_JUNK, "arguments": TEXT_OR_JUNK},
+    ),
+    st.fixed_dictionaries({"type": st.just("function_call_output")},
+                          optional={"call_id": TEXT_OR_JUNK, "output": TEXT_OR_JUNK}),
+    st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "web_search_call", "x"])}),
+    JSON,
+)  # fmt: skip
+RESPONSES_BODY = st.fixed_dictionaries(
+    {"input": st.one_of(st.text(max_size=12), st.lists(RESPONSES_ITEM, max_size=4), JSON)},
+    optional={"instructions": TEXT_OR_JUNK, "tools": JSON, "temperature": JSON, "top_p": JSON,
+              "stream": st.one_of(st.booleans(), JSON), "previous_response_id": JSON,
+              "max_output_tokens": st.one_of(st.integers(-2, 2), JSON)},
+)  # fmt: skip
+BLOCK = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text")}, optional={"text": TEXT_OR_JUNK}),
+    st.fixed_dictionaries({"type": st.just("tool_use")},
+                          optional={"id": TEXT_OR_JUNK, "name": TEXT_OR_JUNK, "input": JSON}),
+    st.fixed_dictionaries({"type": st.just("tool_result")},
+                          optional={"tool_use_id": TEXT_OR_JUNK, "content": JSON}),
+    st.fixed_dictionaries({"type": st.sampled_from(["image", "document", "thinking", "x"])}),
+    JSON,
+)  # fmt: skip
+MESSAGES_BODY = st.fixed_dictionaries(
+    {"messages": st.one_of(st.lists(st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant", "system", "x"])},
+        optional={"content": st.one_of(st.text(max_size=12), st.lists(BLOCK, max_size=3), JSON)}),
+        max_size=3), JSON)},
+    optional={"system": st.one_of(st.text(max_size=12), st.lists(BLOCK, max_size=2), JSON),
+              "max_tokens": st.one_of(st.integers(-2, 2), JSON), "tools": JSON,
+              "stop_sequences": JSON, "temperature": JSON, "stream": st.one_of(st.booleans(), JSON)},
+)  # fmt: skip
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shape=st.sampled_from([RESPONSES, MESSAGES]), data=st.data())
+def test_no_generated_responses_or_messages_body_gets_a_5xx(
+    fuzz_stack, shape: str, data: st.DataObject
+) -> None:  # noqa: ANN001
+    stack, loop = fuzz_stack
+    body = data.draw(RESPONSES_BODY if shape == RESPONSES else MESSAGES_BODY)
+
+    async def go() -> tuple[int, str, float]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            return await post(session, stack.url + shape, stack.key("fuzz"), body)
+
+    status, text, seconds = asyncio.run_coroutine_threadsafe(go(), loop).result(60)
+    assert status in (200, 400), (shape, body, status, text)

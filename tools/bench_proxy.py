@@ -218,6 +218,13 @@ BAD_BODIES: dict[str, list[object]] = {
         {"messages": [{"role": "user", "content": "x"}], "seed": "x"},
     ],
     "far beyond the context (3 MB)": [{"messages": [{"role": "user", "content": "word " * 600_000}]}],
+    "a 10 MB tool description": [
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "f", "description": "word " * (2 << 20)}}],
+        }
+    ],
+    "nested 10,000 deep": [b"[" * 10_000 + b"]" * 10_000],
 }
 
 

@@ -66,6 +66,8 @@ async def read_json_object(request: web.Request) -> dict[str, Any]:
         body = await request.json()
     except ValueError as err:  # not JSON, or not UTF-8
         raise BadRequest(f"request body is not JSON: {err}") from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     return body

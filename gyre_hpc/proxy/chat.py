@@ -38,7 +38,7 @@ def parse_reply(text: str, call_prefix: str) -> tuple[str, list[dict[str, Any]]]
             name, args = obj["name"], obj.get("arguments", {})
             if not isinstance(name, str):
                 raise TypeError
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (json.JSONDecodeError, KeyError, TypeError, RecursionError):
             continue
         kept.append(text[last : m.start()])
         last = m.end()
@@ -72,7 +72,7 @@ def message_key(m: Mapping[str, Any]) -> str:
 def _canonical_args(a: Any) -> Any:
     try:
         return json.loads(a) if isinstance(a, str) else a
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # not JSON, or nested past the parser
         return a
 
 

@@ -42,6 +42,8 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
         where = f"messages[{i}]"
         if not isinstance(turn, dict) or turn.get("role") not in ("user", "assistant"):
             raise BadChat(f"{where} needs a role of user, assistant")
+        if "content" not in turn:
+            raise BadChat(f"{where} needs content (a string or a list of content blocks)")
         messages += (
             _assistant(turn["content"], where)
             if turn["role"] == "assistant"

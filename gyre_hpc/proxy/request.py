@@ -21,6 +21,10 @@ from typing import Any
 from gyre_hpc.engines.sampling import BadRequest, SamplingParams
 
 ROLES = ("system", "user", "assistant", "tool")
+MAX_DEPTH = 64
+"""JSON nested deeper than this is refused (tool schemas need a handful of levels)."""
+MAX_KEY = 1024
+"""The longest object key accepted, in characters."""
 
 
 class BadChat(BadRequest):
@@ -39,6 +43,36 @@ class ChatRequest:
     @property
     def max_new_tokens(self) -> int:
         return SamplingParams.from_request(self.params).max_new_tokens
+
+
+def bounded(body: Any, max_chars: int, context: int) -> int:
+    """The characters of text in ``body`` (every string value), checked before anything reads it
+    further: nesting at most ``MAX_DEPTH`` deep, keys at most ``MAX_KEY`` characters, and no more
+    text than a prompt that fits the model's ``context`` could hold (``max_chars``) — whichever field it is in
+    (message content, tool descriptions and schemas, tool-call arguments, instructions, system
+    blocks). Iterative: no body can make it recurse."""
+    chars, stack = 0, [(body, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, str):
+            chars += len(node)
+            if chars > max_chars:
+                raise BadChat(
+                    f"the request holds more than {max_chars:,} characters of text (whatever the field): "
+                    f"more than a prompt that fits the model's context of {context} tokens can"
+                )
+            continue
+        if not isinstance(node, dict | list):
+            continue
+        if depth > MAX_DEPTH:
+            raise BadChat(f"the request is nested deeper than {MAX_DEPTH} levels")
+        if isinstance(node, dict):
+            if long := next((k for k in node if len(k) > MAX_KEY), None):
+                raise BadChat(f"an object key of {len(long):,} characters (at most {MAX_KEY})")
+            stack.extend((v, depth + 1) for v in node.values())
+        else:
+            stack.extend((v, depth + 1) for v in node)
+    return chars
 
 
 def chat_request(body: dict[str, Any]) -> ChatRequest:

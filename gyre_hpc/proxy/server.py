@@ -10,12 +10,14 @@ endpoint.
    ◀── assistant message with tool_calls parsed from the model's <tool_call> blocks
 ```
 
-``POST /v1/generate`` is the same for harnesses that work in token ids. Errors are JSON in the
-OpenAI error shape with a one-line reason: 400 a request that does not fit the API
-(``proxy.request``), a prompt that does not fit the model's context, or one an engine refused;
-401 unknown key; 413 body over the limit; 503 no engine in time. A client's input never makes a
-5xx. Each served chat call is also noted in the run directory's chat index, so a restarted proxy
-still extends a running conversation's exact ids.
+``POST /v1/generate`` is the same for harnesses that work in token ids. Every endpoint checks
+the key before it reads the body, and bounds the body (nesting, key length, the text any field
+holds) before anything else reads it (``request.bounded``). Errors are JSON in the OpenAI error
+shape with a one-line reason: 400 a request that does not fit the API (``proxy.request``), a
+prompt that does not fit the model's context, or one an engine refused; 401 unknown key; 413
+body over the limit; 503 no engine in time. A client's input never makes a 5xx. Each served
+chat call is also noted in the run directory's chat index, so a restarted proxy still extends a
+running conversation's exact ids.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from gyre_hpc.proxy import messages as anthropic_messages
 from gyre_hpc.proxy import responses as openai_responses
 from gyre_hpc.proxy.chat import RunChats, parse_reply
 from gyre_hpc.proxy.keys import KeyRing
-from gyre_hpc.proxy.request import BadChat, chat_request, token_request
+from gyre_hpc.proxy.request import BadChat, bounded, chat_request, token_request
 from gyre_hpc.proxy.router import EngineSlot, NoEngine, Router
 from gyre_hpc.proxy.tito_log import TitoLog
 from gyre_hpc.recipe.schema import ProxyConfig
@@ -69,6 +71,8 @@ class Proxy:
         self.model_name = Path(model_dir).name
         model = Qwen3Config.load(model_dir)  # the engines serve this model
         self.context, self.vocab_size = model.max_position_embeddings, model.vocab_size
+        self.max_chars = self.context * self.tokenizer.max_token_chars
+        """The most text a prompt that fits the context can hold: any more is refused unread."""
         files = RunDir(self.run_dir)
         self.keys = KeyRing.load(files.proxy_secret)
         self.tito = TitoLog(files.tito_log)
@@ -207,16 +211,53 @@ class ChatReply:
     model: str
 
 
-async def serve_chat(request: web.Request, body: dict[str, Any]) -> ChatReply:
-    """A chat-completions body (what every API shape is mapped onto), served exactly: the
-    run's recorded ids reused, only new text tokenised, the call durable before the reply."""
+@dataclass(frozen=True)
+class Body:
+    """A request's JSON body, from a client that proved who it is, checked for shape and size."""
+
+    who: tuple[str, str]
+    """(run, role), from its key."""
+    json: dict[str, Any]
+    chars: int
+    """Characters of text in it (``request.bounded``)."""
+    entered: float
+
+
+async def read_body(request: web.Request) -> Body:
+    """Authenticate, then parse: a client without a key learns nothing of what a body may hold
+    (401 whatever it sent). The body is then bounded before anything else reads it; a large one is
+    parsed off the event loop, so other runs' calls go on meanwhile."""
     entered = time.perf_counter()
     proxy: Proxy = request.app[PROXY]  # type: ignore[assignment]
-    run_id, role = proxy.authorize(request)
+    who = proxy.authorize(request)
+    if (request.content_length or 0) > LARGE_BODY:
+        raw = await request.read()
+        body, chars = await asyncio.to_thread(_parse, raw, proxy.max_chars, proxy.context)
+    else:
+        body = await read_json_object(request)
+        chars = bounded(body, proxy.max_chars, proxy.context)
+    return Body(who, body, chars, entered)
+
+
+def _parse(raw: bytes, max_chars: int, context: int) -> tuple[dict[str, Any], int]:
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as err:
+        raise BadRequest(f"request body is not JSON (or nested too deeply): {str(err)[:200]}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body, bounded(body, max_chars, context)
+
+
+async def serve_chat(request: web.Request, b: Body, body: dict[str, Any]) -> ChatReply:
+    """A chat-completions ``body`` (what every API shape is mapped onto), served exactly: the
+    run's recorded ids reused, only new text tokenised, the call durable before the reply."""
+    entered = b.entered
+    proxy: Proxy = request.app[PROXY]  # type: ignore[assignment]
+    run_id, role = b.who
     req = chat_request(body)
     # Far too long is refused before tokenising: no token is longer than max_token_chars.
-    chars = sum(len(m["content"]) for m in req.messages)
-    proxy.check_context(chars // proxy.tokenizer.max_token_chars, req.max_new_tokens, at_least=True)
+    proxy.check_context(b.chars // proxy.tokenizer.max_token_chars, req.max_new_tokens, at_least=True)
     chats = proxy.chats(run_id)
     if (request.content_length or 0) > LARGE_BODY:
         input_ids = await asyncio.to_thread(chats.input_ids, req.messages, req.tools)
@@ -246,7 +287,8 @@ async def serve_chat(request: web.Request, body: dict[str, Any]) -> ChatReply:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    r = await serve_chat(request, await read_json_object(request))
+    b = await read_body(request)
+    r = await serve_chat(request, b, b.json)
     message = {**r.message, "content": r.message["content"] or (None if "tool_calls" in r.message else "")}
     cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     if not r.stream:
@@ -269,7 +311,8 @@ def mapped_api(shape: ModuleType) -> Callable[[web.Request], Awaitable[web.Strea
     Messages, ``/v1/messages``) or ``proxy.responses`` (OpenAI Responses, ``/v1/responses``)."""
 
     async def handler(request: web.Request) -> web.StreamResponse:
-        r = await serve_chat(request, shape.to_chat(await read_json_object(request)))
+        b = await read_body(request)
+        r = await serve_chat(request, b, shape.to_chat(b.json))
         reply = shape.from_chat(r.message, r.finish, r.usage, r.model)
         if not r.stream:
             return web.json_response(reply, headers=r.headers)
@@ -322,8 +365,9 @@ async def _stream(
 
 async def generate_tokens(request: web.Request) -> web.Response:
     proxy: Proxy = request.app[PROXY]  # type: ignore[assignment]
-    run_id, role = proxy.authorize(request)
-    ids, params = token_request(await read_json_object(request), proxy.vocab_size)
+    b = await read_body(request)
+    run_id, role = b.who
+    ids, params = token_request(b.json, proxy.vocab_size)
     proxy.check_context(len(ids), SamplingParams.from_request(params).max_new_tokens)
     call_id = proxy.next_call_id(run_id)
     record, index, cached, _ = await proxy.call(run_id, role, call_id, ids, params)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up gyre-hpc on Debian 12, idempotently: system packages (Open MPI, Slurm, munge, PMIx,
 # MariaDB for Slurm accounting, bubblewrap for the executions' sandbox), a virtual environment
-# in .venv, and the package in it.
+# in .venv (or $GYRE_VENV), and the package in it — with pytest, which the hidden-tests scorer
+# runs in this environment.
 #
 #   bash tools/setup.sh           # what `gyre-hpc run` and `gyre-hpc submit` need
 #   bash tools/setup.sh --test    # also the test tools (pytest, hypothesis, ruff) and megatron-core
@@ -33,7 +34,8 @@ if [ "${#missing[@]}" -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-[ -x .venv/bin/python ] || python3 -m venv .venv
+venv=${GYRE_VENV:-.venv}
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 # torch first and pinned: a bare `torch` requirement resolved fresh pulls a multi-GB CUDA build.
 # The package itself only asks for a range, so clusters keep their own CUDA torch.
 pip_install() {  # pip_install VENV ARGS...
@@ -41,10 +43,10 @@ pip_install() {  # pip_install VENV ARGS...
   "$venv/bin/python" -m pip install -q --disable-pip-version-check "$@" >"$venv/pip.log" 2>&1 \
     || { cat "$venv/pip.log" >&2; echo "setup: pip install $* (in $venv) failed" >&2; exit 1; }
 }
-pip_install .venv torch==2.13.0
-pip_install .venv -e ".$extras"
-.venv/bin/python -c "import gyre_hpc, mpi4py, torch" || { echo "setup: the install failed" >&2; exit 1; }
-echo "setup: ready ($(.venv/bin/gyre-hpc --version), torch $(.venv/bin/python -c 'import torch; print(torch.__version__)'))"
+pip_install "$venv" torch==2.13.0
+pip_install "$venv" -e ".$extras"
+"$venv/bin/python" -c "import gyre_hpc, mpi4py, torch, pytest" || { echo "setup: the install failed" >&2; exit 1; }
+echo "setup: ready ($("$venv/bin/gyre-hpc" --version), torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)'))"
 
 if [ -n "$sglang" ]; then
   # SGLang pins a CUDA torch and CUDA-only kernels: take its requirements without those

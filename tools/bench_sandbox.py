@@ -3,10 +3,11 @@
 
 Commands: ``N`` trivial commands (``true``) run exactly as a ``run_shell`` tool call runs them
 (``Workspace.run``: the execution's limits group, its output streamed, the workspace's quota
-watched, scrubbed environment), unconfined and in the bwrap sandbox (with its seccomp filter), interleaved so that every row sees the same machine. They are started from a
-process as large as the runtime's controller (``--resident-mb``; the smoke run's rank 0 holds
-about 430 MB), since that is what a tool call's spawn starts from. The floor is a bare spawn of
-``bash`` from that process; one more row sets the limits the way tool calls once did, in
+watched, scrubbed environment), unconfined and in the bwrap sandbox (with its seccomp filter),
+interleaved so that every row sees the same machine. They are started from a process as large
+as the runtime's controller (``--resident-mb``; the smoke run's rank 0 holds about 430 MB),
+since that is what a tool call's spawn starts from. The floor is a bare spawn of ``bash`` from
+that process; one more row, measured apart, sets the limits the way tool calls once did, in
 Python between fork and exec (``preexec_fn``), which forks the whole process instead of
 vfork-ing it. The difference between the two tool-call rows is the sandbox's namespaces and
 mounts.
@@ -16,9 +17,14 @@ Calls: ``M`` sequential HTTP requests to a loopback server, direct and through t
 sandboxed harness reaches the proxy. Both ends of the relay run here, outside a sandbox: the
 hop is what is measured.
 
-    python tools/bench_sandbox.py [--commands 100] [--calls 200] [--resident-mb 430]
+    python tools/bench_sandbox.py [--commands 100] [--calls 200] [--resident-mb 430] [--attacks]
 
 Goal: ≤ 20 ms per command.
+
+``--attacks`` also runs what one execution could do to the host, each as a ``run_shell`` call in
+a sandboxed execution with its own limits group (the defaults but a 256 MiB workspace quota):
+a fork bomb, four processes of 1.5 GiB, a 2 GB print and a disk flood; it prints how each ended,
+in what time, and how much this process (the runtime) grew meanwhile.
 """
 
 from __future__ import annotations
@@ -114,6 +120,43 @@ async def calls(m: int) -> dict[str, list[float]]:
     return times
 
 
+ATTACKS = {
+    "fork bomb": ("bomb() { bomb | bomb & }; bomb; sleep 30", 5),
+    "4 × 1.5 GiB": ("for i in 1 2 3 4; do python3 -c 'import time; b = b\"x\" * (1536 << 20); "
+                    "time.sleep(3)' & done; wait", 60),
+    "2 GB printed": ("head -c 2000000000 /dev/zero | tr '\\0' x", 120),
+    "disk flood (12 × 64 MiB)": ("for i in $(seq 12); do head -c 64M /dev/zero > f$i; done", 60),
+}  # fmt: skip
+
+
+def attacks() -> Table:
+    config = AgentConfig(sandbox="bwrap", workspace_mb=256, memory_mb=2048, command_output_mb=4096)
+    box = Sandbox.from_config(config, (), print)
+    table = Table(title=f"one execution against the host (limits: {box.groups.kind})")
+    for col in ("attack", "how it ended", "seconds", "runtime grew MB", "limit events", "workspace MB"):
+        table.add_column(col, justify="left" if col in ("attack", "how it ended") else "right")
+    for name, (line, timeout) in ATTACKS.items():
+        with tempfile.TemporaryDirectory(prefix="gyre-attack-") as tmp, box.group("attack") as group:
+            Path(tmp).chmod(0o755)
+            box.prepare(Path(tmp), group)
+            Path("/proc/self/clear_refs").write_text("5\n")  # the peak, down to what is resident now
+            before = _peak_mb()
+            started = time.perf_counter()
+            result = Workspace(Path(tmp), box, group=group).run(line, timeout)
+            seconds = time.perf_counter() - started
+            grew = _peak_mb() - before
+            how = f"killed: {result.killed}" if result.killed else f"exit code {result.exit_code}"
+            events = ", ".join(f"{k} {v}" for k, v in group.events().items() if v) or "-"
+            held = sum(f.stat().st_size for f in Path(tmp).iterdir() if f.is_file()) / 2**20
+            table.add_row(name, how[:90], f"{seconds:.1f}", f"{grew:.0f}", events, f"{held:.0f}")
+    return table
+
+
+def _peak_mb() -> float:
+    status = Path("/proc/self/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmHWM")).split()[1]) / 1024
+
+
 def row(times: list[float]) -> list[str]:
     ms = sorted(t * 1e3 for t in times)
     p99 = ms[int(0.99 * (len(ms) - 1))]
@@ -125,8 +168,12 @@ def main() -> None:
     parser.add_argument("--commands", type=int, default=100)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--resident-mb", type=int, default=430, help="the spawning process's size")
+    parser.add_argument("--attacks", action="store_true", help="also: what one execution does to the host")
     args = parser.parse_args()
-    console = Console()
+    console = Console(width=150)
+    if args.attacks:
+        with console.status("attacks …"):
+            console.print(attacks())
     with console.status("commands …"):
         cmd = commands(args.commands, args.resident_mb)
     with console.status("calls …"):

@@ -94,7 +94,7 @@ def as_pytest(task: Task) -> Task:
         return task
     tests = {
         "test_hidden.py": "".join(
-            f"def test_{i}():\n    from {m} import *\n    assert {call} == {expect}\n\n"
+            f"def test_{i}():\n    from {m} import {call.split('(')[0]}\n    assert {call} == {expect}\n\n"
             for i, (m, call, expect) in enumerate(cases)
         )
     }
@@ -129,7 +129,7 @@ def main() -> None:
         root = Path(tmp)
         for i in range(args.n):
             for name, (task, solve) in cases().items():
-                ws = root / f"{i}-{name.split()[0]}-{task.id}"
+                ws = root / f"{i}-{''.join(c if c.isalnum() else '-' for c in name)}"
                 task.materialize(ws)
                 solve(task, ws)
                 box.prepare(ws)

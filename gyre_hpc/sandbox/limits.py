@@ -28,7 +28,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,7 +67,8 @@ class Group:
     uid: int | None = None
     """Its own uid (the uid mode), else None: the sandbox's."""
     v2: bool = False
-    _release: object = None
+    release: Callable[[], None] | None = field(default=None, repr=False)
+    """What ``close`` hands back (the uid mode's slot)."""
 
     @property
     def procs(self) -> list[str]:
@@ -162,8 +163,8 @@ class Group:
                 except OSError:  # processes still leaving it
                     self.kill()
                     time.sleep(0.01)
-        if callable(self._release):
-            self._release()
+        if self.release is not None:
+            self.release()
 
 
 def _pids_of_uid(uid: int) -> list[int]:
@@ -202,9 +203,7 @@ class Groups:
             with self._lock:
                 slot = next(i for i in range(len(self._slots) + 1) if i not in self._slots)
                 self._slots.add(slot)
-            g = Group(name, self.limits, uid=UID_BASE + slot)
-            g._release = lambda: self._free(slot)
-            return g
+            return Group(name, self.limits, uid=UID_BASE + slot, release=lambda: self._free(slot))
         if self.kind == "none":
             return Group(name, self.limits)
         with self._lock:

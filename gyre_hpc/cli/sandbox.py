@@ -20,6 +20,7 @@ from rich.console import Console
 
 from gyre_hpc.agents.dispatch import setup
 from gyre_hpc.agents.workspace import Workspace
+from gyre_hpc.cli.recipe import SetOption
 from gyre_hpc.errors import GyreError
 from gyre_hpc.recipe import Recipe, load_recipe
 from gyre_hpc.rundir import RunDir
@@ -29,6 +30,9 @@ from gyre_hpc.tasks.suites import HELDOUT_OFFSET, SUITES, load_suite
 from gyre_hpc.tasks.task import Task
 
 app = typer.Typer(help="Run commands as an execution's tool calls run them.", no_args_is_help=True)
+RecipeOption = Annotated[
+    Path | None, typer.Option("--recipe", help="Recipe; default: the run's, if the workspace is in one.")
+]
 SEARCH = 1024
 """Tasks of a built-in suite searched for ``--task`` (per split)."""
 
@@ -42,13 +46,8 @@ def exec(  # noqa: A001 - the verb users type
     task: Annotated[
         str | None, typer.Option("--task", help="Seed an empty workspace with this task (id in tasks.suite).")
     ] = None,
-    recipe: Annotated[
-        Path | None, typer.Option("--recipe", help="Recipe; default: the run's, if the workspace is in one.")
-    ] = None,
-    set_: Annotated[
-        list[str] | None,
-        typer.Option("--set", "-s", metavar="SECTION.KEY=VALUE", help="Override a recipe key."),
-    ] = None,
+    recipe: RecipeOption = None,
+    set_: SetOption = None,
 ) -> None:
     """Run `-- COMMAND …` in the workspace's sandbox (`agent.sandbox`) with the agent's limits;
     print its output and exit with its exit code.
@@ -85,13 +84,8 @@ def score(
     task: Annotated[
         str, typer.Option("--task", help="The task it is for (an id in tasks.suite).", show_default=False)
     ],
-    recipe: Annotated[
-        Path | None, typer.Option("--recipe", help="Recipe; default: the run's, if the workspace is in one.")
-    ] = None,
-    set_: Annotated[
-        list[str] | None,
-        typer.Option("--set", "-s", metavar="SECTION.KEY=VALUE", help="Override a recipe key."),
-    ] = None,
+    recipe: RecipeOption = None,
+    set_: SetOption = None,
 ) -> None:
     """Score a workspace as the run scores an execution that finished in it (its task's scorer,
     in the scoring sandbox, on a copy); print the kind, the reward and why.

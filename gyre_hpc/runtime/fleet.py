@@ -28,7 +28,7 @@ from typing import Protocol
 
 from gyre_hpc.layout import Layout
 from gyre_hpc.observability import events as ev
-from gyre_hpc.recipe.schema import CellsConfig
+from gyre_hpc.recipe.schema import CellsConfig, EngineConfig
 from gyre_hpc.runtime.protocol import (
     POLL_INTERVAL_S,
     ApplyStep,
@@ -55,6 +55,14 @@ from gyre_hpc.transport.base import Transport
 
 class CellLost(RuntimeError):
     """A cell stopped reporting."""
+
+
+def reply_timeout_s(cells: CellsConfig, engine: EngineConfig) -> float:
+    """How long a cell may take to answer a switch or a load. A cell whose SGLang server died
+    defers both until the server is back, heartbeating meanwhile, so its answer may take a whole
+    server start; a cell that falls silent is lost after ``heartbeat_timeout_s`` all the same."""
+    restart = engine.start_timeout_s if engine.backend == "sglang" else 0.0
+    return cells.heartbeat_timeout_s + restart
 
 
 class Fleet(Protocol):
@@ -113,9 +121,11 @@ class MpiFleet:
         transport: Transport,
         events: ev.EventLog,
         version: int = 0,
+        reply_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.comm, self.layout, self.config = comm, layout, cells
+        self.reply_s = cells.heartbeat_timeout_s if reply_s is None else reply_s  # see reply_timeout_s
         self.transport, self.events, self.version, self.clock = transport, events, version, clock
         self.channel = Channel(comm)
         self.cells = layout.cells
@@ -197,7 +207,7 @@ class MpiFleet:
         while pending:
             msg = self._await(
                 lambda m: isinstance(m, RoleSwitched) and pending.get(m.cell) == m.seq,
-                self.config.heartbeat_timeout_s,
+                self.reply_s,
                 f"RoleSwitched from cells {sorted(pending)}",
             )
             assert isinstance(msg, RoleSwitched)
@@ -219,7 +229,7 @@ class MpiFleet:
         while pending:
             msg = self._await(
                 lambda m: isinstance(m, WeightsLoaded) and m.version == version and m.cell in pending,
-                self.config.heartbeat_timeout_s,
+                self.reply_s,
                 f"WeightsLoaded from {sorted(pending)}",
             )
             assert isinstance(msg, WeightsLoaded)

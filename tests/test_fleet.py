@@ -1,0 +1,88 @@
+"""The controller's side of the control protocol (``runtime.fleet.MpiFleet``) against a scripted
+cell on a scripted clock: how long it waits for an answer, and when it declares a cell lost.
+
+The channel is faked at its two methods (``send``, ``poll``); everything above them is the real
+fleet. Each poll advances the clock by one second.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from gyre_hpc.layout import Layout
+from gyre_hpc.observability import events as ev
+from gyre_hpc.recipe.schema import CellsConfig, EngineConfig
+from gyre_hpc.runtime.fleet import CellLost, MpiFleet, reply_timeout_s
+from gyre_hpc.runtime.protocol import Heartbeat, Hello, Message, ProtocolError, RoleSwitched, SwitchRole
+from gyre_hpc.scheduler.policy import Role
+
+CELLS = CellsConfig(count=1, ranks_per_cell=1, heartbeat_timeout_s=60)
+
+
+class ScriptedCell:
+    """Cell 0: heartbeats every second until ``silent_at``; answers a SwitchRole ``answer_after``
+    seconds after it was sent (as a cell does once its restarting server is back)."""
+
+    def __init__(self, answer_after: float, silent_at: float = float("inf")) -> None:
+        self.now, self.answer_after, self.silent_at = 0.0, answer_after, silent_at
+        self.outbox: list[Message] = [Hello(0, 1, "node-a", 1, "http://node-a:1", 4)]
+        self.answer: tuple[float, Message] | None = None
+
+    def clock(self) -> float:
+        return self.now
+
+    def send(self, message: Message, dest: int) -> None:
+        if isinstance(message, SwitchRole):
+            reply = RoleSwitched(message.cell, message.role, message.seq, self.answer_after)
+            self.answer = (self.now + self.answer_after, reply)
+
+    def poll(self, source: int | None = None) -> tuple[int, Message] | None:
+        self.now += 1.0
+        if self.outbox:
+            return 1, self.outbox.pop(0)
+        if self.answer is not None and self.now >= self.answer[0]:
+            msg, self.answer = self.answer[1], None
+            return 1, msg
+        if self.now < self.silent_at:
+            return 1, Heartbeat(0, Role.SAMPLING, self.now)
+        return None
+
+
+def fleet_of(tmp_path: Path, cell: ScriptedCell, reply_s: float) -> MpiFleet:
+    events = ev.EventLog(tmp_path / "events.jsonl")
+    fleet = MpiFleet(None, Layout(1, 1), CELLS, None, events, 0, reply_s, cell.clock)
+    fleet.channel = cell  # type: ignore[assignment]
+    fleet.start()
+    return fleet
+
+
+def switch(fleet: MpiFleet) -> Callable[[], dict[int, float]]:
+    return lambda: fleet.switch({0: Role.TRAINING})
+
+
+def test_a_cell_restarting_its_sglang_server_is_waited_for_while_it_heartbeats(tmp_path: Path) -> None:
+    sglang = reply_timeout_s(CELLS, EngineConfig(backend="sglang", start_timeout_s=300))
+    assert sglang == 360
+    cell = ScriptedCell(answer_after=200)  # a server restart on a slow machine: past 60 s
+    assert fleet_of(tmp_path, cell, sglang).switch({0: Role.TRAINING}) == {0: 200}
+
+
+def test_without_a_server_to_restart_the_answer_is_due_within_the_heartbeat_timeout(tmp_path: Path) -> None:
+    embedded = reply_timeout_s(CELLS, EngineConfig(backend="embedded", start_timeout_s=300))
+    assert embedded == 60
+    fleet = fleet_of(tmp_path, ScriptedCell(answer_after=200), embedded)
+    with pytest.raises(ProtocolError, match=r"no RoleSwitched from cells \[0\] within 60 s"):
+        fleet.switch({0: Role.TRAINING})
+
+
+def test_a_cell_that_falls_silent_is_lost_after_the_heartbeat_timeout_however_long_a_reply_may_take(
+    tmp_path: Path,
+) -> None:
+    cell = ScriptedCell(answer_after=200, silent_at=30)
+    fleet = fleet_of(tmp_path, cell, reply_timeout_s(CELLS, EngineConfig(backend="sglang")))
+    with pytest.raises(CellLost, match=r"cell 0 \(rank 1 on node-a\) silent for 6\d s"):
+        fleet.switch({0: Role.TRAINING})
+    assert cell.now < 100

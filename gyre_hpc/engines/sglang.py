@@ -67,6 +67,8 @@ def sglang_command(
     if device == "cpu":
         cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch"]
         cmd += ["--disable-cuda-graph", "--grammar-backend", "none"]
+        # Idle, the scheduler spins a whole core; here the cores are the trainer's and the agents'.
+        cmd.append("--sleep-on-idle")
         cmd += ["--max-total-tokens", str(engine.max_total_tokens or CPU_TOKENS)]
     else:
         cmd += ["--base-gpu-id", str(gpu), "--mem-fraction-static", str(engine.mem_fraction_static)]

@@ -243,17 +243,17 @@ def test_mini_swe_agent_is_trained_through_the_proxy_in_elastic_mode(tmp_path: P
     write_jsonl(tmp_path / "repo-mini.jsonl", tasks)
     sets = [
         f"run.runs_dir={tmp_path / 'runs'}", "run.model=tiny", "run.steps=2", "scheduler.mode=elastic",
-        f"tasks.suite={tmp_path / 'repo-mini.jsonl'}", "tasks.prompts_per_step=4", "tasks.eval_every=0",
+        f"tasks.suite={tmp_path / 'repo-mini.jsonl'}", "tasks.prompts_per_step=2", "tasks.eval_every=0",
         "agent.kind=command", f"agent.command={mini_swe_agent_command()}",
     ]  # fmt: skip
     proc = gyre("run", SMOKE, *(a for s in sets for a in ("--set", s)), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = RunDir(next((tmp_path / "runs").iterdir()))
     steps = [e for e in run.read_events() if isinstance(e, ev.Step)]
-    assert [s.executions for s in steps] == [16, 16] and steps[-1].version >= 1  # scored, trained
-    assert all(s.statuses == {"finished": 16} for s in steps), [s.statuses for s in steps]
+    assert [s.executions for s in steps] == [8, 8] and steps[-1].version >= 1  # scored, trained
+    assert all(s.statuses == {"finished": 8} for s in steps), [s.statuses for s in steps]
     trees = {r: TrajectoryTree.from_encoded(recs) for r, recs in by_run(read_records(run.tito_log).records)}
-    assert len(trees) == 32
+    assert len(trees) == 16
     for tree in trees.values():
         records = [tree.record(i) for i in range(tree.num_records)]
         assert len(records) == 3  # agent.step_limit

@@ -156,9 +156,9 @@ def test_a_restart_continues_the_steps_executions_from_their_last_call(tmp_path:
 
 
 def test_a_rank_that_dies_is_restarted_by_itself_and_resume_overrides_are_kept_apart(tmp_path: Path) -> None:
-    proc = start(tmp_path, "run.steps=4", "run.max_restarts=1", "trainer.checkpoint_every=1")
+    proc = start(tmp_path, "run.steps=3", "run.max_restarts=1", "trainer.checkpoint_every=1")
     run = the_run(tmp_path)
-    wait_for(lambda: sum(isinstance(e, ev.Step) for e in events_of(run)) >= 2, 240, "two steps")
+    wait_for(lambda: any(isinstance(e, ev.Step) for e in events_of(run)), 240, "a step")
     os.kill(next(r["pid"] for r in run.read_ranks() if r["rank"] == 2), signal.SIGKILL)  # a lost node
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
@@ -169,12 +169,12 @@ def test_a_rank_that_dies_is_restarted_by_itself_and_resume_overrides_are_kept_a
     assert restart.reason.startswith("rank 2 (cell 1 on"), restart
     resumed = next(e for e in events if isinstance(e, ev.Resumed))
     steps = [e.step for e in events if isinstance(e, ev.Step)]
-    assert steps[-1] == 4 and resumed.step == steps[steps.index(resumed.step - 1) + 1]
+    assert steps[-1] == 3 and resumed.step == steps[steps.index(resumed.step - 1) + 1]
     assert [e.status for e in events if isinstance(e, ev.RunEnd)] == ["completed"]
 
     created = run.recipe_path.read_text()
-    more = gyre("run", "--resume", str(run.path), "--set", "run.steps=5")
+    more = gyre("run", "--resume", str(run.path), "--set", "run.steps=4")
     assert more.returncode == 0, more.stderr[-2000:]
     assert run.recipe_path.read_text() == created  # the recipe as created stays
-    assert run.overrides() == ["run.steps=5"] and run.read_recipe().run.steps == 5
-    assert [e.step for e in run.read_events() if isinstance(e, ev.Step)][-1] == 5
+    assert run.overrides() == ["run.steps=4"] and run.read_recipe().run.steps == 4
+    assert [e.step for e in run.read_events() if isinstance(e, ev.Step)][-1] == 4

@@ -120,6 +120,8 @@ def start_long_run(tmp_path: Path) -> tuple[subprocess.Popen[str], RunDir]:
             "run.steps=100000",
             "--set",
             FAST[0],
+            "--set",
+            FAST[1],
         ],
         cwd=REPO,
         stdout=subprocess.PIPE,

@@ -140,7 +140,7 @@ def test_checkpoints_are_hugging_face_directories_whatever_the_backend(tmp_path:
 
 
 def smoke_run(runs_dir: Path, *sets: str, resume: Path | None = None) -> Path:
-    """Two steps of the smoke recipe with megatron cells; the run directory."""
+    """Two short steps of the smoke recipe with megatron cells; the run directory."""
     where = (
         ["--resume", str(resume)] if resume else ["recipes/smoke.toml", "--set", f"run.runs_dir={runs_dir}"]
     )
@@ -151,6 +151,7 @@ def smoke_run(runs_dir: Path, *sets: str, resume: Path | None = None) -> Path:
         "--set", "run.steps=2",
         "--set", "tasks.prompts_per_step=2",
         "--set", "tasks.eval_every=0",
+        "--set", "agent.max_calls=2",
         *sets,
         timeout=400,
     )  # fmt: skip

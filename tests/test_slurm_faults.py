@@ -25,10 +25,9 @@ def ends(run: RunDir) -> list[ev.RunEnd]:
 
 
 def test_sigusr2_checkpoints_requeues_and_the_job_completes_as_a_straight_run(tmp_path) -> None:  # noqa: ANN001
-    sets = ["run.steps=4", "trainer.checkpoint_every=100", "run.model=tiny-warm", "agent.max_calls=6"]
-    straight = gyre(
-        "run", SMOKE, *(a for s in [f"run.runs_dir={tmp_path / 'local'}", *sets] for a in ("--set", s))
-    )
+    sets = ["run.steps=3", "trainer.checkpoint_every=100", "run.model=tiny-warm", "agent.max_calls=6"]
+    local = [a for s in [f"run.runs_dir={tmp_path / 'local'}", *sets] for a in ("--set", s)]
+    straight = gyre("run", SMOKE, *local, timeout=600)
     assert straight.returncode == 0, straight.stderr[-2000:]
     job_id, run = submit(tmp_path / "slurm", *sets)
     wait_for_event(run, "step", timeout=180)
@@ -39,7 +38,7 @@ def test_sigusr2_checkpoints_requeues_and_the_job_completes_as_a_straight_run(tm
     wait_for_event_count(run, ev.RunEnd, 1, timeout=120)
     wait_for(lambda: job_state(job_id).state == "PENDING", 60, "the requeued job")
     status = gyre("status", str(run.path), "--once")
-    assert "run: requeued · attempt 1 · step 2/4" in status.stdout, status.stdout
+    assert "run: requeued · attempt 1 · step 2/3" in status.stdout, status.stdout
     # Slurm holds a requeued job ~2 minutes before it may start again; the test does not wait.
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
     wait_for_event_count(run, ev.RunEnd, 2, timeout=300)
@@ -55,7 +54,7 @@ def test_sigusr2_checkpoints_requeues_and_the_job_completes_as_a_straight_run(tm
     local = RunDir(next((tmp_path / "local").iterdir()))
     assert steps == {e.step: e.reward_mean for e in local.read_events() if isinstance(e, ev.Step)}
     status = gyre("status", str(run.path), "--once")
-    assert "run: completed · attempt 2 · step 4/4" in status.stdout, status.stdout
+    assert "run: completed · attempt 2 · step 3/3" in status.stdout, status.stdout
 
 
 def wait_for_event_count(run: RunDir, kind: type, n: int, timeout: float) -> None:
@@ -66,7 +65,7 @@ def wait_for_event_count(run: RunDir, kind: type, n: int, timeout: float) -> Non
 
 
 def test_a_killed_cell_is_named_the_world_restarts_and_submit_resume_continues(tmp_path) -> None:  # noqa: ANN001
-    job_id, run = submit(tmp_path, "run.steps=4", "run.max_restarts=1", "trainer.checkpoint_every=1")
+    job_id, run = submit(tmp_path, "run.steps=3", "run.max_restarts=1", "trainer.checkpoint_every=1")
     wait_for_event(run, "step", timeout=180)
     cell1 = next(r for r in run.read_ranks() if r["rank"] == 2)
     os.kill(cell1["pid"], signal.SIGKILL)  # every emulated node is a process on this host
@@ -77,11 +76,11 @@ def test_a_killed_cell_is_named_the_world_restarts_and_submit_resume_continues(t
     assert end.status == "completed", end
     events = run.read_events()
     assert [e.attempt for e in events if isinstance(e, ev.WorldUp)] == [1, 2]
-    assert [e.step for e in events if isinstance(e, ev.Step)][-1] == 4
+    assert [e.step for e in events if isinstance(e, ev.Step)][-1] == 3
 
-    more = gyre("submit", "--resume", str(run.path), "--set", "run.steps=5")
+    more = gyre("submit", "--resume", str(run.path), "--set", "run.steps=4")
     assert more.returncode == 0, more.stderr
     wait_for_event_count(run, ev.RunEnd, 2, timeout=300)
     assert ends(run)[-1].status == "completed"
-    assert [e.step for e in run.read_events() if isinstance(e, ev.Step)][-1] == 5
-    assert run.overrides() == ["run.steps=5"] and run.read_job()["job_id"] != job_id
+    assert [e.step for e in run.read_events() if isinstance(e, ev.Step)][-1] == 4
+    assert run.overrides() == ["run.steps=4"] and run.read_job()["job_id"] != job_id

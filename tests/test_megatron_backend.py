@@ -224,3 +224,39 @@ def test_the_megatron_benchmark_runs_at_tiny_size(tmp_path: Path) -> None:
     figures = json.loads((tmp_path / "bench_megatron.json").read_text())
     assert figures["train_tokens_per_s"] > 0 and figures["snapshot_export_gb_per_s"] > 0
     assert figures["tree_unique_tokens"] == 256 and figures["tree_path_tokens"] == 4 * (192 + 16)
+
+
+LATE_LEADER = Path(__file__).parent / "mpi_programs" / "late_leader.py"
+
+
+def rendezvous(port: int, delay_s: float, start_timeout_s: float) -> list[subprocess.Popen[str]]:
+    """Rank 1 joins at once, rank 0 after ``delay_s`` (its engine starting); heartbeat timeout 1 s."""
+    return [
+        subprocess.Popen(
+            [sys.executable, str(LATE_LEADER), str(rank), str(port), str(delay_s), str(start_timeout_s), "1"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (1, 0)
+    ]
+
+
+def test_a_member_waits_at_the_rendezvous_as_long_as_its_leader_s_engine_may_take_to_start() -> None:
+    """torch's own store timeout (300 s) is shorter than an 8B server's start; the members'
+    wait is the engine's start timeout instead: past it, one line, not a hang."""
+    from gyre_hpc.trainer.megatron_backend import free_port
+
+    member, leader = rendezvous(free_port("127.0.0.1"), delay_s=4, start_timeout_s=20)
+    for proc, rank in ((member, 1), (leader, 0)):
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and f"rank {rank} up" in out, err[-2000:]
+    assert float(member.communicate()[0].split()[-2]) >= 3  # it waited for the late leader
+
+    member, leader = rendezvous(free_port("127.0.0.1"), delay_s=600, start_timeout_s=2)
+    try:
+        out, err = member.communicate(timeout=60)  # 3 s allowed: far below torch's 300
+    finally:
+        leader.kill()
+    assert member.returncode == 3, err[-2000:]
+    assert "rank 1 of 2: the replica's rendezvous at 127.0.0.1:" in err and "within 3 s" in err, err[-2000:]

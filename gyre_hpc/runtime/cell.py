@@ -61,6 +61,13 @@ from gyre_hpc.transport.base import Transport
 log = logging.getLogger(__name__)
 
 
+def rendezvous_timeout_s(engine: EngineConfig, cells: CellsConfig) -> float:
+    """How long a replica's ranks wait for each other when they build their trainer: the
+    members come at once, the leader only once its engine is up, which ``engine.start_timeout_s``
+    bounds (a real 8B server with graph capture can take longer than torch's 300 s default)."""
+    return engine.start_timeout_s + cells.heartbeat_timeout_s
+
+
 @dataclass(frozen=True)
 class CellSetup:
     """What a cell needs besides its own config sections."""
@@ -178,7 +185,8 @@ class Cell:
         comm, env = self.world.cell_comm, self.world.env
         host = env.hostname if env.launcher == "slurm" else "127.0.0.1"
         host, port = comm.bcast((host, free_port(host)) if comm.Get_rank() == 0 else None, root=0)
-        return MegatronWorld(comm.Get_rank(), comm.Get_size(), host, port, gpu=env.local_rank)
+        wait = rendezvous_timeout_s(self.engine_cfg, self.cells)
+        return MegatronWorld(comm.Get_rank(), comm.Get_size(), host, port, gpu=env.local_rank, timeout_s=wait)
 
     @property
     def address(self) -> str:

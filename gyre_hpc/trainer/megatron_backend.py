@@ -36,6 +36,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -184,10 +185,16 @@ class MegatronWorld:
     host: str = "127.0.0.1"
     port: int = 0
     gpu: int | None = None
+    timeout_s: float = 1800.0
+    """How long a rank waits at the rendezvous for the others (``runtime.cell.rendezvous_timeout_s``)."""
 
     @classmethod
     def alone(cls) -> MegatronWorld:
         return cls(0, 1, "127.0.0.1", free_port("127.0.0.1"))
+
+
+class RendezvousTimeout(RuntimeError):
+    """The ranks of a replica did not all reach its rendezvous in time."""
 
 
 def free_port(host: str) -> int:
@@ -206,9 +213,22 @@ def init_megatron(world: MegatronWorld, tp: int, pp: int, seed: int) -> None:
     if world.gpu is not None and torch.cuda.is_available():
         torch.cuda.set_device(world.gpu % torch.cuda.device_count())
     if not torch.distributed.is_initialized():
-        store = torch.distributed.TCPStore(world.host, world.port, world.size, is_master=world.rank == 0)
+        # torch's default (300 s for the store) is shorter than an engine may take to start, and
+        # a cell's leader starts its engine before it joins.
+        wait = timedelta(seconds=world.timeout_s)
+        try:
+            store = torch.distributed.TCPStore(
+                world.host, world.port, world.size, is_master=world.rank == 0, timeout=wait
+            )
+        except RuntimeError as err:  # DistStoreError: a peer never came
+            raise RendezvousTimeout(
+                f"rank {world.rank} of {world.size}: the replica's rendezvous at {world.host}:{world.port} "
+                f"did not complete within {world.timeout_s:g} s ({err})"
+            ) from err
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        torch.distributed.init_process_group(backend, store=store, rank=world.rank, world_size=world.size)
+        torch.distributed.init_process_group(
+            backend, store=store, rank=world.rank, world_size=world.size, timeout=wait
+        )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp

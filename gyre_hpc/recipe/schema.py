@@ -66,7 +66,10 @@ class CellsConfig:
     )
     heartbeat_timeout_s: float = knob(60.0, "A cell silent this long is declared dead.", min=1, max=86400)
     hello_timeout_s: float = knob(
-        120.0, "Seconds the controller waits for every cell to say hello.", min=1, max=86400
+        120.0,
+        "Seconds the controller waits for every cell to say hello, beyond engine.start_timeout_s.",
+        min=1,
+        max=86400,
     )
 
 

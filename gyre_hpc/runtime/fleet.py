@@ -24,6 +24,7 @@ import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from gyre_hpc.layout import Layout
@@ -57,12 +58,21 @@ class CellLost(RuntimeError):
     """A cell stopped reporting."""
 
 
-def reply_timeout_s(cells: CellsConfig, engine: EngineConfig) -> float:
-    """How long a cell may take to answer a switch or a load. A cell whose SGLang server died
-    defers both until the server is back, heartbeating meanwhile, so its answer may take a whole
-    server start; a cell that falls silent is lost after ``heartbeat_timeout_s`` all the same."""
-    restart = engine.start_timeout_s if engine.backend == "sglang" else 0.0
-    return cells.heartbeat_timeout_s + restart
+@dataclass(frozen=True)
+class Waits:
+    """How long the controller waits for a cell's word, beyond which the run fails naming it."""
+
+    hello_s: float
+    """For every Hello: a leader says it once its engine is up."""
+    reply_s: float
+    """For the answer to a switch or a load: a cell whose SGLang server died defers both until
+    the server is back, heartbeating meanwhile (one that falls silent is lost after
+    ``heartbeat_timeout_s`` all the same)."""
+
+    @classmethod
+    def of(cls, cells: CellsConfig, engine: EngineConfig) -> Waits:
+        restart = engine.start_timeout_s if engine.backend == "sglang" else 0.0
+        return cls(cells.hello_timeout_s + engine.start_timeout_s, cells.heartbeat_timeout_s + restart)
 
 
 class Fleet(Protocol):
@@ -121,11 +131,11 @@ class MpiFleet:
         transport: Transport,
         events: ev.EventLog,
         version: int = 0,
-        reply_s: float | None = None,
+        waits: Waits | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.comm, self.layout, self.config = comm, layout, cells
-        self.reply_s = cells.heartbeat_timeout_s if reply_s is None else reply_s  # see reply_timeout_s
+        self.waits = waits or Waits(cells.hello_timeout_s, cells.heartbeat_timeout_s)
         self.transport, self.events, self.version, self.clock = transport, events, version, clock
         self.channel = Channel(comm)
         self.cells = layout.cells
@@ -185,7 +195,7 @@ class MpiFleet:
         missing = set(range(self.layout.units))
         while missing:
             msg = self._await(
-                lambda m: isinstance(m, Hello), self.config.hello_timeout_s, f"Hello from {sorted(missing)}"
+                lambda m: isinstance(m, Hello), self.waits.hello_s, f"Hello from {sorted(missing)}"
             )
             assert isinstance(msg, Hello)
             self.units[msg.cell] = msg
@@ -207,7 +217,7 @@ class MpiFleet:
         while pending:
             msg = self._await(
                 lambda m: isinstance(m, RoleSwitched) and pending.get(m.cell) == m.seq,
-                self.reply_s,
+                self.waits.reply_s,
                 f"RoleSwitched from cells {sorted(pending)}",
             )
             assert isinstance(msg, RoleSwitched)
@@ -229,7 +239,7 @@ class MpiFleet:
         while pending:
             msg = self._await(
                 lambda m: isinstance(m, WeightsLoaded) and m.version == version and m.cell in pending,
-                self.reply_s,
+                self.waits.reply_s,
                 f"WeightsLoaded from {sorted(pending)}",
             )
             assert isinstance(msg, WeightsLoaded)

@@ -28,7 +28,7 @@ from gyre_hpc.rundir import RunDir
 from gyre_hpc.runtime import resume
 from gyre_hpc.runtime.cell import Cell, CellSetup
 from gyre_hpc.runtime.controller import Controller
-from gyre_hpc.runtime.fleet import MpiFleet, reply_timeout_s
+from gyre_hpc.runtime.fleet import MpiFleet, Waits
 from gyre_hpc.runtime.serving import Serving
 from gyre_hpc.runtime.world import World
 from gyre_hpc.sandbox.confine import for_run
@@ -195,8 +195,8 @@ def controller(
             sandbox=sandbox,
         )
 
-    reply_s = reply_timeout_s(recipe.cells, recipe.engine)
-    fleet = MpiFleet(world.comm, world.layout, recipe.cells, transport, events, point.version, reply_s)
+    waits = Waits.of(recipe.cells, recipe.engine)
+    fleet = MpiFleet(world.comm, world.layout, recipe.cells, transport, events, point.version, waits)
     r = recipe
     return Controller(
         fleet, make_serving, events, run_dir, r.run, r.scheduler, r.tasks, r.trajectory, r.trainer,

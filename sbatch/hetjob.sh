@@ -22,8 +22,9 @@ trap '[ -z "$srun_pid" ] || kill -USR2 "$srun_pid" 2>/dev/null' USR2
 # One MPI world over every component; leaves its exit code in rc.
 run_world() {
   rm -f "$RUN_DIR"/ranks/*.exit   # each rank leaves its exit code here
-  srun --mpi=@{mpi} --het-group=@{het_groups} --kill-on-bad-exit=1 \
-    "$PYTHON" -m gyre_hpc.runtime "$RUN_DIR" &
+  # Each component's tasks get its CPUs: srun no longer takes --cpus-per-task from sbatch.
+  srun --mpi=@{mpi} --kill-on-bad-exit=1 \
+@{srun_components} &
   srun_pid=$!
   # Slurm 22.05's pmix plugin can leave srun hanging after every task of a het step has exited
   # (it never joins its abort agent). Once every rank has left its exit code and srun is still

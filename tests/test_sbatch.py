@@ -40,7 +40,14 @@ def test_components_follow_the_rank_order() -> None:
     assert "--nodes=16\n" in components[1] and "--ntasks=64\n" in components[1]
     assert "--ntasks-per-node=4\n" in components[1] and "--gpus-per-node=8" in components[1]
     assert "--nodes=2\n" in components[2] and "--ntasks=2\n" in components[2]
-    assert "srun --mpi=pmix --het-group=0,1,2 " in text
+    # One srun; each part its component's tasks with that component's CPUs.
+    parts = text.split("srun --mpi=pmix --kill-on-bad-exit=1 \\\n")[1].split(" &\n")[0].split(" : \\\n")
+    run = '"$PYTHON" -m gyre_hpc.runtime "$RUN_DIR"'
+    assert [p.strip() for p in parts] == [
+        f"--het-group=0 --cpus-per-task=32 {run}",
+        f"--het-group=1 --cpus-per-task=12 {run}",
+        f"--het-group=2 --cpus-per-task=12 {run}",
+    ]
     assert "%j" not in text  # expands per component: never in a path they share
 
 

@@ -7,8 +7,9 @@
  component 2   rollout pool    one node and one task per standalone engine (only if any)
 ```
 
-``srun --mpi=pmix --het-group=0,1[,2]`` then starts one MPI world across the components, in
-that order, which is exactly the rank order ``layout.Layout`` expects. Output goes to
+One ``srun --mpi=pmix`` of ``:``-separated parts, ``--het-group=0 … : --het-group=1 …``, then
+starts one MPI world across the components, in that order, which is exactly the rank order
+``layout.Layout`` expects. Output goes to
 ``<run_dir>/logs/slurm.out``: never ``%j`` in a path shared by components, it expands per component.
 """
 
@@ -70,11 +71,21 @@ def render_sbatch(
         run_dir=shlex.quote(str(run_dir)),
         python=shlex.quote(python),
         mpi=slurm.mpi,
-        het_groups=",".join(str(i) for i in range(len(components))),
+        srun_components=_srun_components(slurm, len(components)),
         srun_grace_s=SRUN_GRACE_S,
         world_size=layout.world_size,
         max_restarts=max_restarts,
     )
+
+
+def _srun_components(slurm: SlurmConfig, components: int) -> str:
+    """One ``:``-separated part per component, each with its own ``--cpus-per-task``: since
+    Slurm 22.05 srun takes no CPU count from the batch allocation, so without it each task (and
+    an SGLang server with its several processes under a cell leader) may be bound to one CPU."""
+    cpus = [slurm.controller_cpus] + [slurm.cpus_per_task] * (components - 1)
+    run = '"$PYTHON" -m gyre_hpc.runtime "$RUN_DIR"'
+    parts = [f"    --het-group={i} --cpus-per-task={n} {run}" for i, n in enumerate(cpus)]
+    return " : \\\n".join(parts)
 
 
 def _controller(slurm: SlurmConfig) -> list[str]:

@@ -52,7 +52,7 @@ class ScriptedCell:
 
 def fleet_of(tmp_path: Path, cell: ScriptedCell, waits: Waits) -> MpiFleet:
     events = ev.EventLog(tmp_path / "events.jsonl")
-    fleet = MpiFleet(None, Layout(1, 1), CELLS, None, events, 0, waits, cell.clock)
+    fleet = MpiFleet(None, Layout(1, 1), CELLS, None, events, waits, 0, cell.clock)
     fleet.channel = cell  # type: ignore[assignment]
     fleet.start()
     return fleet

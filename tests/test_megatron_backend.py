@@ -248,10 +248,11 @@ def test_a_member_waits_at_the_rendezvous_as_long_as_its_leader_s_engine_may_tak
     from gyre_hpc.trainer.megatron_backend import free_port
 
     member, leader = rendezvous(free_port("127.0.0.1"), delay_s=4, start_timeout_s=20)
+    said = {}
     for proc, rank in ((member, 1), (leader, 0)):
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0 and f"rank {rank} up" in out, err[-2000:]
-    assert float(member.communicate()[0].split()[-2]) >= 3  # it waited for the late leader
+        said[rank], err = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and f"rank {rank} up" in said[rank], err[-2000:]
+    assert float(said[1].split()[-2]) >= 3  # it waited for the late leader
 
     member, leader = rendezvous(free_port("127.0.0.1"), delay_s=600, start_timeout_s=2)
     try:

@@ -71,20 +71,21 @@ def render_sbatch(
         run_dir=shlex.quote(str(run_dir)),
         python=shlex.quote(python),
         mpi=slurm.mpi,
-        srun_components=_srun_components(slurm, len(components)),
+        srun_components=_srun_components(components),
         srun_grace_s=SRUN_GRACE_S,
         world_size=layout.world_size,
         max_restarts=max_restarts,
     )
 
 
-def _srun_components(slurm: SlurmConfig, components: int) -> str:
-    """One ``:``-separated part per component, each with its own ``--cpus-per-task``: since
-    Slurm 22.05 srun takes no CPU count from the batch allocation, so without it each task (and
-    an SGLang server with its several processes under a cell leader) may be bound to one CPU."""
-    cpus = [slurm.controller_cpus] + [slurm.cpus_per_task] * (components - 1)
+def _srun_components(components: list[list[str]]) -> str:
+    """One ``:``-separated part per component, each with the ``--cpus-per-task`` its allocation
+    asked for: since Slurm 22.05 srun takes no CPU count from the batch allocation, so without it
+    each task (and an SGLang server with its several processes under a cell leader) may be bound
+    to one CPU."""
     run = '"$PYTHON" -m gyre_hpc.runtime "$RUN_DIR"'
-    parts = [f"    --het-group={i} --cpus-per-task={n} {run}" for i, n in enumerate(cpus)]
+    cpus = [next(o for o in opts if o.startswith("--cpus-per-task=")) for opts in components]
+    parts = [f"    --het-group={i} {c} {run}" for i, c in enumerate(cpus)]
     return " : \\\n".join(parts)
 
 

@@ -130,12 +130,11 @@ class MpiFleet:
         cells: CellsConfig,
         transport: Transport,
         events: ev.EventLog,
+        waits: Waits,
         version: int = 0,
-        waits: Waits | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.comm, self.layout, self.config = comm, layout, cells
-        self.waits = waits or Waits(cells.hello_timeout_s, cells.heartbeat_timeout_s)
+        self.comm, self.layout, self.config, self.waits = comm, layout, cells, waits
         self.transport, self.events, self.version, self.clock = transport, events, version, clock
         self.channel = Channel(comm)
         self.cells = layout.cells

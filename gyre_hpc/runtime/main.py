@@ -196,7 +196,7 @@ def controller(
         )
 
     waits = Waits.of(recipe.cells, recipe.engine)
-    fleet = MpiFleet(world.comm, world.layout, recipe.cells, transport, events, point.version, waits)
+    fleet = MpiFleet(world.comm, world.layout, recipe.cells, transport, events, waits, point.version)
     r = recipe
     return Controller(
         fleet, make_serving, events, run_dir, r.run, r.scheduler, r.tasks, r.trajectory, r.trainer,

@@ -95,6 +95,17 @@ def gyre(*args: str, cwd: Path | None = None, timeout: float = 120, **kw) -> sub
     )
 
 
+GOLDEN = REPO / "tests" / "golden"
+
+
+def assert_golden(name: str, text: str) -> None:
+    """``text`` equals ``tests/golden/<name>``; ``GYRE_UPDATE_GOLDEN=1`` rewrites the file instead."""
+    path = GOLDEN / name
+    if os.environ.get("GYRE_UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert text == path.read_text(), f"{name} changed; GYRE_UPDATE_GOLDEN=1 rewrites it"
+
+
 def flat_of(model: torch.nn.Module) -> torch.Tensor:
     """The model's parameters in registration order, tied ones once: the flat layout, derived
     here independently of ``models.flat``."""

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import assert_golden
 
 from gyre_hpc.agents.tools import MAIN_TOOLS, execute, parse_call
 from gyre_hpc.agents.workspace import Workspace
@@ -249,15 +250,9 @@ def test_a_group_writes_its_limits_as_each_cgroup_version_names_them(tmp_path: P
     assert g.prefix("/run/f.bpf")[4:] == ["/run/f.bpf", *g.procs, "--"]
 
 
-GOLDEN = Path(__file__).parent / "golden"
-
-
 @pytest.mark.parametrize("machine", sorted(seccomp.ARCHES))
 def test_the_seccomp_filter_is_golden(machine: str) -> None:
     program = seccomp.program(machine)
     lines = [program[i : i + 8].hex(" ") for i in range(0, len(program), 8)]
     text = "\n".join(lines) + "\n"
-    path = GOLDEN / f"seccomp-{machine}.txt"
-    if os.environ.get("GYRE_UPDATE_GOLDEN"):
-        path.write_text(text)
-    assert text == path.read_text(), f"{path.name} changed; GYRE_UPDATE_GOLDEN=1 rewrites it"
+    assert_golden(f"seccomp-{machine}.txt", text)

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import REPO, SGLANG_PYTHON, gyre
+from conftest import REPO, SGLANG_PYTHON, assert_golden, gyre
 
 from gyre_hpc.errors import RecipeError
 from gyre_hpc.recipe import Recipe, load_recipe, to_toml
 from gyre_hpc.recipe.load import schema_lines
 
 RECIPES = sorted((REPO / "recipes").glob("*.toml"))
-SCHEMA_GOLDEN = Path(__file__).parent / "golden" / "recipe_schema.txt"
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
@@ -45,10 +43,7 @@ def test_shipped_recipes_cover_smoke_and_a_cluster() -> None:
 
 def test_schema_snapshot() -> None:
     """Adding or removing a recipe key must update tests/golden/recipe_schema.txt on purpose."""
-    current = "\n".join(schema_lines()) + "\n"
-    if os.environ.get("GYRE_UPDATE_GOLDEN"):
-        SCHEMA_GOLDEN.write_text(current)
-    assert current == SCHEMA_GOLDEN.read_text(), "recipe keys changed: rerun with GYRE_UPDATE_GOLDEN=1"
+    assert_golden("recipe_schema.txt", "\n".join(schema_lines()) + "\n")
 
 
 def test_every_section_is_in_the_schema() -> None:

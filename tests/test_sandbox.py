@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import gyre
+from conftest import assert_golden, gyre
 from loopback import Stack
 
 from gyre_hpc.agents.dispatch import Dispatcher, make_harness
@@ -32,7 +32,6 @@ from gyre_hpc.sandbox.policy import Policy, ProxyReach, System
 from gyre_hpc.scoring import RunArtifacts, ScoringRunners, load_scorer
 from gyre_hpc.tasks.task import Task
 
-GOLDEN = Path(__file__).parent / "golden"
 pytestmark = pytest.mark.bwrap
 
 
@@ -237,11 +236,7 @@ SYSTEM = System(("/usr", "/etc", "/home/me/.venv"), (("/bin", "usr/bin"), ("/lib
 
 
 def golden(name: str, argv: list[str]) -> None:
-    text = "\n".join(argv).replace(str(bwrap.RELAY), "{gyre_hpc}/sandbox/relay.py") + "\n"
-    path = GOLDEN / name
-    if os.environ.get("GYRE_UPDATE_GOLDEN"):
-        path.write_text(text)
-    assert text == path.read_text(), f"{name} changed; GYRE_UPDATE_GOLDEN=1 rewrites it"
+    assert_golden(name, "\n".join(argv).replace(str(bwrap.RELAY), "{gyre_hpc}/sandbox/relay.py") + "\n")
 
 
 @pytest.mark.parametrize("privileged", [True, False], ids=["root", "user"])

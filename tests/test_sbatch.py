@@ -9,13 +9,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, gyre
+from conftest import REPO, assert_golden, gyre
 
 from gyre_hpc.launch.sbatch import render_sbatch
 from gyre_hpc.layout import Layout
 from gyre_hpc.recipe import load_recipe
 
-GOLDEN = Path(__file__).parent / "golden"
 FIXED = ["--set", "run.runs_dir=/shared/runs", "--set", "slurm.python=/opt/gyre/bin/python"]
 
 
@@ -23,10 +22,7 @@ FIXED = ["--set", "run.runs_dir=/shared/runs", "--set", "slurm.python=/opt/gyre/
 def test_dry_run_matches_golden(recipe: str) -> None:
     proc = gyre("submit", f"recipes/{recipe}.toml", "--dry-run", *FIXED)
     assert proc.returncode == 0, proc.stderr
-    golden = GOLDEN / f"{recipe}.sbatch"
-    if os.environ.get("GYRE_UPDATE_GOLDEN"):
-        golden.write_text(proc.stdout)
-    assert proc.stdout == golden.read_text()
+    assert_golden(f"{recipe}.sbatch", proc.stdout)
 
 
 def test_components_follow_the_rank_order() -> None:

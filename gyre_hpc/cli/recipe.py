@@ -10,6 +10,8 @@ from rich.console import Console
 from rich.syntax import Syntax
 
 from gyre_hpc.errors import GyreError, RecipeError
+from gyre_hpc.memory_plan import MemoryPlan, check_memory
+from gyre_hpc.models.catalog import model_shape
 from gyre_hpc.recipe import Recipe, load_recipe, to_toml
 from gyre_hpc.recipe.load import schema_lines
 from gyre_hpc.rundir import RunDir
@@ -28,6 +30,13 @@ def load(path: Path, sets: list[str] | None) -> Recipe:
     return load_recipe(path, sets or [])
 
 
+def check_launchable(r: Recipe) -> MemoryPlan | None:
+    """What ``check``, ``run`` and ``submit`` ask before a launch: the backends this runtime drives
+    and the memory plan (returned); a ``RecipeError`` (one line) for either."""
+    check_runnable(r.engine, r.trainer)
+    return check_memory(model_shape(r.run.model), r.cells, r.engine, r.trainer, r.agent)
+
+
 def load_resumed(path: Path, sets: list[str] | None) -> tuple[RunDir, Recipe]:
     """A run directory to continue, and its recipe in force with ``sets`` added."""
     run_dir = RunDir(path.resolve())
@@ -41,11 +50,14 @@ def check(recipe: RecipeArg, set_: SetOption = None) -> None:
     """Validate a recipe and say whether `run` and `submit` can run it; one line, exit code 2
     on the first error or when it is not runnable.
 
+    With `cells.gpu_memory_gib` set, it prints the memory plan of a cell's worst GPU while it
+    samples and while it trains, and refuses a recipe that does not fit.
+
     Example: `gyre-hpc recipe check recipes/smoke.toml --set cells.count=4`
     """
     r = load(recipe, set_)
     try:
-        check_runnable(r.engine, r.trainer)
+        plan = check_launchable(r)
     except RecipeError as err:
         raise RecipeError(f"{recipe}: valid, but not runnable: {err}") from None
     cells = r.cells
@@ -53,6 +65,10 @@ def check(recipe: RecipeArg, set_: SetOption = None) -> None:
         f"{recipe}: ok — {r.scheduler.mode}, {cells.count} cells × {cells.ranks_per_cell} ranks, "
         f"engine {r.engine.backend}, trainer {r.trainer.backend}, model {r.run.model}"
     )
+    if plan is not None:
+        typer.echo("\n".join(plan.lines()))
+    elif r.cells.gpu_memory_gib:
+        typer.echo(f"memory plan: none (the shape of {r.run.model} is not known here)")
 
 
 @app.command()

@@ -16,14 +16,13 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from gyre_hpc.cli.recipe import SetOption, load, load_resumed
+from gyre_hpc.cli.recipe import SetOption, check_launchable, load, load_resumed
 from gyre_hpc.errors import GyreError
 from gyre_hpc.launch.local import LocalRun
 from gyre_hpc.layout import Layout
 from gyre_hpc.models.registry import resolve_model
 from gyre_hpc.observability import events as ev
 from gyre_hpc.rundir import RunDir
-from gyre_hpc.runtime.runnable import check_runnable
 
 EXIT = {"completed": 0, "failed": 1, "interrupted": 130, "preempted": 75}
 
@@ -53,11 +52,11 @@ def run(
         raise GyreError("give a RECIPE, or --resume RUN_DIR (not both)")
     if resume is not None:
         run_dir, r = load_resumed(resume, set_)
-        check_runnable(r.engine, r.trainer)
+        check_launchable(r)
         run_dir.add_resume(set_ or [], "mpirun")  # recipe.toml stays as the run was created
     else:
         r = load(recipe, set_)  # type: ignore[arg-type]
-        check_runnable(r.engine, r.trainer)
+        check_launchable(r)
         run_dir = RunDir.create(r.run.runs_dir, r.run.name)
         run_dir.write_recipe(r)
     layout = Layout.from_config(r.cells)

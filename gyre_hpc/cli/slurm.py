@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from gyre_hpc.cli.recipe import SetOption, load, load_resumed
+from gyre_hpc.cli.recipe import SetOption, check_launchable, load, load_resumed
 from gyre_hpc.cli.status import TargetArg, resolve
 from gyre_hpc.errors import GyreError, LaunchError
 from gyre_hpc.launch import slurm
@@ -18,7 +18,6 @@ from gyre_hpc.layout import Layout
 from gyre_hpc.models.registry import resolve_model
 from gyre_hpc.observability import events as ev
 from gyre_hpc.rundir import RunDir
-from gyre_hpc.runtime.runnable import check_runnable
 
 
 def submit(
@@ -65,7 +64,7 @@ def submit(
             nl=False,
         )
         return
-    check_runnable(r.engine, r.trainer)
+    check_launchable(r)
     resolve_model(r.run.model)  # a built-in model is built here once, not by every rank
     if run_dir is None:
         run_dir = RunDir.create(r.run.runs_dir, r.run.name)

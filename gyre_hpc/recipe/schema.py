@@ -71,6 +71,13 @@ class CellsConfig:
         min=1,
         max=86400,
     )
+    gpu_memory_gib: float = knob(
+        0.0,
+        "Memory of one GPU of a cell in GiB (an H200: 140): the memory plan checks the recipe "
+        "against it (`gyre-hpc recipe check` prints the plan); 0: not planned (CPU runs).",
+        min=0.0,
+        max=65536.0,
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -148,10 +155,19 @@ class EngineConfig:
         min=0,
         max=1 << 40,
     )
-    weight_sync: Literal["broadcast", "disk"] = knob(
-        "broadcast",
-        "sglang: how a new version reaches the server: one broadcast of the flat snapshot over a "
-        "group the cell leader forms with it (gloo on the CPU, NCCL on a GPU), or a checkpoint on disk.",
+    weight_sync: Literal["tensor", "broadcast", "disk"] = knob(
+        "tensor",
+        "sglang: how a new version reaches the server: tensor (each bucket staged once on the "
+        "cell leader's GPU and read by every server rank by CUDA IPC; a shared-memory file on "
+        "the CPU), broadcast (over a process group the leader forms with the server: gloo on "
+        "the CPU, NCCL on GPUs the leader does not share with it), or a checkpoint on disk.",
+    )
+    weight_bucket_mb: int = knob(
+        512,
+        "sglang broadcast: a version goes to the server in buckets of this many MiB, in the served "
+        "dtype; one bucket is staged at a time on each side.",
+        min=1,
+        max=1 << 20,
     )
     start_timeout_s: float = knob(
         900.0, "sglang: seconds a server may take to become healthy.", min=1, max=86400
@@ -185,6 +201,11 @@ class TrainerConfig:
         "torch", "torch (plain PyTorch), megatron (megatron-core) or emulated (compute is a delay)."
     )
     dtype: Literal["float32", "bfloat16"] = knob("float32", "Parameter and compute dtype.")
+    device: Literal["auto", "cpu", "cuda"] = knob(
+        "auto",
+        "torch: where it computes; auto: the GPU of the cell's rank where there is one, else the "
+        "CPU (megatron always computes on the rank's GPU where there is one).",
+    )
     lr: float = knob(1e-6, "Adam learning rate.", min=0.0, max=1.0)
     weight_decay: float = knob(0.0, "AdamW weight decay.", min=0.0, max=10.0)
     grad_clip: float = knob(1.0, "Global gradient-norm clip; 0 disables.", min=0.0, max=1e6)
@@ -199,6 +220,11 @@ class TrainerConfig:
     )
     pp_size: int = knob(
         1, "Pipeline-parallel size inside a cell (megatron; GPipe over sequences).", min=1, max=1024
+    )
+    recompute: Literal["none", "full"] = knob(
+        "none",
+        "megatron: activation recomputation; full keeps only each layer's input for backward and "
+        "recomputes the layer there (about a third more compute, a fraction of the memory).",
     )
     checkpoint_every: int = knob(1, "Write a checkpoint every N steps; 0 never.", min=0, max=10_000_000)
     emulated_s_per_token: float = knob(

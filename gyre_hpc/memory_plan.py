@@ -1,0 +1,263 @@
+"""The memory plan of a cell: what one GPU holds while its cell samples and while it trains.
+
+A pure function of the model's shape, the engine and trainer sections and the GPU's size
+(``cells.gpu_memory_gib``). ``gyre-hpc recipe check`` prints it; ``check``, ``run`` and
+``submit`` refuse, in one line with the numbers, a recipe one of whose phases does not fit.
+
+```
+ sampling (engine resumed, trainer released)   training (engine released, trainer resident)
+ ┌───────────────────────────────────────┐     ┌───────────────────────────────────────┐
+ │ engine static pool: mem_fraction ×    │     │ trainer: weights, gradients (+ fp32    │
+ │   GPU = its weights + KV cache        │     │   accumulation), on the core the fp32  │
+ │ engine workspace (decode, graphs)     │     │   master copy and Adam's two moments   │
+ │ staged weight bucket (sent, received) │     │ activations of one micro-step          │
+ │ trainer, released: its CUDA context   │     │ logits of one micro-step (last stage)  │
+ └───────────────────────────────────────┘     │ engine, released: its CUDA context     │
+                                               └───────────────────────────────────────┘
+```
+
+The worst GPU of a cell is planned: one that hosts a trainer rank and an engine rank, on the
+core (cell 0, which steps the optimizer), on the pipeline stage that holds the most. A
+micro-step's tokens are planned as if one replica got all ``trainer.micro_step_tokens`` (a run's
+tree is never split across replicas, so one may).
+
+What this module does not know: the allocator's fragmentation, SGLang's own choice of CUDA-graph
+batch sizes, the kernels' scratch space. Those are the documented constants below (estimates;
+``tools/gpu_bench.sh`` measures the colocation cycle they stand for). It counts bytes; it
+allocates nothing and reads no GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from gyre_hpc.errors import RecipeError
+from gyre_hpc.models.qwen3 import Qwen3Config
+from gyre_hpc.recipe.schema import AgentConfig, CellsConfig, EngineConfig, TrainerConfig
+
+GIB = 1 << 30
+CUDA_CONTEXT = 1 * GIB
+"""One process's CUDA context, cuBLAS and NCCL workspaces: what a released side still holds."""
+ENGINE_WORKSPACE = 4 * GIB
+"""An engine's memory beyond its static pool: a decode batch's activations and CUDA graphs."""
+LOGIT_BYTES = 14
+"""Bytes per logit of one micro-step on the last stage: bf16 logits, the fp32 copy the log-probs
+are taken from, the vocab-parallel softmax it keeps and the fp32 gradient of it."""
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One thing a GPU holds, in bytes."""
+
+    what: str
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    """What one GPU holds while its cell is in one role."""
+
+    name: str
+    parts: tuple[Part, ...]
+
+    @property
+    def total(self) -> int:
+        return sum(p.bytes for p in self.parts)
+
+    def line(self) -> str:
+        parts = ", ".join(f"{p.what} {gib(p.bytes)}" for p in self.parts if p.bytes)
+        return f"{self.name} {gib(self.total)} GiB ({parts})"
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """The plan of the worst GPU of a cell, and what the engine's KV cache then holds."""
+
+    gpu_bytes: int
+    sampling: Phase
+    training: Phase
+    kv_tokens: int
+    """Tokens of KV one engine replica holds in its static pool after its weights."""
+    context_tokens: int
+    """Tokens one execution's context may reach (agent.context_limit_tokens + one reply)."""
+    host_bytes: int
+    """Host memory one rank holds: the flat snapshot and gradient, and its released trainer state."""
+
+    def lines(self) -> list[str]:
+        return [
+            f"memory plan, the worst GPU of a cell ({gib(self.gpu_bytes)} GiB):",
+            f"  {self.sampling.line()}",
+            f"  {self.training.line()}",
+            f"  KV cache {self.kv_tokens:,} tokens a replica (one context: {self.context_tokens:,})",
+            f"  host {gib(self.host_bytes)} GiB a rank",
+        ]
+
+    def refusal(self) -> str | None:
+        """Why the recipe cannot run on these GPUs (one line with the numbers), or None."""
+        for phase in (self.sampling, self.training):
+            if phase.total > self.gpu_bytes:
+                return (
+                    f"memory plan: {phase.line()} > {gib(self.gpu_bytes)} GiB, cells.gpu_memory_gib; "
+                    f"{ADVICE[phase.name]}"
+                )
+        if self.kv_tokens < self.context_tokens:
+            return (
+                f"memory plan: the engine's KV cache holds {self.kv_tokens:,} tokens after its weights, "
+                f"less than one context ({self.context_tokens:,} = agent.context_limit_tokens + "
+                f"engine.max_new_tokens); raise engine.mem_fraction_static or engine.tp_size"
+            )
+        return None
+
+
+ADVICE = {
+    "sampling": "lower engine.mem_fraction_static or engine.weight_bucket_mb",
+    "training": 'set trainer.recompute = "full", lower trainer.micro_step_tokens, or raise '
+    "trainer.tp_size / trainer.pp_size",
+}
+
+
+def gib(n: int) -> str:
+    """GiB with one decimal; three significant digits below a tenth (a tiny model's parts)."""
+    return f"{n / GIB:.1f}" if n >= GIB // 10 else f"{n / GIB:.3g}"
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """The sizes the plan needs, from a Qwen3 config."""
+
+    layers: int
+    hidden: int
+    q: int
+    """Query width: heads × head_dim."""
+    kv: int
+    """Key (or value) width: kv_heads × head_dim."""
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    tied: bool
+
+    @classmethod
+    def of(cls, c: Qwen3Config) -> Shape:
+        hd = c.head_dim
+        return cls(
+            c.num_hidden_layers, c.hidden_size, c.num_attention_heads * hd, c.num_key_value_heads * hd,
+            c.num_key_value_heads, hd, c.intermediate_size, c.vocab_size, c.tie_word_embeddings,
+        )  # fmt: skip
+
+    @property
+    def layer_params(self) -> int:
+        h = self.hidden
+        attention = h * (self.q + 2 * self.kv) + self.q * h + 2 * self.head_dim
+        return attention + 3 * h * self.ffn + 2 * h
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def params(self) -> int:
+        head = 0 if self.tied else self.embedding_params
+        return self.layers * self.layer_params + self.embedding_params + head + self.hidden
+
+    def layer_activation_elements(self, tp: int) -> int:
+        """Elements one token leaves saved for backward in one layer: the two norms' inputs and
+        outputs (whole on every tensor-parallel rank), and per rank its share of q, k, v (before
+        and after their norms), the attention output, the MLP's [gate | up] and its product."""
+        split = 3 * self.q + 3 * self.kv + 3 * self.ffn
+        return 4 * self.hidden + split // tp
+
+
+def plan(
+    model: Qwen3Config,
+    cells: CellsConfig,
+    engine: EngineConfig,
+    trainer: TrainerConfig,
+    agent: AgentConfig,
+) -> MemoryPlan | None:
+    """The plan of the worst GPU of a cell, or None where nothing is planned: no GPU size given
+    (``cells.gpu_memory_gib = 0``), or an emulated engine or trainer (which hold no GPU memory)."""
+    if not cells.gpu_memory_gib or "emulated" in (engine.backend, trainer.backend):
+        return None
+    s = Shape.of(model)
+    gpu = int(cells.gpu_memory_gib * GIB)
+    # megatron pads the vocabulary to a multiple of 128 × tp (``megatron_weights.Layout``)
+    step = 128 * trainer.tp_size if trainer.backend == "megatron" else 1
+    t = replace(s, vocab=-(-s.vocab // step) * step)
+    tp, pp = trainer.tp_size, trainer.pp_size
+    # Where the engine serves its static pool holds its weights; the rest is KV cache.
+    static = int(engine.mem_fraction_static * gpu)
+    served = BYTES[engine_dtype(engine)]
+    engine_weights = s.params * served // engine.tp_size
+    kv_heads = max(1, s.kv_heads // engine.tp_size)  # fewer kv heads than ranks: each keeps one
+    kv_per_token = 2 * s.layers * kv_heads * s.head_dim * served
+    bucket = engine.weight_bucket_mb << 20
+    sampling = Phase(
+        "sampling",
+        (
+            Part("engine static pool", static),
+            Part("engine workspace", ENGINE_WORKSPACE),
+            Part("weight bucket sent and received", 2 * bucket),
+            Part("released trainer", CUDA_CONTEXT),
+        ),
+    )
+    train_dtype = BYTES[trainer.dtype]
+    tokens = trainer.micro_step_tokens
+    stages = []
+    for stage in range(pp):
+        first, last = stage == 0, stage == pp - 1
+        layers = t.layers // pp
+        params = layers * t.layer_params + (t.embedding_params if first else 0)
+        params += t.embedding_params if last and (not t.tied or pp > 1) else 0
+        params //= tp
+        state = Part("weights", params * train_dtype)
+        # megatron: each backward's gradient in the parameters' dtype, summed in fp32; torch: fp32.
+        grads = Part("gradients", params * (train_dtype + 4 if trainer.backend == "megatron" else 4))
+        master = 4 * params if trainer.dtype != "float32" else 0
+        optimizer = Part("fp32 master + Adam", master + 8 * params)
+        if trainer.recompute == "full":
+            # Each layer's input is kept; one layer's activations exist again while it is recomputed.
+            saved = layers * t.hidden + t.layer_activation_elements(tp)
+        else:
+            saved = layers * t.layer_activation_elements(tp)
+        activations = Part("activations", tokens * saved * train_dtype)
+        logits = Part("logits", tokens * -(-t.vocab // tp) * LOGIT_BYTES if last else 0)
+        parts = (state, grads, optimizer, activations, logits, Part("released engine", CUDA_CONTEXT))
+        stages.append(Phase("training", parts))
+    training = max(stages, key=lambda p: p.total)
+    rank_params = t.params // (tp * pp)
+    host = 2 * 4 * t.params + rank_params * (train_dtype + (4 if trainer.dtype != "float32" else 0) + 8)
+    return MemoryPlan(
+        gpu_bytes=gpu,
+        sampling=sampling,
+        training=training,
+        kv_tokens=max(0, static - engine_weights) // kv_per_token,
+        context_tokens=agent.context_limit_tokens + engine.max_new_tokens,
+        host_bytes=host,
+    )
+
+
+def engine_dtype(engine: EngineConfig) -> str:
+    """The served dtype: auto is what the engine picks for a Qwen3 checkpoint (SGLang: its
+    bfloat16; the embedded engine: float32)."""
+    if engine.dtype != "auto":
+        return engine.dtype
+    return "bfloat16" if engine.backend == "sglang" else "float32"
+
+
+def check_memory(
+    model: Qwen3Config | None,
+    cells: CellsConfig,
+    engine: EngineConfig,
+    trainer: TrainerConfig,
+    agent: AgentConfig,
+) -> MemoryPlan | None:
+    """The plan, or a ``RecipeError`` (one line) when a phase does not fit; None where nothing
+    is planned (no GPU size, or the model's shape is not known here)."""
+    if model is None:
+        return None
+    p = plan(model, cells, engine, trainer, agent)
+    if p is not None and (why := p.refusal()):
+        raise RecipeError(why)
+    return p

@@ -1,0 +1,83 @@
+"""The memory plan: a pure function of the model's shape, the recipe's sections and the GPU's
+size, golden for the flagship recipe at trainer tp 4 and 8 and for the tiny model, and the
+refusal a recipe that does not fit gets from `recipe check`."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from conftest import REPO, assert_golden, gyre
+
+from gyre_hpc.errors import RecipeError
+from gyre_hpc.memory_plan import Shape, check_memory, plan
+from gyre_hpc.models.catalog import KNOWN, model_shape
+from gyre_hpc.models.flat import FlatLayout
+from gyre_hpc.recipe import load_recipe
+
+FLAGSHIP = REPO / "recipes" / "qwen3-8b-8cells.toml"
+
+
+def lines(recipe_path, *sets: str) -> str:  # noqa: ANN001
+    r = load_recipe(recipe_path, list(sets))
+    p = plan(model_shape(r.run.model), r.cells, r.engine, r.trainer, r.agent)
+    assert p is not None
+    return "\n".join(p.lines()) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("name", "sets"),
+    [
+        ("qwen3-8b-tp4", ()),
+        ("qwen3-8b-tp8", ("trainer.tp_size=8",)),
+        ("tiny", ("cells.gpu_memory_gib=80", "engine.backend=sglang")),
+    ],
+)
+def test_the_plan_is_golden(name: str, sets: tuple[str, ...]) -> None:
+    recipe = REPO / "recipes" / ("smoke.toml" if name == "tiny" else "qwen3-8b-8cells.toml")
+    assert_golden(f"memory-plan-{name}.txt", lines(recipe, *sets))
+
+
+@pytest.mark.parametrize("name", ["tiny", *KNOWN])
+def test_the_plan_counts_the_parameters_the_model_has(name: str) -> None:
+    config = model_shape(name)
+    assert config is not None
+    assert Shape.of(config).params == FlatLayout.of(config).numel
+
+
+def test_the_flagship_fits_only_with_recomputation_and_says_so_in_one_line() -> None:
+    r = load_recipe(FLAGSHIP, [])
+    fits = check_memory(model_shape(r.run.model), r.cells, r.engine, r.trainer, r.agent)
+    assert fits is not None and fits.training.total < fits.gpu_bytes
+    assert fits.sampling.total < fits.gpu_bytes and fits.kv_tokens > fits.context_tokens
+    without = replace(r.trainer, recompute="none")
+    with pytest.raises(RecipeError) as err:
+        check_memory(model_shape(r.run.model), r.cells, r.engine, without, r.agent)
+    assert "training" in str(err.value) and "trainer.recompute" in str(err.value)
+    # The CLI says the same in one line, exit 2 (an embedded engine: runnable in this environment).
+    proc = gyre("recipe", "check", str(FLAGSHIP), "--set", "engine.backend=embedded",
+                "--set", "trainer.recompute=none")  # fmt: skip
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "memory plan: training" in proc.stderr and "> 140.0 GiB, cells.gpu_memory_gib" in proc.stderr
+
+
+def test_a_kv_cache_smaller_than_one_context_is_refused() -> None:
+    r = load_recipe(FLAGSHIP, ["engine.mem_fraction_static=0.05", "engine.tp_size=1"])
+    with pytest.raises(RecipeError, match="KV cache holds .* less than one context"):
+        check_memory(model_shape(r.run.model), r.cells, r.engine, r.trainer, r.agent)
+
+
+def test_nothing_is_planned_without_a_gpu_size_or_a_known_shape() -> None:
+    smoke = load_recipe(REPO / "recipes" / "smoke.toml", [])
+    assert plan(model_shape("tiny"), smoke.cells, smoke.engine, smoke.trainer, smoke.agent) is None
+    assert model_shape("/nowhere/my-own-model") is None
+    proc = gyre("recipe", "check", "recipes/smoke.toml", "--set", "cells.gpu_memory_gib=80",
+                "--set", "run.model=/nowhere/my-own-model", cwd=REPO)  # fmt: skip
+    assert proc.returncode == 0 and "memory plan: none" in proc.stdout, proc.stderr
+
+
+def test_recipe_check_prints_the_plan() -> None:
+    proc = gyre("recipe", "check", "recipes/smoke.toml", "--set", "cells.gpu_memory_gib=80", cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert "memory plan, the worst GPU of a cell (80.0 GiB)" in proc.stdout
+    assert "  sampling " in proc.stdout and "  training " in proc.stdout

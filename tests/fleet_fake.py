@@ -138,6 +138,9 @@ class _Trainer:
     def micro_step(self, sequences: list) -> MicroStats:
         return micro_stats(sequences, 0.0, 0)
 
+    def gradient(self) -> None:
+        """No gradient: the fleet's clock stands for the whole step."""
+
 
 class FakeFleet:
     def __init__(

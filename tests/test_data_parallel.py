@@ -62,10 +62,14 @@ class Counter:
 class Recorder:
     def __init__(self) -> None:
         self.trained: list[str] = []
+        self.asked = 0
 
     def micro_step(self, sequences: list) -> MicroStats:
         self.trained += sequences
         return MicroStats(len(sequences), 0, 0, 0.0, 0)
+
+    def gradient(self) -> None:
+        self.asked += 1
 
 
 def test_a_growing_queue_is_trained_once_across_cells_that_wait_for_data() -> None:
@@ -81,6 +85,9 @@ def test_a_growing_queue_is_trained_once_across_cells_that_wait_for_data() -> No
                 c.close(5)
     trained = sorted(cells[0].trained + cells[1].trained)
     assert trained == ["m0", "m1", "m2", "m3", "m4"]
+    # Each cell's gradient is asked for once, when it is done: what it accumulated reaches the
+    # buffer the core reads.
+    assert [c.asked for c in cells] == [1, 1]
 
 
 @pytest.mark.mpi

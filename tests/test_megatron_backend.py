@@ -19,7 +19,7 @@ from gyre_hpc.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from gyre_hpc.models.registry import resolve_model
 from gyre_hpc.models.tiny import init_tiny, save_weights
 from gyre_hpc.observability.events import read_events
-from gyre_hpc.recipe.schema import TrainerConfig
+from gyre_hpc.recipe.schema import AgentConfig, CellsConfig, EngineConfig, TrainerConfig
 from gyre_hpc.trainer.torch_backend import TorchTrainer
 from gyre_hpc.trajectory.batch import TrainSequence
 
@@ -212,6 +212,99 @@ def test_bfloat16_computes_in_bf16_and_steps_fp32_master_weights(tmp_path: Path)
     da, db = fp32.weights() - before, bf16.weights() - before
     assert float(da @ db / (np.linalg.norm(da) * np.linalg.norm(db))) > 0.9  # the same step, in fp32
     assert all(torch.equal(p, bf16.master[n].to(p.dtype)) for n, p in bf16.params.items())
+
+
+def saved_for_backward(trainer, seqs: list[TrainSequence]) -> int:  # noqa: ANN001
+    """Bytes one forward (grad on, no backward) leaves saved for backward."""
+    total = 0
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    unit = trainer._path_unit(seqs[0])
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        trainer._forward(unit)
+    return total
+
+
+def test_full_recomputation_keeps_a_fraction_of_the_activations_for_the_same_gradient(tmp_path: Path) -> None:
+    """``trainer.recompute`` reaches megatron's TransformerConfig: what a forward keeps for
+    backward shrinks, the step does not change."""
+    from gyre_hpc.trainer import megatron_backend
+
+    model_dir = init_tiny(tmp_path / "tiny")
+    seqs = sequences(Qwen3Config.load(model_dir).vocab_size)
+    kept, grads = {}, {}
+    for mode in ("none", "full"):
+        t = megatron_backend.MegatronTrainer(model_dir, replace(CFG, recompute=mode), core=True)
+        assert t.model.config.recompute_granularity == (None if mode == "none" else "full")
+        kept[mode] = saved_for_backward(t, seqs)
+        t.micro_step(seqs)
+        grads[mode] = t.gradient().copy()
+    assert kept["full"] < kept["none"] / 3, kept
+    assert np.abs(grads["full"] - grads["none"]).max() <= 1e-6 * np.abs(grads["none"]).max()
+
+
+def test_gradients_accumulate_in_fp32_and_reach_the_host_buffer_once_asked(tmp_path: Path) -> None:
+    """bf16 parameters: each micro-step's gradient is added to an fp32 sum on the trainer's
+    device; the flat buffer the transport reads is written when ``gradient()`` is asked."""
+    from gyre_hpc.trainer import megatron_backend
+
+    model_dir = init_tiny(tmp_path / "tiny")
+    t = megatron_backend.MegatronTrainer(model_dir, replace(CFG, dtype="bfloat16"), core=True)
+    assert t.model.config.bf16  # the attention softmax is upcast
+    seqs = sequences(Qwen3Config.load(model_dir).vocab_size)
+    t.micro_step(seqs[:1])
+    t.micro_step(seqs[1:])
+    assert not t.grad.any()  # nothing copied to the host per micro-step
+    assert all(g.dtype == torch.float32 for g in t.main_grad.values())
+    assert all(p.grad is None for p in t.params.values())  # the bf16 copies live one backward
+    both = t.gradient().copy()
+    assert both.any() and not t.main_grad
+    assert np.array_equal(t.gradient(), both)  # asked again: nothing added twice
+    t.zero_grad()
+    t.micro_step(seqs)
+    once = t.gradient()
+    assert float(once @ both / (np.linalg.norm(once) * np.linalg.norm(both))) > 0.999
+
+
+def test_a_released_trainer_hands_back_what_the_memory_plan_counts_and_trains_on_as_before(
+    tmp_path: Path,
+) -> None:
+    """What ``release_memory`` moves to the host on a GPU (here moved by hand: on the CPU there is
+    nothing to hand back): every resident tensor, the bytes the plan counts for weights, fp32
+    masters and Adam, and the step after it is the step of a trainer that never let go."""
+    from gyre_hpc.memory_plan import plan
+    from gyre_hpc.trainer import megatron_backend
+
+    model_dir = init_tiny(tmp_path / "tiny")
+    cfg = replace(CFG, dtype="bfloat16", backend="megatron")
+    kept, moved = (megatron_backend.MegatronTrainer(model_dir, cfg, core=True) for _ in range(2))
+    seqs = sequences(Qwen3Config.load(model_dir).vocab_size)
+    for t in (kept, moved):
+        t.micro_step(seqs)
+        t.gradient()
+        t.apply(3)  # Adam's moments exist from here
+    moved.weights()  # taken while resident, as the cell does
+    released = moved.offload.release(moved._resident())
+    p = plan(Qwen3Config.load(model_dir), CellsConfig(gpu_memory_gib=80), EngineConfig(), cfg, AgentConfig())
+    counted = {part.what: part.bytes for part in p.training.parts}
+    planned = counted["weights"] + counted["fp32 master + Adam"]
+    assert released == pytest.approx(planned, rel=0.002)  # the norms' weights are fp32, not bf16
+    assert np.array_equal(moved.weights(), kept.weights())  # answered from the snapshot
+    moved.offload.resume(moved._resident())
+    for t in (kept, moved):
+        t.zero_grad()
+        t.micro_step(seqs)
+        t.gradient()
+        t.apply(3)
+    assert np.array_equal(moved.weights(), kept.weights())
+    moved.offload.release(moved._resident())
+    moved.fresh = False
+    with pytest.raises(RuntimeError, match="released trainer"):
+        moved.weights()
 
 
 def test_the_megatron_benchmark_runs_at_tiny_size(tmp_path: Path) -> None:

@@ -233,6 +233,53 @@ def test_megatron_attention_takes_the_block_mask_as_the_dense_mask(megatron_tree
 
 
 @pytest.mark.megatron
+def test_with_recomputation_the_block_mask_reaches_every_layer_beside_megatron_s_arguments(
+    megatron_tree,  # noqa: ANN001
+    tiny: Path,
+) -> None:
+    """Recomputation saves the block's arguments for backward, and saves only tensors: a block
+    mask handed as ``attention_mask`` fails there (forward with grad on: the checkpointed layers
+    run without grad, so FlexAttention's missing CPU backward is not reached)."""
+    from gyre_hpc.trainer.base import tree_inputs
+    from gyre_hpc.trainer.megatron_backend import PositionedRotary, build_model
+
+    tree = pack_tree(forked_sequences(Qwen3Config.load(tiny).vocab_size))
+    t = megatron_tree
+    blocky = build_model(t.model_config, t.layout, t.dtype, block_masks=True, recompute="full")
+    blocky.rotary_pos_emb = PositionedRotary(blocky.rotary_pos_emb)
+    blocky.load_state_dict(t.model.state_dict())
+    blocky.train()
+    ids, positions = tree_inputs(tree)
+    blocky.rotary_pos_emb.positions = positions[0]
+    mask = block_mask(tree.ends, torch.device("cpu"))
+    with torch.no_grad():
+        dense = t._forward(t._tree_unit(tree))
+    with pytest.raises(TypeError, match="save_for_backward"):
+        blocky(ids, positions, attention_mask=mask)
+    blocky.tree_mask.mask = mask
+    assert torch.allclose(blocky(ids, positions, attention_mask=None), dense, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.megatron
+def test_a_tree_padded_to_its_bucket_gives_the_same_step(megatron_tree, tiny: Path) -> None:  # noqa: ANN001
+    """What a cell on CUDA does to bound its compiled lengths (here with the dense mask)."""
+    seqs = forked_sequences(Qwen3Config.load(tiny).vocab_size)
+    t = megatron_tree
+    t.zero_grad()
+    plain = t.micro_step(seqs)
+    g = t.gradient().copy()
+    t.zero_grad()
+    t.pad_trees = True
+    try:
+        padded = t.micro_step(seqs)
+    finally:
+        t.pad_trees = False
+    assert padded.loss_sum == pytest.approx(plain.loss_sum, rel=1e-6)
+    assert np.abs(t.gradient() - g).max() <= 1e-6 * np.abs(g).max()
+    t.zero_grad()
+
+
+@pytest.mark.megatron
 @pytest.mark.mpi
 @pytest.mark.parametrize(("ranks", "tp", "pp"), [(2, 2, 1), (2, 1, 2), (2, 1, 1)])
 def test_a_megatron_tree_over_tensor_pipeline_or_data_parallel_ranks_gives_the_paths_step(
@@ -274,3 +321,20 @@ def test_on_cuda_a_megatron_tree_with_block_masks_gives_the_paths_step(tiny: Pat
     assert b.loss_sum == pytest.approx(a.loss_sum, rel=1e-4) and b.tokens < a.tokens
     ga, gb = paths.gradient(), tree.gradient()
     assert np.abs(gb - ga).max() <= 1e-4 * np.abs(ga).max()  # GPU kernels sum in other orders
+
+
+@pytest.mark.gpu
+def test_the_torch_trainer_on_a_gpu_takes_the_cpu_s_step(tiny: Path) -> None:
+    """trainer.device = "cuda": its buffers live on the GPU, the host mirrors are written when
+    asked, and the core's summed gradient is read back from the host."""
+    seqs = forked_sequences(Qwen3Config.load(tiny).vocab_size)
+    cpu, gpu = (TorchTrainer(tiny, CFG, core=True, device=d) for d in ("cpu", "cuda"))
+    assert gpu.flat.is_cuda and not gpu.host_grad.is_cuda
+    for t in (cpu, gpu):
+        t.micro_step(seqs)
+    g = cpu.gradient()
+    assert np.abs(gpu.gradient() - g).max() <= 1e-4 * np.abs(g).max()
+    for t in (cpu, gpu):
+        t.gradient()[:] *= 2  # as the core adds the other cells' gradients, on the host
+        t.apply(3)
+    assert np.abs(gpu.weights() - cpu.weights()).max() < 1e-5

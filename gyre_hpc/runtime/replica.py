@@ -49,7 +49,8 @@ class MirroredTrainer:
         return self.local.weights()
 
     def gradient(self) -> np.ndarray:
-        return self.local.gradient()  # already whole on the leader: the transport reads it here
+        self._announce("gradient")  # the replica's ranks reduce what they accumulated together
+        return self.local.gradient()  # then whole on the leader: the transport reads it here
 
     def load_snapshot(self, flat: np.ndarray, version: int) -> None:
         self._announce("load_snapshot", version)
@@ -59,6 +60,12 @@ class MirroredTrainer:
     def zero_grad(self) -> None:
         self._announce("zero_grad")
         self.local.zero_grad()
+
+    def release_memory(self) -> None:
+        self.local.release_memory()  # members release on the role switch the leader forwards
+
+    def resume_memory(self) -> None:
+        self.local.resume_memory()
 
     def micro_step(self, sequences: list[TrainSequence]) -> MicroStats:
         self._announce("micro_step", sequences)
@@ -96,7 +103,7 @@ def mirror(trainer: Trainer, msg: Mirror, comm: Any, scratch: np.ndarray) -> Non
         comm.gather(trainer.optimizer_state(), root=0)
     elif verb == "load_optimizer_state":
         trainer.load_optimizer_state(comm.scatter(None, root=0))
-    elif verb in ("weights", "zero_grad", "micro_step"):
+    elif verb in ("weights", "zero_grad", "micro_step", "gradient"):
         getattr(trainer, verb)(*args)
     else:
         raise ProtocolError(f"cell member: no trainer verb {verb!r}")

@@ -64,10 +64,12 @@ class Trainer(Protocol):
     def zero_grad(self) -> None: ...
 
     def micro_step(self, sequences: list[TrainSequence]) -> MicroStats:
-        """Forward/backward; gradients accumulate into the flat gradient buffer."""
+        """Forward/backward; gradients accumulate (in the flat buffer, or on the trainer's device
+        until ``gradient`` is asked)."""
 
     def gradient(self) -> np.ndarray:
-        """The flat gradient buffer (a view)."""
+        """The flat gradient buffer (a view) holding every micro-step since ``zero_grad``; a
+        collective on a replica of several ranks, asked of all of them."""
 
     def apply(self, num_runs: int) -> ApplyStats:
         """Core only: the summed gradient is in ``gradient()``; one optimizer step."""
@@ -75,6 +77,13 @@ class Trainer(Protocol):
     def optimizer_state(self) -> dict: ...
 
     def load_optimizer_state(self, state: dict) -> None: ...
+
+    def release_memory(self) -> None:
+        """Hand the GPU back while the cell samples (nothing to do on the CPU); ``weights`` still
+        answers, from the snapshot taken before."""
+
+    def resume_memory(self) -> None:
+        """Take the GPU back before the cell trains."""
 
 
 def policy_micro_step(

@@ -5,7 +5,7 @@
    pull snapshot v (satellites)                      for each other contributor c:
    work_once: i = claim()  (fetch-and-add)             pull_gradient(c) → g += g_c
          i < known length → micro_step(queue[i])     apply(R): g/R, clip, AdamW → v+1
-         queue closed and i ≥ n → done               publish(weights, v+1)
+         queue closed and i ≥ n → gradient() → done  publish(weights, v+1)
          else: wait for more micro-steps
    report claimed indices
 ```
@@ -65,6 +65,7 @@ def work_once(claims: Claims, trainer: Trainer, transport: Transport) -> str:
     packed yet) or ``done`` (the queue is closed and exhausted, or the step was stopped: an
     index claimed and not trained is reported by nobody, so the controller carries it)."""
     if claims.stopped:
+        trainer.gradient()  # what it trained counts: it lands where the core reads it
         return "done"
     if claims.pending is None:
         claims.pending = transport.claim()
@@ -75,6 +76,7 @@ def work_once(claims: Claims, trainer: Trainer, transport: Transport) -> str:
         claims.pending = None
         return "trained"
     if claims.closed and i >= claims.total:
+        trainer.gradient()  # what the trainer accumulated on its device lands where the core reads it
         return "done"
     return "waiting"
 

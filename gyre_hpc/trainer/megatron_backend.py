@@ -60,14 +60,25 @@ from gyre_hpc.trainer.base import (
 )
 from gyre_hpc.trainer.megatron_cpu import redirect_cuda_to_cpu
 from gyre_hpc.trainer.megatron_weights import Layout, hf_to_megatron, megatron_to_hf
-from gyre_hpc.trainer.tree_attention import block_mask, dense_mask, flex, is_block_mask
+from gyre_hpc.trainer.offload import Offload
+from gyre_hpc.trainer.tree_attention import (
+    block_mask,
+    dense_mask,
+    flex,
+    is_block_mask,
+    padded_ends,
+    padded_length,
+)
 from gyre_hpc.trajectory.batch import TrainSequence
 from gyre_hpc.trajectory.packing import PackedTree, by_run, forward_trees
 
 
-def transformer_config(c: Qwen3Config, layout: Layout, dtype: torch.dtype) -> Any:
+def transformer_config(c: Qwen3Config, layout: Layout, dtype: torch.dtype, recompute: str = "none") -> Any:
+    """megatron's config of the model; ``recompute`` is ``trainer.recompute``: full keeps each
+    layer's input and recomputes the layer in backward, one layer at a time."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    again = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     return TransformerConfig(
         num_layers=c.num_hidden_layers,
         hidden_size=c.hidden_size,
@@ -94,13 +105,21 @@ def transformer_config(c: Qwen3Config, layout: Layout, dtype: torch.dtype) -> An
         use_cpu_initialization=not torch.cuda.is_available(),
         params_dtype=dtype,
         pipeline_dtype=dtype,
+        # Mixed precision as megatron means it: the attention softmax is upcast to fp32.
+        bf16=dtype == torch.bfloat16,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        **(again if recompute == "full" else {}),
     )
 
 
 def build_model(
-    c: Qwen3Config, layout: Layout, dtype: torch.dtype, stage: int = 0, block_masks: bool = False
+    c: Qwen3Config,
+    layout: Layout,
+    dtype: torch.dtype,
+    stage: int = 0,
+    block_masks: bool = False,
+    recompute: str = "none",
 ) -> Any:
     """The GPTModel part of this rank's stage (model parallel state must be initialised).
     ``block_masks``: its attention also takes FlexAttention block masks (packed trees on CUDA)."""
@@ -108,10 +127,13 @@ def build_model(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    tree_mask = TreeMask()
     if block_masks:
-        spec.submodules.self_attention.submodules.core_attention = block_mask_attention()
-    return GPTModel(
-        transformer_config(c, layout, dtype),
+        attention = block_mask_attention()
+        attention.tree_mask = tree_mask
+        spec.submodules.self_attention.submodules.core_attention = attention
+    model = GPTModel(
+        transformer_config(c, layout, dtype, recompute),
         spec,
         vocab_size=layout.padded_vocab,
         max_sequence_length=c.max_position_embeddings,
@@ -123,20 +145,34 @@ def build_model(
         post_process=stage == layout.pp - 1,
         parallel_output=True,  # each TP rank keeps its vocabulary shard: log-probs are vocab-parallel
     )
+    model.tree_mask = tree_mask  # what its attention reads a block mask from (``TreeMask``)
+    return model
+
+
+class TreeMask:
+    """The block mask of the tree being forwarded, which every layer's attention reads: it goes
+    beside megatron's arguments, because activation recomputation saves those for backward and
+    takes only tensors."""
+
+    mask: Any = None
 
 
 def block_mask_attention() -> type:
-    """Megatron's local core attention, which also takes a FlexAttention block mask: a packed
-    tree's attention without the [heads, N, N] scores the local kernel materialises."""
+    """Megatron's local core attention, which also takes a FlexAttention block mask (as its
+    ``attention_mask`` or from its ``tree_mask``): a packed tree's attention without the
+    [heads, N, N] scores the local kernel materialises."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class BlockMaskAttention(DotProductAttention):
+        tree_mask = TreeMask()
+
         def forward(self, query, key, value, attention_mask, **kwargs):  # noqa: ANN001, ANN003, ANN202
-            if not is_block_mask(attention_mask):
+            mask = attention_mask if is_block_mask(attention_mask) else self.tree_mask.mask
+            if mask is None:
                 return super().forward(query, key, value, attention_mask, **kwargs)
             # [s, b, heads, d] → [b, heads, s, d] and back to [s, b, heads · d]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-            out = flex(q, k, v, attention_mask, scale=self.softmax_scale)
+            out = flex(q, k, v, mask, scale=self.softmax_scale)
             return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
 
     return BlockMaskAttention
@@ -274,7 +310,13 @@ class MegatronTrainer:
         bf16 = config.dtype == "bfloat16"
         self.dtype = torch.bfloat16 if bf16 else torch.float32
         on_cuda = self.device.type == "cuda"
-        self.model = build_model(self.model_config, self.layout, self.dtype, self.stage, block_masks=on_cuda)
+        self.model = build_model(
+            self.model_config, self.layout, self.dtype, self.stage, block_masks=on_cuda,
+            recompute=config.recompute,
+        )  # fmt: skip
+        self.pad_trees = on_cuda
+        """Pad each tree to a bucket's length (``tree_attention.padded_length``), so the compiled
+        block mask and attention see a bounded number of lengths."""
         self.rotary = self.model.rotary_pos_emb = PositionedRotary(self.model.rotary_pos_emb)
         self.model.train()
         self.params = dict(self.model.named_parameters())
@@ -294,8 +336,18 @@ class MegatronTrainer:
         if grad_buffer.shape != (self.numel,) or grad_buffer.dtype != np.float32:
             raise ValueError(f"gradient buffer must be float32[{self.numel}]")
         self.grad = grad_buffer
+        # Each backward's gradient is added, in fp32 on the trainer's device, to ``main_grad``
+        # and dropped; reduced and copied into ``grad`` once, when ``gradient()`` is asked.
+        self.main_grad: dict[str, torch.Tensor] = {}
+        self.pending = False
+        """Micro-steps were trained since the gradient was last copied into ``grad``."""
+        for name, p in self.params.items():
+            p.register_post_accumulate_grad_hook(self._accumulator(name))
         self._load(_reader(Path(model_dir)))
         self.version = 0
+        self.fresh = False
+        """``flat`` holds the current weights (gathered since the last change)."""
+        self.offload = Offload()
         self.optimizer = (
             torch.optim.AdamW(
                 (self.master or self.params).values(),
@@ -310,21 +362,76 @@ class MegatronTrainer:
     # ---- the Trainer protocol ------------------------------------------------------------------
 
     def weights(self) -> np.ndarray:
-        source = self.master or self.params
-        self._to_flat(self.flat, lambda name: source[name].detach().float())
+        if not self.fresh:  # the shards are gathered where they live (NCCL: on the GPU)
+            if self.offload.released:
+                raise RuntimeError("weights() of a released trainer: take them before release_memory")
+            source = self.master or self.params
+            self._to_flat(self.flat, lambda name: source[name].detach().float())
+            self.fresh = True
         return self.flat
 
+    def release_memory(self) -> None:
+        """While the cell samples: the parameters, fp32 masters and Adam's moments to host memory
+        and the allocator's cache emptied, so the engine resumes into the GPU. Not collective:
+        whoever needs ``weights`` meanwhile (the core's engine) took them before. On the CPU
+        there is nothing to hand back."""
+        if self.device.type != "cuda" or self.offload.released:
+            return
+        self.offload.release(self._resident())
+        torch.cuda.empty_cache()
+
+    def resume_memory(self) -> None:
+        """Before the cell trains (its engine released): everything back on the GPU."""
+        if self.offload.released:
+            self.offload.resume(self._resident())
+
+    def _resident(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What this rank keeps on its device between micro-steps, by name."""
+        yield from (("param:" + n, p) for n, p in self.params.items())
+        yield from (("master:" + n, m) for n, m in (self.master or {}).items())
+        if self.optimizer is not None:
+            names = {id(p): n for n, p in (self.master or self.params).items()}
+            for p, state in self.optimizer.state.items():
+                for key, t in state.items():
+                    if isinstance(t, torch.Tensor) and t.dim():  # not Adam's scalar step count
+                        yield f"adam:{key}:{names[id(p)]}", t
+
     def gradient(self) -> np.ndarray:
+        """The flat gradient, with every micro-step since ``zero_grad`` in it: the fp32 sums on
+        the device are reduced (tied copies, q/k norms, replicas) and copied to the host here,
+        once, by every rank of the replica together."""
+        if self.pending:  # every rank of the replica trained the same micro-steps: all flush
+            for n, p in self.params.items():  # what this rank did not forward adds nothing
+                self.main_grad.setdefault(n, torch.zeros_like(p, dtype=torch.float32))
+            self._sum_tied_embedding_grads()
+            if self.dp > 1:
+                for g in self.main_grad.values():
+                    torch.distributed.all_reduce(g, group=self.dp_group)
+            self._to_flat(self.grad, self._whole_grad, add=True)
+            self.main_grad, self.pending = {}, False
         return self.grad
 
     def load_snapshot(self, flat: np.ndarray, version: int) -> None:
         self._load(self._view(flat))
         self.version = version
+        self.fresh = False
 
     def zero_grad(self) -> None:
         for p in self.params.values():
             p.grad = None
+        self.main_grad, self.pending = {}, False
         self.grad[:] = 0.0
+
+    def _accumulator(self, name: str) -> Callable[[torch.Tensor], None]:
+        def add(p: torch.Tensor) -> None:
+            g = self.main_grad.get(name)
+            if g is None:
+                self.main_grad[name] = p.grad.to(torch.float32, copy=True)
+            else:
+                g.add_(p.grad)
+            p.grad = None  # the parameter-dtype copy lives for one backward only
+
+        return add
 
     def micro_step(self, sequences: list[TrainSequence]) -> MicroStats:
         # Data-parallel replicas inside the cell split the sequences (a tree keeps a run whole).
@@ -338,14 +445,11 @@ class MegatronTrainer:
             units = [self._path_unit(s) for s in mine]
         units = [u for u in units if u.length]
         stats = self._pipeline(units) if self.layout.pp > 1 else self._forward_backward(units)
+        self.model.tree_mask.mask = None
         stats = micro_stats(mine, *stats)
         if self.dp > 1:
             stats = self._sum_over_replicas(sequences, stats)
-        # The gradient leaves in the shared layout, where the core (or the transport) reads it,
-        # accumulated there in fp32 whatever the parameters' dtype.
-        self._to_flat(self.grad, self._whole_grad, add=True)
-        for p in self.params.values():
-            p.grad = None
+        self.pending = True
         return stats
 
     def _path_unit(self, s: TrainSequence) -> _Unit:
@@ -365,10 +469,15 @@ class MegatronTrainer:
 
     def _tree_unit(self, tree: PackedTree) -> _Unit:
         ids, positions = tree_inputs(tree, self.device)
+        ends = tree.ends
+        if self.pad_trees:  # padding tokens see only themselves; the loss reads real rows only
+            length = padded_length(len(tree), self.config.micro_step_tokens)
+            ends = padded_ends(ends, length)
+            ids, positions = (F.pad(t, (0, length - len(tree))) for t in (ids, positions))
         if self.device.type == "cuda":  # block-sparse: no N² tensor (models.tree_attention)
-            hidden = block_mask(tree.ends, self.device)
+            hidden = block_mask(ends, self.device)
         else:
-            hidden = ~dense_mask(tree.ends, self.device)[None, None]
+            hidden = ~dense_mask(ends, self.device)[None, None]
         c = self.config
 
         def loss(logits: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -382,16 +491,24 @@ class MegatronTrainer:
         """This stage's output: the last stage's logits over this rank's vocabulary shard
         [1, T, padded vocab / tp]; hidden states [T, 1, H] before it."""
         self.rotary.positions = unit.positions[0]
+        blocks = self._attend(unit)
         try:
-            return self.model(unit.ids, unit.positions, attention_mask=unit.hidden)
+            return self.model(unit.ids, unit.positions, attention_mask=None if blocks else unit.hidden)
         finally:
             self.rotary.positions = None
+
+    def _attend(self, unit: _Unit) -> bool:
+        """Hand ``unit``'s block mask to the attention, for its forward and for the layers
+        recomputed in its backward; False (nothing handed) for a dense mask."""
+        blocks = is_block_mask(unit.hidden)
+        self.model.tree_mask.mask = unit.hidden if blocks else None
+        return blocks
 
     def _forward_backward(self, units: list[_Unit]) -> tuple[float, int, int]:
         loss_sum, clipped = 0.0, 0
         for u in units:
             loss, out = u.loss(self._forward(u))
-            loss.backward()
+            loss.backward()  # recomputed layers, if any, still see u's mask
             loss_sum, clipped = loss_sum + float(loss.detach()), clipped + out
         return loss_sum, clipped, sum(u.length for u in units)
 
@@ -415,7 +532,8 @@ class MegatronTrainer:
                 dist.send(out.detach().contiguous(), self.next_rank)
             kept.append((x, out))
         loss_sum, clipped = 0.0, 0
-        for x, out in kept:
+        for u, (x, out) in zip(units, kept, strict=True):
+            self._attend(u)
             if last:
                 loss, n_clipped = out
                 loss.backward()
@@ -426,7 +544,6 @@ class MegatronTrainer:
                 torch.autograd.backward(out, grad)
             if not first:
                 dist.send(x.grad.contiguous(), self.prev_rank)
-        self._sum_tied_embedding_grads()
         # The loss is known on the last stage; every rank reports it.
         totals = torch.tensor([loss_sum, float(clipped)], dtype=torch.float64, device=self.device)
         dist.broadcast(totals, dist.get_global_rank(self.pp_group, self.layout.pp - 1), group=self.pp_group)
@@ -449,13 +566,9 @@ class MegatronTrainer:
         return -vocab_parallel_cross_entropy(shard[:, None], tokens[:, None])[:, 0]
 
     def _sum_over_replicas(self, sequences: list[TrainSequence], mine: MicroStats) -> MicroStats:
-        """Gradients and loss summed over the data-parallel replicas of the cell (as megatron's
-        DDP does), so every replica holds the micro-step's whole gradient."""
+        """The micro-step's loss and counts summed over the data-parallel replicas of the cell
+        (their gradients are summed once a step, in ``gradient``)."""
         dist = torch.distributed
-        for p in self.params.values():
-            if p.grad is None:  # this replica had no sequence
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=self.dp_group)
         totals = [mine.loss_sum, float(mine.clipped), float(mine.tokens)]
         totals = torch.tensor(totals, dtype=torch.float64, device=self.device)
         dist.all_reduce(totals, group=self.dp_group)
@@ -469,13 +582,12 @@ class MegatronTrainer:
         if not self.model_config.tie_word_embeddings or self.stage not in (0, self.layout.pp - 1):
             return
         name = "embedding.word_embeddings.weight" if self.stage == 0 else "output_layer.weight"
-        torch.distributed.all_reduce(self.params[name].grad, group=parallel_state.get_embedding_group())
+        torch.distributed.all_reduce(self.main_grad[name], group=parallel_state.get_embedding_group())
 
     def _whole_grad(self, name: str) -> torch.Tensor:
         """A parameter's gradient on this rank; q/k norms act on this rank's heads only, so their
         gradient is the sum over the TP group (as megatron's finalize_model_grads does)."""
-        p = self.params[name]
-        g = p.grad.float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
+        g = self.main_grad[name]
         if self.layout.tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
             g = g.clone()
             torch.distributed.all_reduce(g, group=self.tp_group)
@@ -497,6 +609,7 @@ class MegatronTrainer:
                 for name, m in self.master.items():
                     self.params[name].copy_(m)
         self.version += 1
+        self.fresh = False
         return ApplyStats(self.version, norm)
 
     def optimizer_state(self) -> dict:
@@ -506,6 +619,7 @@ class MegatronTrainer:
     def load_optimizer_state(self, state: dict) -> None:
         assert self.optimizer is not None
         self.optimizer.load_state_dict(state)
+        self.fresh = False
 
     # ---- layout boundaries ---------------------------------------------------------------------
 

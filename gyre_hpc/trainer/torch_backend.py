@@ -1,8 +1,10 @@
-"""The ``torch`` trainer: plain PyTorch, CPU or one GPU, AdamW on the core.
+"""The ``torch`` trainer: plain PyTorch, CPU or one GPU (``trainer.device``), AdamW on the core.
 
-Parameters and gradients are views into two flat buffers (``models.flat``); the gradient buffer
-may be memory the transport exposes (pass ``grad_buffer``), so a finished cell's gradient is
-readable by the core without a copy.
+Parameters and gradients are views into two flat buffers (``models.flat``) on the device it
+computes on. On the CPU those are the host buffers themselves: the gradient buffer may be memory
+the transport exposes (pass ``grad_buffer``), so a finished cell's gradient is readable by the
+core without a copy. On a GPU the host buffers are mirrors, written when asked (``weights``,
+``gradient``: once a step) and read back where the core's summed gradient arrives (``apply``).
 """
 
 from __future__ import annotations
@@ -39,19 +41,24 @@ class TorchTrainer:
         core: bool,
         grad_buffer: np.ndarray | None = None,
         packing: str = "paths",
+        device: torch.device | str = "cpu",
     ) -> None:
         self.config = config
         self.packing = packing
         """``tree``: a micro-step's sequences forwarded as one packed tree (``trajectory.packing``)."""
-        self.model = Qwen3ForCausalLM.from_pretrained(model_dir).train()
+        self.device = torch.device(device)
+        self.model = Qwen3ForCausalLM.from_pretrained(model_dir).train().to(self.device)
         layout = FlatLayout.of(self.model.config)
         self.numel = layout.numel
-        self.flat = torch.empty(self.numel, dtype=torch.float32)
         if grad_buffer is None:
             grad_buffer = np.zeros(self.numel, dtype=np.float32)
         if grad_buffer.shape != (self.numel,) or grad_buffer.dtype != np.float32:
             raise ValueError(f"gradient buffer must be float32[{self.numel}]")
-        self.grad = torch.from_numpy(grad_buffer)
+        self.host_grad = torch.from_numpy(grad_buffer)
+        on_host = self.device.type == "cpu"
+        self.flat = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+        self.host_flat = self.flat if on_host else torch.empty(self.numel, pin_memory=True)
+        self.grad = self.host_grad if on_host else torch.zeros(self.numel, device=self.device)
         layout.bind(self.model, self.flat, self.grad)
         self.grad.zero_()
         self.version = 0
@@ -63,10 +70,14 @@ class TorchTrainer:
         )
 
     def weights(self) -> np.ndarray:
-        return self.flat.numpy()
+        if self.host_flat is not self.flat:
+            self.host_flat.copy_(self.flat)
+        return self.host_flat.numpy()
 
     def gradient(self) -> np.ndarray:
-        return self.grad.numpy()
+        if self.host_grad is not self.grad:
+            self.host_grad.copy_(self.grad)
+        return self.host_grad.numpy()
 
     def load_snapshot(self, flat: np.ndarray, version: int) -> None:
         self.flat.copy_(torch.from_numpy(flat))
@@ -74,13 +85,15 @@ class TorchTrainer:
 
     def zero_grad(self) -> None:
         self.grad.zero_()  # in place: the parameters' .grad are views of it
+        if self.host_grad is not self.grad:
+            self.host_grad.zero_()
 
     def micro_step(self, sequences: list[TrainSequence]) -> MicroStats:
         c = self.config
         if self.packing == "tree":
             return self._tree_micro_step(sequences)
         logprobs = lambda ids: token_logprobs(self.model(ids)[0][0], ids[0])  # noqa: E731
-        return policy_micro_step(sequences, logprobs, c.clip_low, c.clip_high)
+        return policy_micro_step(sequences, logprobs, c.clip_low, c.clip_high, self.device)
 
     def _tree_micro_step(self, sequences: list[TrainSequence]) -> MicroStats:
         c = self.config
@@ -88,7 +101,7 @@ class TorchTrainer:
         if not len(tree):
             return micro_stats(sequences, 0.0, 0, 0)
         logits = self._tree_logits(tree)
-        rows, targets, has_parent = entry_rows(tree)
+        rows, targets, has_parent = entry_rows(tree, self.device)
         logp = torch.log_softmax(logits[rows].float(), -1).gather(-1, targets[:, None])[:, 0]
         loss, clipped = packed_loss(tree, torch.where(has_parent, logp, 0.0), c.clip_low, c.clip_high)
         loss.backward()
@@ -98,11 +111,11 @@ class TorchTrainer:
         """Logits of every packed token [N, V]: the chains in order, each forwarded over the keys
         and values its ancestors left (gathered, so gradients flow back to them), causal inside.
         No N × N mask: each token attends to exactly its ancestors, as in its paths."""
-        ids, positions = tree_inputs(tree)
+        ids, positions = tree_inputs(tree, self.device)
         layers: list[list[KV]] = []  # per forwarded chain: each layer's keys and values
         out = []
         for start, end in tree.chains():
-            seen = torch.from_numpy(tree.ancestors(start))
+            seen = torch.from_numpy(tree.ancestors(start)).to(self.device)
             past = None
             if len(seen):
                 whole = [(torch.cat([c[i][0] for c in layers], 2), torch.cat([c[i][1] for c in layers], 2))
@@ -116,6 +129,8 @@ class TorchTrainer:
     def apply(self, num_runs: int) -> ApplyStats:
         if self.optimizer is None:
             raise RuntimeError("only the core owns an optimizer")
+        if self.host_grad is not self.grad:  # the core's sum over every contributor is on the host
+            self.grad.copy_(self.host_grad)
         with torch.no_grad():
             norm, scale = mean_gradient_scale(
                 float(torch.linalg.vector_norm(self.grad)), num_runs, self.config.grad_clip
@@ -124,6 +139,12 @@ class TorchTrainer:
         self.optimizer.step()
         self.version += 1
         return ApplyStats(self.version, norm)
+
+    def release_memory(self) -> None:
+        """It computes where its flat buffers live, on the host: nothing to hand back."""
+
+    def resume_memory(self) -> None:
+        """Nothing was handed back."""
 
     # ---- checkpoint state ---------------------------------------------------------------------
 

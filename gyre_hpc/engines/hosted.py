@@ -2,7 +2,8 @@
 
 ```
  cell leader ─ start() → URL        before the cell's Hello: the proxy's endpoint for this cell
-             ─ pause() / resume()   around training (the proxy has drained it first)
+             ─ pause() / resume()   around training (the proxy has drained it first); an SGLang
+                                    server's memory follows ``engines.colocation``
              ─ load(flat, v)        a new version, from the core's flat snapshot
              ─ supervise()          between messages: a dead server is restarted in the background,
                                     at the newest version the cell holds (``restarting`` meanwhile)
@@ -27,10 +28,13 @@ import numpy as np
 import torch
 from aiohttp import web
 
+from gyre_hpc.engines.colocation import LOAD, State, step
 from gyre_hpc.engines.embedded import Engine
 from gyre_hpc.engines.emulated import EmulatedEngine
 from gyre_hpc.engines.server import make_app
 from gyre_hpc.engines.sglang import SGLangServer
+from gyre_hpc.models.flat import FlatLayout
+from gyre_hpc.models.qwen3 import Qwen3Config
 from gyre_hpc.recipe.schema import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -85,11 +89,32 @@ def host_engine(
             tokens_sigma=engine.emulated_tokens_sigma,
         )
         return EmbeddedHost(emulated, host)
-    cache = (engine.max_total_tokens or (1 << 20)) if engine.prefix_cache else 0
     dtype = torch.float32 if engine.dtype == "auto" else getattr(torch, engine.dtype)
     at = torch.device(f"cuda:{gpu}") if device == "cuda" else torch.device("cpu")
+    cache = 0
+    if engine.prefix_cache:
+        cache = engine.max_total_tokens or CPU_CACHE_TOKENS
+        if device == "cuda" and not engine.max_total_tokens:
+            free, total = torch.cuda.mem_get_info(at)
+            c = Qwen3Config.load(model_dir)
+            cache = cache_tokens(
+                free, total, engine.mem_fraction_static, FlatLayout.of(c).numel, c, dtype.itemsize
+            )
     embedded = Engine(model_dir, max_running=capacity, cache_tokens=cache, dtype=dtype, device=at)
     return EmbeddedHost(embedded, host)
+
+
+CPU_CACHE_TOKENS = 1 << 20
+"""Prefix-cache tokens of an embedded engine on the CPU (host memory) unless the recipe says."""
+
+
+def cache_tokens(free: int, total: int, fraction: float, params: int, c: Qwen3Config, itemsize: int) -> int:
+    """Prefix-cache tokens an embedded engine on a GPU keeps: half of what ``fraction`` of the
+    GPU leaves after its weights (the other half is for the running sequences' own keys and
+    values), no more than is free now."""
+    budget = min(int(fraction * total), free) - params * itemsize
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * itemsize
+    return max(0, budget // 2 // per_token)
 
 
 class EmbeddedHost:
@@ -133,12 +158,13 @@ class EmbeddedHost:
 
 
 class SGLangHost:
-    """A cell's SGLang server, restarted at the newest version if its process dies."""
+    """A cell's SGLang server, moved between serving, paused and released by
+    ``engines.colocation``'s table, and restarted at the newest version if its process dies."""
 
     def __init__(self, server: SGLangServer, current: Current) -> None:
         self.server, self.current = server, current
         self.restarting = False
-        self.paused = False
+        self.state = State.SERVING
         self.restarts = 0
         self._thread: threading.Thread | None = None
         self._failed: Exception | None = None
@@ -153,21 +179,24 @@ class SGLangHost:
 
     def pause(self) -> None:
         """Only after the proxy drained it: releasing memory under a running request kills it."""
-        self.paused = True
-        self.server.pause()
-        if self.releases_memory:
-            self.server.release_memory()
+        self._go("train")
 
     def resume(self) -> None:
         """Memory back (its weights are stale until the cell's next ``load``, which comes before
         the proxy admits calls again), then serve."""
-        self.paused = False
-        if self.releases_memory:
-            self.server.resume_memory()
-        self.server.resume()
+        self._go("sample")
 
     def load(self, flat: np.ndarray, version: int) -> None:
-        self.server.load(flat, version)
+        self._go("load", flat, version)
+
+    def _go(self, verb: str, *weights: object) -> None:
+        state, verbs = step(self.state, verb, self.releases_memory)
+        for name in verbs:
+            if name == LOAD:
+                self.server.load(*weights)  # type: ignore[arg-type]
+            else:
+                self.server.send(name)
+        self.state = state
 
     def supervise(self) -> None:
         if self.restarting:
@@ -191,9 +220,7 @@ class SGLangHost:
         try:
             self.server.stop()
             self.server.start()
-            self.server.load(flat, version)
-            if self.paused:
-                self.server.pause()
+            self._go("restarted", flat, version)
             self.restarts += 1
             log.info("sglang server %s back at version %d", self.server.url, version)
         except Exception as err:

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from gyre_hpc.engines.hosted import host_engine
+from gyre_hpc.engines.hosted import host_engine, resolve_device
 from gyre_hpc.layout import CONTROLLER
 from gyre_hpc.recipe.schema import CellsConfig, EngineConfig, TrainerConfig
 from gyre_hpc.runtime.protocol import (
@@ -158,7 +159,7 @@ class Cell:
             core=self.is_core,
             grad_buffer=None if self.is_core else s.transport.gradient_buffer(),
             packing=s.packing,
-            **({"world": self.megatron} if self.megatron is not None else {}),
+            **({"world": self.megatron} if self.megatron is not None else {"device": self._torch_device()}),
         )
         self.trainer = (
             MirroredTrainer(trainer, self.world.cell_comm, self.in_cell) if self.spread else trainer
@@ -169,6 +170,13 @@ class Cell:
                 info = checkpoint.restore(last, self.trainer)
                 log.info("core: resumed from %s (step %s, version %s)", last, info["step"], info["version"])
             s.transport.publish(self.trainer.weights(), self.trainer.version)
+
+    def _torch_device(self) -> str:
+        """Where a torch trainer computes: ``trainer.device``, auto being this rank's GPU if any."""
+        device = resolve_device(self.trainer_cfg.device)
+        if device == "cuda":
+            return f"cuda:{self.world.env.local_rank % torch.cuda.device_count()}"
+        return device
 
     def _trainer_class(self) -> type:
         backend = self.trainer_cfg.backend
@@ -233,9 +241,7 @@ class Cell:
                 return
             started = time.monotonic()
             if isinstance(msg, SwitchRole):
-                self._forward(msg)
-                self.switch(msg.role)
-                self._await_members(msg.seq)
+                self.switch(msg)
                 seconds = time.monotonic() - started
                 self.to_controller.send(RoleSwitched(self.unit, msg.role, msg.seq, seconds), CONTROLLER)
                 log.info("cell %d: role %s (%.3f s)", self.unit, msg.role, seconds)
@@ -255,14 +261,26 @@ class Cell:
             else:
                 raise ProtocolError(f"cell {self.unit}: unexpected {msg!r}")
 
-    def switch(self, role: Role) -> None:
+    def switch(self, msg: SwitchRole) -> None:
+        """The GPUs change hands in an order that never needs both at once: to sample, every
+        rank's trainer lets go (members first, on the forwarded switch) before the engine
+        resumes; to train, the engine lets go before any trainer takes its memory back."""
         if self.session is not None:
             raise ProtocolError(f"cell {self.unit}: role switch while training step {self.session.step}")
-        if role == Role.SAMPLING:
-            self.engine.resume()
-        elif role == Role.TRAINING:
+        if msg.role == Role.TRAINING:
             self.engine.pause()  # the proxy drained it first: nothing is left in flight
-        self.role = role
+        elif msg.role == Role.SAMPLING and self.trainer is not None and self.is_core:
+            self.trainer.weights()  # gathered while resident: the engine loads them once released
+        self._forward(msg)
+        self._await_members(msg.seq)
+        if self.trainer is not None:
+            if msg.role == Role.SAMPLING:
+                self.trainer.release_memory()
+            elif msg.role == Role.TRAINING:
+                self.trainer.resume_memory()
+        if msg.role == Role.SAMPLING:
+            self.engine.resume()
+        self.role = msg.role
 
     def load_weights(self, version: int) -> None:
         if self.trainer is not None and self.is_core:
@@ -335,6 +353,10 @@ class Cell:
             if isinstance(msg, Shutdown):
                 return
             if isinstance(msg, SwitchRole):
+                if trainer is not None and msg.role == Role.SAMPLING:
+                    trainer.release_memory()  # acknowledged only once the GPU is free for the engine
+                elif trainer is not None and msg.role == Role.TRAINING:
+                    trainer.resume_memory()  # the leader forwards this after its engine let go
                 self.role = msg.role
                 self.in_cell.send(RoleSwitched(self.unit, msg.role, msg.seq, 0.0), 0)
             elif isinstance(msg, Mirror) and trainer is not None:

@@ -71,7 +71,9 @@ class Controller:
             roles = initial_roles(self.scheduler.mode, f.cells, self.scheduler.async_train_cells)
             roles += [Role.SAMPLING] * (len(f.units) - f.cells)  # standalone engines only ever sample
             f.switch(dict(enumerate(roles)))
-            f.load_weights(sorted(f.units))
+            # Only engines that serve load: a training cell's engine may hold no memory now, and
+            # it loads the version in force when it switches to sampling.
+            f.load_weights([u for u, r in sorted(f.roles.items()) if r == Role.SAMPLING])
             self.serving.set_sampling({f.units[u].address for u, r in f.roles.items() if r == Role.SAMPLING})
             ctx = StepContext(
                 f, self.serving, self.events, self.run_dir, self.run_cfg,

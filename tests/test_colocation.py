@@ -1,0 +1,204 @@
+"""An engine that shares its GPUs with the trainer: the colocation table, and the verbs a cell's
+SGLang host sends for every transition, at the HTTP boundary (the memory verbs need CUDA, so
+the server is a stand-in that keeps SGLang's rules: ``sglang_memory_fake.py``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gyre_hpc.engines.client import EngineError
+from gyre_hpc.engines.colocation import CONTINUE, LOAD, PAUSE, RELEASE, RESUME, Refused, State, step
+from gyre_hpc.engines.hosted import SGLangHost
+from gyre_hpc.engines.sglang import SGLangServer
+from gyre_hpc.models.flat import FlatLayout
+from gyre_hpc.models.qwen3 import Qwen3Config
+from gyre_hpc.models.tiny import init_tiny
+from gyre_hpc.recipe.schema import EngineConfig
+
+FAKE = Path(__file__).parent / "sglang_memory_fake.py"
+S, P, R = State.SERVING, State.PAUSED, State.RELEASED
+
+
+@pytest.mark.parametrize(
+    ("state", "verb", "saver", "after", "verbs"),
+    [
+        (S, "train", True, R, (PAUSE, RELEASE)),
+        (S, "train", False, P, (PAUSE,)),
+        (P, "train", False, P, ()),
+        (R, "train", True, R, ()),
+        (S, "sample", True, S, ()),
+        (P, "sample", False, S, (CONTINUE,)),
+        (R, "sample", True, S, (RESUME, CONTINUE)),
+        (S, "load", True, S, (LOAD,)),
+        (P, "load", False, P, (LOAD,)),
+        (S, "restarted", True, S, (LOAD,)),
+        (R, "restarted", True, R, (LOAD, PAUSE, RELEASE)),
+        (P, "restarted", False, P, (LOAD, PAUSE)),
+    ],
+)
+def test_the_colocation_table(state: State, verb: str, saver: bool, after: State, verbs: tuple) -> None:
+    assert step(state, verb, saver) == (after, verbs)
+
+
+def test_a_load_into_released_memory_and_an_unknown_verb_are_refused() -> None:
+    with pytest.raises(Refused, match="released memory"):
+        step(R, "load", True)
+    with pytest.raises(ValueError, match="valid: train, sample, load, restarted"):
+        step(S, "evict", True)
+
+
+@pytest.fixture
+def host(tmp_path: Path):  # noqa: ANN201
+    """An SGLang host of a GPU server with the memory saver, its process the stand-in."""
+    model = init_tiny(tmp_path / "tiny")
+    engine = EngineConfig(backend="sglang", weight_sync="disk", start_timeout_s=60)
+    server = SGLangServer(engine, model, tmp_path / "work", device="cuda")
+    log = tmp_path / "verbs.log"
+    server.cmd = [sys.executable, str(FAKE), str(log), str(server.port)]
+    flat = np.zeros(FlatLayout.of(Qwen3Config.load(model)).numel, dtype=np.float32)
+    h = SGLangHost(server, lambda: (flat, 3))
+    h.start()
+    yield h, log, flat
+    h.stop()
+
+
+def said(log: Path) -> list[str]:
+    """The verbs the server got since the last look, each with its status."""
+    lines = log.read_text().split()
+    log.write_text("")
+    return [f"{lines[i]} {lines[i + 1]}" for i in range(0, len(lines), 2)]
+
+
+def test_a_cell_that_trains_releases_its_server_s_memory_and_takes_it_back(host) -> None:  # noqa: ANN001
+    h, log, flat = host
+    h.load(flat, 1)
+    h.pause()
+    assert h.state == R and said(log) == [
+        "update_weights_from_disk 200", "pause_generation 200", "release_memory_occupation 200"
+    ]  # fmt: skip
+    h.pause()  # again: nothing to do
+    with pytest.raises(Refused):
+        h.load(flat, 2)
+    assert said(log) == []
+    h.resume()
+    h.load(flat, 2)
+    assert h.state == S and said(log) == [
+        "resume_memory_occupation 200", "continue_generation 200", "update_weights_from_disk 200"
+    ]  # fmt: skip
+
+
+def test_a_server_restarted_while_its_cell_trains_comes_back_released(host) -> None:  # noqa: ANN001
+    """Paused only, it would hold its memory while the trainer trains, and the next resume would
+    remove tags it never added (SGLang's KeyError)."""
+    h, log, _ = host
+    h.pause()
+    said(log)
+    os.killpg(h.server.proc.pid, signal.SIGKILL)
+    h.server.proc.wait()
+    deadline = time.monotonic() + 60
+    h.supervise()
+    assert h.restarting
+    while h.restarting:
+        assert time.monotonic() < deadline, "no restart within 60 s"
+        h.supervise()
+        time.sleep(0.05)
+    assert h.restarts == 1 and h.state == R
+    assert said(log) == [
+        "update_weights_from_disk 200",
+        "pause_generation 200",
+        "release_memory_occupation 200",
+    ]
+    h.resume()
+    assert said(log) == ["resume_memory_occupation 200", "continue_generation 200"]
+
+
+def test_without_the_memory_saver_a_training_cell_s_server_is_only_paused(tmp_path: Path) -> None:
+    model = init_tiny(tmp_path / "tiny")
+    engine = EngineConfig(backend="sglang", weight_sync="disk", enable_memory_saver=False, start_timeout_s=60)
+    server = SGLangServer(engine, model, tmp_path / "work", device="cuda")
+    log = tmp_path / "verbs.log"
+    server.cmd = [sys.executable, str(FAKE), str(log), str(server.port)]
+    h = SGLangHost(server, lambda: (np.zeros(1, np.float32), 0))
+    h.start()
+    try:
+        h.pause()
+        h.resume()
+        assert said(log) == ["pause_generation 200", "continue_generation 200"]
+    finally:
+        h.stop()
+
+
+def test_the_stand_in_refuses_what_sglang_refuses(host) -> None:  # noqa: ANN001
+    """The rules the stand-in keeps, so the tests above could fail: resuming memory never
+    released, and releasing a server that still generates."""
+    h, log, _ = host
+    with pytest.raises(EngineError):
+        h.server.send(RESUME)
+    with pytest.raises(EngineError):
+        h.server.send(RELEASE)
+    assert said(log) == ["resume_memory_occupation 500", "release_memory_occupation 500"]
+
+
+class Recorder:
+    """Records the verbs a cell calls on what it owns, in order."""
+
+    def __init__(self, name: str, calls: list[str]) -> None:
+        self.name, self.calls = name, calls
+
+    def __getattr__(self, verb: str):  # noqa: ANN204
+        return lambda *args: self.calls.append(f"{self.name}.{verb}")
+
+
+def test_the_gpus_change_hands_in_an_order_that_never_needs_both_at_once() -> None:
+    """To sample: the core's snapshot taken, every member's trainer released (they acknowledge
+    the forwarded switch only once released), the leader's, then the engine resumes. To train:
+    the engine lets go first, then every trainer takes its memory back."""
+    from gyre_hpc.runtime.cell import Cell
+    from gyre_hpc.runtime.protocol import SwitchRole
+    from gyre_hpc.scheduler.policy import Role
+
+    calls: list[str] = []
+    cell = Cell.__new__(Cell)  # the switch alone: no world, no ranks
+    cell.unit, cell.session, cell.role = 0, None, Role.IDLE
+    cell.engine, cell.trainer = Recorder("engine", calls), Recorder("trainer", calls)
+    cell._forward = lambda msg: calls.append(f"members told {msg.role}")
+    cell._await_members = lambda seq: calls.append("members acknowledged")
+    cell.switch(SwitchRole(0, Role.SAMPLING, 1))
+    assert calls == [
+        "trainer.weights", "members told sampling", "members acknowledged",
+        "trainer.release_memory", "engine.resume",
+    ]  # fmt: skip
+    calls.clear()
+    cell.switch(SwitchRole(0, Role.TRAINING, 2))
+    assert calls == ["engine.pause", "members told training", "members acknowledged", "trainer.resume_memory"]
+
+
+def test_the_gpu_checks_run_at_tiny_size_on_the_cpu(tmp_path: Path) -> None:
+    """``tools/bench_colocation.py`` (the first call of ``tools/gpu_bench.sh run``) end to end on
+    the CPU: by reference through a shared-memory file, broadcast over gloo, forward-only
+    attention, the release and resume of a rank's state; so a lent GPU's few minutes are not
+    spent on a script that never ran."""
+    import json
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "tools/bench_colocation.py", "--device", "cpu", "--out", str(tmp_path),
+         "--push-gb", "0.01", "--bucket-mb", "1", "--rank-params", "1e6"],
+        capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[1],
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads((tmp_path / "bench_colocation.json").read_text())
+    assert [p["dtype"] for p in got["push_by_reference"]] == ["bfloat16", "float32"]
+    assert all(p["sender_peak_mb"] <= 1.0 for p in got["push_by_reference"])
+    assert all("seconds" in r for r in got["push_by_broadcast"]["ranks"])
+    rows = got["flex"]
+    assert len(rows) == 12 and sum(r["new_graphs"] for r in rows) <= 2 * len({r["padded"] for r in rows})
+    # weights, master, its gradient and Adam: what a core rank hands back (GB, rounded to 0.01)
+    assert got["cycle"]["trainer_state_gb"] == pytest.approx(1e6 * (2 + 4 + 4 + 8) / 1e9, abs=0.005)

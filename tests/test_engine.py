@@ -291,3 +291,41 @@ def test_the_embedded_engine_on_a_gpu_answers_like_on_the_cpu(tiny: Path) -> Non
     assert gpu["output_ids"] == cpu["output_ids"]
     lp = [[x[0] for x in r["meta_info"]["output_token_logprobs"]] for r in (cpu, gpu)]
     assert max(abs(a - b) for a, b in zip(*lp, strict=True)) < 1e-3
+
+
+def test_a_decode_step_copies_its_logits_to_the_host_once_for_the_whole_batch(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU each copy is a sync: one a sequence per step would serialise the batch."""
+    from gyre_hpc.engines.sampling import SamplingParams
+
+    engine = Engine(tiny, max_running=4)  # stepped here, not by its thread
+    done: list[dict] = []
+    for i in range(4):
+        engine.submit(list(range(1, 20 + i)), SamplingParams(max_new_tokens=8, ignore_eos=True), done.append)
+    engine.step()  # prefill (a copy per sequence: its first token) and the first decode step
+    copies = 0
+    real = torch.Tensor.cpu
+
+    def counted(t: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # noqa: ANN002, ANN003
+        nonlocal copies
+        copies += 1
+        return real(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", counted)
+    assert engine.step() and len(engine.running) == 4
+    assert copies == 1
+
+
+def test_an_embedded_engine_on_a_gpu_sizes_its_prefix_cache_from_free_memory() -> None:
+    from gyre_hpc.engines.hosted import cache_tokens
+    from gyre_hpc.models.catalog import model_shape
+
+    c = model_shape("/models/Qwen3-8B")
+    gib = 1 << 30
+    per_token = 2 * 36 * 8 * 128 * 2  # layers × kv heads × head dim × bf16, keys and values
+    params = 8_190_735_360
+    # 80 % of an 80 GiB GPU, of which 30 GiB is free now: the free memory bounds it
+    assert cache_tokens(30 * gib, 80 * gib, 0.8, params, c, 2) == (30 * gib - 2 * params) // 2 // per_token
+    assert cache_tokens(79 * gib, 80 * gib, 0.8, params, c, 2) == (64 * gib - 2 * params) // 2 // per_token
+    assert cache_tokens(gib, 80 * gib, 0.8, params, c, 2) == 0  # not even the weights fit: no cache

@@ -21,7 +21,17 @@ from conftest import REPO, SGLANG_PYTHON, flat_of
 
 from gyre_hpc.engines.embedded import Engine
 from gyre_hpc.engines.sampling import SamplingParams
-from gyre_hpc.engines.sglang import SGLangServer, WeightGroup, call, sglang_command
+from gyre_hpc.engines.sglang import (
+    SGLangServer,
+    TensorPush,
+    WeightGroup,
+    buckets,
+    call,
+    served_dtype,
+    server_env,
+    sglang_command,
+)
+from gyre_hpc.models.catalog import model_shape
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from gyre_hpc.models.tiny import init_tiny
@@ -50,6 +60,29 @@ def test_the_server_command_is_a_pure_function_of_the_engine_config() -> None:
         "--sampling-backend pytorch --disable-cuda-graph --grammar-backend none --sleep-on-idle "
         "--max-total-tokens 16384 --dtype float32 --disable-radix-cache"
     )  # no memory saver without CUDA: it cannot start there
+
+
+def test_a_version_goes_in_buckets_that_cover_the_layout_once_in_order() -> None:
+    layout = FlatLayout.of(model_shape("tiny"))
+    cut = buckets(layout, 2, 256 << 10)
+    assert [n for b in cut for n in b.names] == list(layout.slots)
+    assert cut[0].start == 0 and cut[-1].end == layout.numel
+    assert all(a.end == b.start for a, b in zip(cut, cut[1:], strict=False))
+    sizes = {b.names[0]: (b.end - b.start) * 2 for b in cut}
+    # a bucket holds at most the limit, unless one tensor alone is larger
+    assert all(size <= 256 << 10 or len(b.names) == 1 for b, size in zip(cut, sizes.values(), strict=True))
+    assert len(buckets(layout, 4, 1 << 40)) == 1
+
+
+def test_the_served_dtype_and_the_server_s_environment(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"torch_dtype": "bfloat16"}')
+    assert served_dtype("auto", tmp_path) == "bfloat16"
+    (tmp_path / "config.json").write_text('{"torch_dtype": "float32"}')
+    assert served_dtype("auto", tmp_path) == "float16"  # SGLang's rule for float32 checkpoints
+    assert served_dtype("float32", tmp_path) == "float32"
+    assert server_env("cuda", {})["NCCL_CUMEM_ENABLE"] == "0"  # what SGLang sets in its processes
+    assert server_env("cuda", {"NCCL_CUMEM_ENABLE": "1"})["NCCL_CUMEM_ENABLE"] == "1"
+    assert server_env("cpu", {})["SGLANG_USE_CPU_ENGINE"] == "1"
 
 
 @pytest.fixture(scope="module")
@@ -170,20 +203,28 @@ def test_an_idle_server_leaves_the_cores_to_the_trainer_and_the_agents(served: t
 
 
 @pytest.mark.sglang
-def test_new_weights_arrive_by_broadcast_and_from_disk(served: tuple[str, Path], tmp_path: Path) -> None:
-    """The core's flat snapshot reaches the server in one broadcast (or as a model directory); it
-    then serves that version, and its log-probs are those of those weights computed here."""
+def test_new_weights_arrive_by_reference_by_broadcast_and_from_disk(
+    served: tuple[str, Path], tmp_path: Path
+) -> None:
+    """The core's flat snapshot reaches the server bucket by bucket — read where it lies (the
+    tensor verb; a shared-memory file here, CUDA IPC on a GPU) or broadcast — or as a model
+    directory; it then serves that version, and its log-probs are those of those weights
+    computed here. No push ever stages more than one bucket."""
     url, model_dir = served
     layout = FlatLayout.of(Qwen3Config.load(model_dir))
     model = Qwen3ForCausalLM.from_pretrained(model_dir)
     base = flat_of(model).numpy().copy()
-    group = WeightGroup(url, layout, "127.0.0.1", 1, "gloo")
-    for version, how in ((7, "broadcast"), (8, "disk")):
+    group = WeightGroup(url, layout, "127.0.0.1", 1, "gloo", "float32", bucket_bytes=1 << 20)
+    assert len(group.buckets) > 2  # the tiny model is 3.5 MiB in float32
+    by_reference = TensorPush(url, layout, 1, "cpu", "float32", bucket_bytes=1 << 20)
+    for version, how in ((7, "broadcast"), (8, "tensor"), (9, "disk")):
         flat = base + np.random.RandomState(version).randn(base.size).astype(np.float32) * 0.02
-        if how == "broadcast":
+        if how in ("broadcast", "tensor"):
+            push = group if how == "broadcast" else by_reference
             call(url, lambda c: c.begin_weight_update())
-            group.push(flat, version)
+            push.push(flat, version)
             call(url, lambda c: c.end_weight_update())
+            assert 0 < push.peak_bytes <= 1 << 20  # never more than a bucket staged
         else:
             path = layout.save(flat, model_dir, tmp_path / f"v{version}")
             assert call(url, lambda c, path=path, v=version: c.update_weights_from_disk(str(path), str(v)))[

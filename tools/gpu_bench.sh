@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# tools/bench_megatron.py on a lent GPU machine, then the GPU tests (the embedded engine on CUDA
-# against the CPU, tree packing with block masks). Its Python (3.12, CUDA torch) has everything the
+# On a lent GPU machine, the checks a first GPU run needs first (tools/bench_colocation.py: a weight
+# push between two processes on one GPU by CUDA IPC and by NCCL, bf16 and fp32; a FlexAttention
+# sweep over a dozen tree lengths at Qwen3-8B shapes; a colocation memory cycle), then
+# tools/bench_megatron.py, then the GPU tests (the embedded engine and the torch trainer on CUDA
+# against the CPU, tree packing with block masks); each step under its own time limit, so the
+# whole call stays under 10 minutes. Its Python (3.12, CUDA torch) has everything the
 # benchmark imports except megatron-core and tomli_w, and it cannot reach PyPI, so those wheels
 # (and pytest's and hypothesis') are fetched here and carried there.
 #
@@ -24,14 +28,15 @@ run)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "no GPU"
     out="${OUT:-/tmp/bench}"  # what comes back from the device
     mkdir -p "$out"
+    export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
+    timeout 300 python3 tools/bench_colocation.py --device cuda --out "$out" 2>&1 | tee "$out/colocation.log" || true
     rm -rf /tmp/bench-megatron  # the random model: gigabytes, never sent back
     # --tree: one tree-packed micro-step of 32K unique tokens (FlexAttention block mask).
-    PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 python3 tools/bench_megatron.py --dir /tmp/bench-megatron \
-        --tree 32768 "$@" \
-        2>&1 | tee "$out/bench.log"
-    cp /tmp/bench-megatron/bench_megatron.json "$out/"
+    timeout 180 python3 tools/bench_megatron.py --dir /tmp/bench-megatron --tree 32768 "$@" \
+        2>&1 | tee "$out/bench.log" || true
+    cp /tmp/bench-megatron/bench_megatron.json "$out/" || true
     # The tests marked gpu (here: the embedded engine on CUDA); their log comes back too.
-    PYTHONPATH="/tmp/site:$PWD" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_engine.py tests/test_tree_packing.py \
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_engine.py tests/test_tree_packing.py \
         2>&1 | tee "$out/gpu_tests.log" || true
     ;;
 *)

@@ -155,8 +155,10 @@ class EngineClient:
         shapes: list[list[int]],
         group_name: str,
         weight_version: str,
+        flush_cache: bool = True,
     ) -> dict[str, Any]:
-        """Receive the tensors rank 0 broadcasts over ``group_name`` as one flattened bucket."""
+        """Receive the tensors rank 0 broadcasts over ``group_name`` as one flattened bucket
+        (``flush_cache``: drop the prefix cache after it; the last bucket of a version does)."""
         return await self._post(
             "/update_weights_from_distributed",
             {
@@ -166,7 +168,22 @@ class EngineClient:
                 "group_name": group_name,
                 "weight_version": weight_version,
                 "load_format": "flattened_bucket",
-                "flush_cache": True,
+                "flush_cache": flush_cache,
+            },
+        )
+
+    async def update_weights_from_tensor(
+        self, serialized: list[str], weight_version: str, flush_cache: bool = True
+    ) -> dict[str, Any]:
+        """Load a flattened bucket the server's TP ranks read where it lies (``serialized``: one
+        pickled reference per TP rank, base64: a CUDA IPC handle or a shared-memory file)."""
+        return await self._post(
+            "/update_weights_from_tensor",
+            {
+                "serialized_named_tensors": serialized,
+                "load_format": "flattened_bucket",
+                "weight_version": weight_version,
+                "flush_cache": flush_cache,
             },
         )
 

@@ -331,7 +331,7 @@ class Engine:
         self._append_kv(seq, kv, 0)
         self.stats["prompt_tokens"] += len(seq.input_ids) if not seq.output_ids else 0
         self.stats["cached_tokens"] += hit if not seq.output_ids else 0
-        self._emit(seq, logits[0, -1])
+        self._emit(seq, logits[0, -1].cpu())
 
     def _decode(self, batch: list[Sequence]) -> None:
         c = self.config
@@ -353,9 +353,10 @@ class Engine:
         positions = torch.tensor([[n] for n in lengths], device=self.device)
         logits, kv = self.model(last, positions=positions, past=past, mask=mask)
         self.stats["decode_steps"] += 1
+        on_host = logits[:, -1].cpu()  # one device-to-host copy (and sync) a step, not one a sequence
         for i, seq in enumerate(batch):
             self._append_kv(seq, kv, i)
-            self._emit(seq, logits[i, -1])
+            self._emit(seq, on_host[i])
 
     def _reserve(self, seq: Sequence, positions: int) -> None:
         """Room for ``positions`` keys/values (doubling), zero beyond what the sequence holds."""
@@ -378,7 +379,8 @@ class Engine:
         seq.length += t
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> None:
-        token, logprob = sample(logits.cpu(), seq.params, seq.generator)  # seeded on the CPU
+        """``logits`` on the host: sampling is seeded on the CPU."""
+        token, logprob = sample(logits, seq.params, seq.generator)
         seq.output_ids.append(token)
         seq.logprobs.append(logprob)
         self.stats["generated_tokens"] += 1

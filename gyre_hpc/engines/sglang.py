@@ -3,12 +3,12 @@
 ```
  start ─▶ launch on a free port (GPUs from the cell's local rank; CPU flags where there is none)
        ─▶ /health ─▶ weight group: the cell leader as rank 0 + the server's TP ranks (gloo | NCCL)
- load(flat, v) ─▶ begin_weight_update ─▶ update_weights_from_distributed: the whole flat buffer
-                  broadcast once as a flattened bucket (names and shapes from models.flat)
-                  ─▶ end_weight_update                   (or: a model directory on disk, loaded
-                                                           with update_weights_from_disk)
- pause / resume ─▶ pause_generation(abort) / continue_generation (on a GPU with the memory saver
-                  also release_memory_occupation / resume_memory_occupation, for the trainer)
+ load(flat, v) ─▶ begin_weight_update ─▶ update_weights_from_distributed per bucket: the flat
+                  buffer cut into engine.weight_bucket_mb buckets, each cast to the served dtype
+                  and broadcast as a flattened bucket ─▶ end_weight_update
+                  (or: a model directory on disk, loaded with update_weights_from_disk)
+ send(verb)     ─▶ pause_generation(abort) / continue_generation / release_memory_occupation /
+                  resume_memory_occupation, in the sequences engines.colocation writes
  stop ─▶ the process group of the server (its scheduler and detokenizer processes too)
 ```
 
@@ -21,16 +21,22 @@ versions' meaning or the schedule.
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
+import io
+import json
 import logging
+import math
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import types
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -83,6 +89,15 @@ def sglang_command(
     return cmd
 
 
+def server_env(device: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """The server's environment: SGLang's CPU engine on the CPU; on a GPU, one NCCL_CUMEM_ENABLE
+    for both ends of the weight group (SGLang sets 0 in its processes when it is unset, and
+    peers whose two sides differ see weight syncs fail)."""
+    if device == "cpu":
+        return dict(environ, SGLANG_USE_CPU_ENGINE="1")
+    return dict(environ, NCCL_CUMEM_ENABLE=environ.get("NCCL_CUMEM_ENABLE", "0"))
+
+
 def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -99,15 +114,69 @@ def call(url: str, verb: Callable[[EngineClient], Awaitable[T]], timeout_s: floa
     return asyncio.run(go())
 
 
+def served_dtype(engine_dtype: str, model_dir: Path) -> str:
+    """The dtype a server computes in: the recipe's, or for ``auto`` SGLang's own rule — the
+    checkpoint's ``torch_dtype``, except that float32 is served as float16."""
+    if engine_dtype != "auto":
+        return engine_dtype
+    try:
+        stored = json.loads((model_dir / "config.json").read_text()).get("torch_dtype") or "float32"
+    except (OSError, ValueError):
+        stored = "float32"
+    return "float16" if stored == "float32" else str(stored)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Consecutive tensors of the flat layout, sent in one broadcast: elements [start, end)."""
+
+    names: list[str]
+    shapes: list[list[int]]
+    start: int
+    end: int
+
+
+def buckets(layout: FlatLayout, itemsize: int, limit_bytes: int) -> list[Bucket]:
+    """The layout's tensors in order, cut into buckets of at most ``limit_bytes`` in a dtype of
+    ``itemsize`` bytes (a tensor larger than that is a bucket of its own)."""
+    out: list[Bucket] = []
+    names: list[str] = []
+    shapes: list[list[int]] = []
+    start = end = 0
+    for name, (at, shape) in layout.slots.items():
+        n = shape.numel()
+        if names and (end + n - start) * itemsize > limit_bytes:
+            out.append(Bucket(names, shapes, start, end))
+            names, shapes, start = [], [], at
+        names.append(name)
+        shapes.append(list(shape))
+        end = at + n
+    if names:
+        out.append(Bucket(names, shapes, start, end))
+    return out
+
+
 class WeightGroup:
     """The cell leader's side of a process group it forms with its server: rank 0 broadcasts
-    the whole flat snapshot, the server's TP ranks (1 … tp) receive it as one flattened bucket."""
+    the flat snapshot bucket by bucket, cast to the served dtype, and the server's TP ranks
+    (1 … tp) receive each as a flattened bucket — one bucket staged at a time on either side."""
 
-    def __init__(self, url: str, layout: FlatLayout, host: str, tp_size: int, backend: str) -> None:
-        self.url, self.layout, self.backend = url, layout, backend
+    def __init__(
+        self,
+        url: str,
+        layout: FlatLayout,
+        host: str,
+        tp_size: int,
+        backend: str,
+        dtype: str = "float32",
+        bucket_bytes: int = 512 << 20,
+    ) -> None:
+        self.url, self.layout, self.backend, self.dtype = url, layout, backend, dtype
         self.name = f"gyre-weights-{uuid.uuid4().hex[:8]}"  # group names are unique per process
-        self.names = list(layout.slots)
-        self.shapes = [list(shape) for _, shape in layout.slots.values()]
+        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+        self.buckets = buckets(layout, itemsize, bucket_bytes)
+        self.peak_bytes = 0
+        """The largest bucket staged so far (what a push adds on the sending device)."""
         port = free_port(host)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             # The server's side blocks until rank 0 joins: ask it in a thread, join here.
@@ -124,16 +193,26 @@ class WeightGroup:
     def push(self, flat: np.ndarray, version: int) -> None:
         import torch
 
-        buffer = torch.from_numpy(flat).view(torch.uint8)  # float32 tensors back to back: the bucket
-        if self.backend == "nccl":
-            buffer = buffer.cuda()
-        dtypes = ["float32"] * len(self.names)
+        source = torch.from_numpy(flat)
+        dtype = getattr(torch, self.dtype)
+        for i, b in enumerate(self.buckets):
+            staged = source[b.start : b.end].to(dtype)  # cast on the host: one bucket at a time
+            if self.backend == "nccl":
+                staged = staged.cuda()
+            self.peak_bytes = max(self.peak_bytes, staged.numel() * staged.element_size())
+            self._send(b, staged.view(torch.uint8), str(version), flush=i == len(self.buckets) - 1)
+            del staged  # before the next one is staged
+
+    def _send(self, bucket: Bucket, data: Any, version: str, flush: bool) -> None:
+        import torch
+
+        dtypes = [self.dtype] * len(bucket.names)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             update = lambda c: c.update_weights_from_distributed(  # noqa: E731
-                self.names, dtypes, self.shapes, self.name, str(version)
+                bucket.names, dtypes, bucket.shapes, self.name, version, flush_cache=flush
             )
             received = pool.submit(call, self.url, update)
-            torch.distributed.broadcast(buffer, src=0, group=self.group)
+            torch.distributed.broadcast(data, src=0, group=self.group)
             try:
                 reply = received.result()
             except EngineError as err:
@@ -150,6 +229,70 @@ class WeightGroup:
         import torch
 
         torch.distributed.destroy_process_group(self.group)
+
+
+class TensorPush:
+    """Weights into a server on this rank's node by reference: each bucket is staged once, cast to
+    the served dtype (on this rank's GPU, or in a shared-memory file on the CPU), and every TP
+    rank of the server reads it there (CUDA IPC, or the file) through SGLang's tensor verb. No
+    process group: no GPU twice in a communicator, and one bucket staged at a time."""
+
+    def __init__(
+        self, url: str, layout: FlatLayout, tp_size: int, device: str, dtype: str, bucket_bytes: int
+    ) -> None:
+        self.url, self.tp_size, self.device, self.dtype = url, tp_size, device, dtype
+        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+        self.buckets = buckets(layout, itemsize, bucket_bytes)
+        self.peak_bytes = 0
+
+    def push(self, flat: np.ndarray, version: int) -> None:
+        import torch
+
+        if self.device == "cpu":
+            # A file the server opens by name: the default (a descriptor handed over a socket)
+            # needs the receiver to be a child of this process.
+            torch.multiprocessing.set_sharing_strategy("file_system")
+        source, dtype = torch.from_numpy(flat), getattr(torch, self.dtype)
+        for i, b in enumerate(self.buckets):
+            staged = source[b.start : b.end].to(dtype)
+            staged = staged.cuda() if self.device == "cuda" else staged.share_memory_()
+            self.peak_bytes = max(self.peak_bytes, staged.numel() * staged.element_size())
+            payload = {"flattened_tensor": staged.view(torch.uint8), "metadata": _metadata(b, dtype)}
+            # One reference per TP rank: each rank opens its own (CUDA IPC counts references).
+            refs = [_reference(payload) for _ in range(self.tp_size)]
+            last = i == len(self.buckets) - 1
+            reply = call(self.url, lambda c, r=refs, f=last: c.update_weights_from_tensor(r, str(version), f))
+            if not reply.get("success"):
+                raise EngineError(f"{self.url}: update_weights_from_tensor failed: {reply.get('message')}")
+            del staged, payload, refs  # the server copied the bucket into its weights
+
+    def close(self) -> None:
+        """Nothing is held between pushes."""
+
+
+def _metadata(bucket: Bucket, dtype: Any) -> list[types.SimpleNamespace]:
+    """What SGLang's flattened bucket needs of each tensor: its name, shape, dtype and byte range
+    (a SimpleNamespace, which its unpickler accepts)."""
+    out, at = [], 0
+    size = dtype.itemsize
+    for name, shape in zip(bucket.names, bucket.shapes, strict=True):
+        n = math.prod(shape) * size
+        out.append(
+            types.SimpleNamespace(name=name, shape=shape, dtype=dtype, start_idx=at, end_idx=at + n, numel=n)
+        )
+        at += n
+    return out
+
+
+def _reference(obj: object) -> str:
+    """``obj`` pickled the way torch shares tensors between processes, in base64."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 - registers how tensors and storages are shared
+
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode()
 
 
 def _process_group(backend: str, host: str, port: int, size: int, name: str) -> Any:
@@ -193,13 +336,15 @@ class SGLangServer:
         self.cmd = sglang_command(engine, str(model_dir), self.port, host, python, device, gpu)
         self.log = work_dir / "sglang.log"
         self.proc: subprocess.Popen[bytes] | None = None
-        self.group: WeightGroup | None = None
+        self.group: WeightGroup | TensorPush | None = None
         self.layout = FlatLayout.of(Qwen3Config.load(model_dir))
 
     def start(self) -> int:
         """Launch and wait until healthy (and the weight group is formed); returns the port."""
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1") if self.device == "cpu" else None
+        env = server_env(self.device, os.environ)
+        if self.device == "cuda":  # this process's NCCL (the weight group, the trainer) agrees
+            os.environ["NCCL_CUMEM_ENABLE"] = env["NCCL_CUMEM_ENABLE"]
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
                 self.cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -213,25 +358,30 @@ class SGLangServer:
                 timeout = self.engine.start_timeout_s
                 raise LaunchError(f"sglang not healthy after {timeout:g} s; see {self.log}")
             time.sleep(0.5)
-        if self.engine.weight_sync == "broadcast":
+        dtype, bucket = served_dtype(self.engine.dtype, self.model_dir), self.engine.weight_bucket_mb << 20
+        if self.engine.weight_sync == "tensor":
+            self.group = TensorPush(self.url, self.layout, self.engine.tp_size, self.device, dtype, bucket)
+        elif self.engine.weight_sync == "broadcast":
             backend = "gloo" if self.device == "cpu" else "nccl"
-            self.group = WeightGroup(self.url, self.layout, "127.0.0.1", self.engine.tp_size, backend)
+            self.group = WeightGroup(
+                self.url, self.layout, "127.0.0.1", self.engine.tp_size, backend, dtype, bucket
+            )
         return self.port
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def pause(self) -> None:
-        call(self.url, lambda c: c.pause("abort"))
-
-    def resume(self) -> None:
-        call(self.url, lambda c: c.continue_())
-
-    def release_memory(self) -> None:
-        call(self.url, lambda c: c.release_memory())
-
-    def resume_memory(self) -> None:
-        call(self.url, lambda c: c.resume_memory())
+    def send(self, verb: str) -> None:
+        """One of the verbs ``engines.colocation`` names: pause_generation (aborting nothing: the
+        proxy drained the server), continue_generation, release_memory_occupation,
+        resume_memory_occupation."""
+        verbs = {
+            "pause_generation": lambda c: c.pause("abort"),
+            "continue_generation": lambda c: c.continue_(),
+            "release_memory_occupation": lambda c: c.release_memory(),
+            "resume_memory_occupation": lambda c: c.resume_memory(),
+        }
+        call(self.url, verbs[verb])
 
     def load(self, flat: np.ndarray, version: int) -> None:
         """Serve ``flat`` as ``version`` from now on."""

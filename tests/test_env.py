@@ -65,3 +65,12 @@ def test_het_component_from_procid_and_component_sizes() -> None:
 def test_batch_script_is_not_a_task() -> None:
     env = JobEnvironment.from_environ({"SLURM_JOB_ID": "41", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
     assert env.launcher == "none"
+
+
+def test_a_task_takes_its_local_rank_s_gpu_or_the_first_of_its_own() -> None:
+    """GPUs per node: every task sees the node's and takes its local rank's; GPUs per task: Slurm
+    shows each task only its own, so it takes the first."""
+    per_node = JobEnvironment.from_environ(het_step(3))
+    assert (per_node.local_rank, per_node.gpu) == (1, 1)
+    per_task = JobEnvironment.from_environ({**het_step(3), "SLURM_GPUS_PER_TASK": "4"})
+    assert (per_task.local_rank, per_task.gpu) == (1, 0)

@@ -96,6 +96,8 @@ def test_multi_rank_cells_pool_and_async_roles(tmp_path: Path) -> None:
     assert hellos == {0: (1, False), 1: (3, False), 2: (5, True)}  # leaders only
     switched = {e.cell: e.role for e in events if e.kind == "role_switched"}
     assert switched == {0: "training", 1: "sampling", 2: "sampling"}
+    # The first load goes to the engines that serve, not into a training cell's released memory.
+    assert next(e for e in events if e.kind == "weights_loaded").units == [1, 2]
     assert sorted((r["rank"], r["cell"]) for r in run.read_ranks()) == [
         (0, None),
         (1, 0),

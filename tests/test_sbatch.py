@@ -18,11 +18,31 @@ from gyre_hpc.recipe import load_recipe
 FIXED = ["--set", "run.runs_dir=/shared/runs", "--set", "slurm.python=/opt/gyre/bin/python"]
 
 
-@pytest.mark.parametrize("recipe", ["smoke", "qwen3-8b-8cells"])
-def test_dry_run_matches_golden(recipe: str) -> None:
-    proc = gyre("submit", f"recipes/{recipe}.toml", "--dry-run", *FIXED)
+PER_TASK = ["slurm.gpus_per_node=0", "slurm.gpu_per_task=true", "engine.tp_size=1"]
+"""A site that binds GPUs to tasks: one a cell rank, an engine on one GPU."""
+
+
+@pytest.mark.parametrize(
+    ("recipe", "sets", "golden"),
+    [("smoke", [], "smoke"), ("qwen3-8b-8cells", [], "qwen3-8b-8cells"),
+     ("qwen3-8b-8cells", PER_TASK, "qwen3-8b-8cells-gpu-per-task")],
+)  # fmt: skip
+def test_dry_run_matches_golden(recipe: str, sets: list[str], golden: str) -> None:
+    extra = [arg for s in sets for arg in ("--set", s)]
+    proc = gyre("submit", f"recipes/{recipe}.toml", "--dry-run", *FIXED, *extra)
     assert proc.returncode == 0, proc.stderr
-    assert_golden(f"{recipe}.sbatch", proc.stdout)
+    assert_golden(f"{golden}.sbatch", proc.stdout)
+
+
+@pytest.mark.parametrize(
+    ("sets", "says"),
+    [(["slurm.gpu_per_task=true"], "ask for GPUs one way"),
+     (["slurm.gpus_per_node=0", "slurm.gpu_per_task=true"], "span GPUs bound to other tasks")],
+)  # fmt: skip
+def test_gpus_asked_two_ways_or_hidden_from_the_server_are_one_line(sets: list[str], says: str) -> None:
+    extra = [arg for s in sets for arg in ("--set", s)]
+    proc = gyre("submit", "recipes/qwen3-8b-8cells.toml", "--dry-run", *FIXED, *extra)
+    assert proc.returncode == 2 and says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_components_follow_the_rank_order() -> None:

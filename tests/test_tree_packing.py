@@ -338,3 +338,35 @@ def test_the_torch_trainer_on_a_gpu_takes_the_cpu_s_step(tiny: Path) -> None:
         t.gradient()[:] *= 2  # as the core adds the other cells' gradients, on the host
         t.apply(3)
     assert np.abs(gpu.weights() - cpu.weights()).max() < 1e-5
+    held = torch.cuda.memory_allocated()
+    gpu.release_memory()  # while its cell samples
+    assert torch.cuda.memory_allocated() < held / 4
+    assert np.abs(gpu.weights() - cpu.weights()).max() < 1e-5
+    gpu.resume_memory()
+    for t in (cpu, gpu):
+        t.zero_grad()
+        t.micro_step(seqs)
+        t.gradient()
+        t.apply(3)
+    assert np.abs(gpu.weights() - cpu.weights()).max() < 1e-5
+
+
+def test_a_torch_trainer_whose_buffers_moved_trains_on_as_before(tiny: Path) -> None:
+    """What ``release_memory``/``resume_memory`` do on a GPU, done by hand on the CPU: the flat
+    buffers and Adam's moments move, the parameters follow them as views, the step is unchanged."""
+    seqs = forked_sequences(Qwen3Config.load(tiny).vocab_size)
+    kept, moved = TorchTrainer(tiny, CFG, core=True), TorchTrainer(tiny, CFG, core=True)
+    for t in (kept, moved):
+        t.micro_step(seqs)
+        t.apply(3)
+    moved.offload.release(moved._resident())
+    moved._point()
+    moved.offload.resume(moved._resident())
+    moved._point()
+    first = next(moved.model.parameters())
+    assert first.data_ptr() == moved.flat.data_ptr() and first.grad.data_ptr() == moved.grad.data_ptr()
+    for t in (kept, moved):
+        t.zero_grad()
+        t.micro_step(seqs)
+        t.apply(3)
+    assert np.array_equal(moved.weights(), kept.weights())

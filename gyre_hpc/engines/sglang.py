@@ -173,8 +173,7 @@ class WeightGroup:
     ) -> None:
         self.url, self.layout, self.backend, self.dtype = url, layout, backend, dtype
         self.name = f"gyre-weights-{uuid.uuid4().hex[:8]}"  # group names are unique per process
-        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-        self.buckets = buckets(layout, itemsize, bucket_bytes)
+        self.buckets = buckets(layout, _itemsize(dtype), bucket_bytes)
         self.peak_bytes = 0
         """The largest bucket staged so far (what a push adds on the sending device)."""
         port = free_port(host)
@@ -241,8 +240,7 @@ class TensorPush:
         self, url: str, layout: FlatLayout, tp_size: int, device: str, dtype: str, bucket_bytes: int
     ) -> None:
         self.url, self.tp_size, self.device, self.dtype = url, tp_size, device, dtype
-        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-        self.buckets = buckets(layout, itemsize, bucket_bytes)
+        self.buckets = buckets(layout, _itemsize(dtype), bucket_bytes)
         self.peak_bytes = 0
 
     def push(self, flat: np.ndarray, version: int) -> None:
@@ -282,6 +280,12 @@ def _metadata(bucket: Bucket, dtype: Any) -> list[types.SimpleNamespace]:
         )
         at += n
     return out
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    return getattr(torch, dtype).itemsize
 
 
 def _reference(obj: object) -> str:

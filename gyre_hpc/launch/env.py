@@ -34,7 +34,11 @@ class JobEnvironment:
     node_name: str
     """The Slurm node name (emulated nodes share one hostname), else the hostname."""
     local_rank: int = 0
-    """This task's index among the tasks of its node (which GPU it takes)."""
+    """This task's index among the tasks of its node."""
+    gpu: int = 0
+    """The first GPU, among those this task sees, that it takes: its local rank where every task
+    of a node sees the node's GPUs, 0 where Slurm binds GPUs to tasks (``--gpus-per-task``: each
+    sees only its own)."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> JobEnvironment:
@@ -52,8 +56,10 @@ class JobEnvironment:
                 ntasks = str(sum(het_sizes))
         else:
             rank, ntasks, launcher = "0", "1", "none"
-        local = env.get("OMPI_COMM_WORLD_LOCAL_RANK") if launcher == "mpirun" else env.get("SLURM_LOCALID")
-        return cls(launcher, int(rank), int(ntasks), job_id, het_sizes, hostname, node, int(local or 0))
+        local_key = "OMPI_COMM_WORLD_LOCAL_RANK" if launcher == "mpirun" else "SLURM_LOCALID"
+        local = int(env.get(local_key) or 0)
+        gpu = 0 if launcher == "slurm" and env.get("SLURM_GPUS_PER_TASK") else local
+        return cls(launcher, int(rank), int(ntasks), job_id, het_sizes, hostname, node, local, gpu)
 
     @property
     def het_group(self) -> int:

@@ -79,13 +79,14 @@ def render_sbatch(
 
 
 def _srun_components(components: list[list[str]]) -> str:
-    """One ``:``-separated part per component, each with the ``--cpus-per-task`` its allocation
-    asked for: since Slurm 22.05 srun takes no CPU count from the batch allocation, so without it
-    each task (and an SGLang server with its several processes under a cell leader) may be bound
-    to one CPU."""
+    """One ``:``-separated part per component, each with the ``--cpus-per-task`` (and any
+    ``--gpus-per-task``) its allocation asked for: since Slurm 22.05 srun takes no CPU count from
+    the batch allocation, so without it each task (and an SGLang server with its several
+    processes under a cell leader) may be bound to one CPU; GPUs per task are said again alike."""
     run = '"$PYTHON" -m gyre_hpc.runtime "$RUN_DIR"'
-    cpus = [next(o for o in opts if o.startswith("--cpus-per-task=")) for opts in components]
-    parts = [f"    --het-group={i} {c} {run}" for i, c in enumerate(cpus)]
+    per_task = ("--cpus-per-task=", "--gpus-per-task=")
+    asked = [" ".join(o for o in opts if o.startswith(per_task)) for opts in components]
+    parts = [f"    --het-group={i} {a} {run}" for i, a in enumerate(asked)]
     return " : \\\n".join(parts)
 
 
@@ -125,6 +126,8 @@ def _gpu_node(slurm: SlurmConfig) -> list[str]:
     opts = _opt("partition", slurm.partition)
     if slurm.gpus_per_node:
         opts.append(f"--gpus-per-node={slurm.gpus_per_node}")
+    if slurm.gpu_per_task:
+        opts.append("--gpus-per-task=1")
     opts += _opt("mem", slurm.mem) + _opt("constraint", slurm.constraint)
     if slurm.exclusive:
         opts.append("--exclusive")

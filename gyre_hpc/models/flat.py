@@ -73,6 +73,14 @@ class FlatLayout:
             p.data = w[name]
             p.grad = g[name]
 
+    def point(self, model: torch.nn.Module, weights: torch.Tensor, grads: torch.Tensor) -> None:
+        """Make ``model``'s parameters and gradients views of the two buffers as they are (after
+        the buffers moved: no values are copied)."""
+        w, g = self.views(weights), self.views(grads)
+        for name, p in model.named_parameters():
+            p.data = w[name]
+            p.grad = g[name]
+
     def load(self, model: torch.nn.Module, flat: np.ndarray | torch.Tensor) -> None:
         """Copy the buffer's values into ``model``'s parameters."""
         views = self.views(flat)

@@ -395,7 +395,19 @@ class SlurmConfig:
         min=1,
         max=4096,
     )
-    gpus_per_node: int = knob(0, "GPUs per cell node (--gpus-per-node); 0 asks for none.", min=0, max=64)
+    gpus_per_node: int = knob(
+        0,
+        "GPUs per cell node (--gpus-per-node): every rank of a node sees them all and takes the "
+        "one of its local rank; 0 asks for none.",
+        min=0,
+        max=64,
+    )
+    gpu_per_task: bool = knob(
+        False,
+        "Bind one GPU to each cell rank (--gpus-per-task=1, for sites that bind GPUs to tasks) "
+        "instead of asking per node; each rank then sees only its own, so an SGLang engine must "
+        "have engine.tp_size = 1 (a server cannot span GPUs bound to other tasks).",
+    )
     cpus_per_task: int = knob(4, "CPUs per cell rank.", min=1, max=1024)
     controller_cpus: int = knob(4, "CPUs for the controller (proxy, harness, trajectories).", min=1, max=1024)
     mem: str = knob("", "Memory per node (e.g. 200G); empty: the partition default.")
@@ -471,6 +483,18 @@ class Recipe:
             raise RecipeError(
                 f"cells.ranks_per_cell = {cells.ranks_per_cell} must be a multiple of "
                 f"trainer.tp_size * trainer.pp_size = {trainer.tp_size * trainer.pp_size}"
+            )
+        slurm = self.slurm
+        if slurm.gpu_per_task and slurm.gpus_per_node:
+            raise RecipeError(
+                f"slurm.gpu_per_task = true and slurm.gpus_per_node = {slurm.gpus_per_node}: ask for "
+                "GPUs one way; set slurm.gpus_per_node = 0"
+            )
+        if slurm.gpu_per_task and self.engine.backend == "sglang" and self.engine.tp_size > 1:
+            raise RecipeError(
+                f"engine.tp_size = {self.engine.tp_size} with slurm.gpu_per_task = true: a cell leader's "
+                "SGLang server would span GPUs bound to other tasks, which it cannot see; set "
+                "engine.tp_size = 1, or ask per node (slurm.gpus_per_node)"
             )
         splits = range(1, cells.count + (cells.rollout_pool > 0))
         if bad := [k for k in self.bench.async_splits if k not in splits]:

@@ -146,7 +146,7 @@ class Cell:
             self.cells.capacity,
             "0.0.0.0" if self.world.env.launcher == "slurm" else "127.0.0.1",
             s.engines / f"unit-{self.unit}",
-            self.world.env.local_rank,
+            self.world.env.gpu,
             self.newest_weights,
         )
         self.port = self.engine.start()
@@ -175,7 +175,7 @@ class Cell:
         """Where a torch trainer computes: ``trainer.device``, auto being this rank's GPU if any."""
         device = resolve_device(self.trainer_cfg.device)
         if device == "cuda":
-            return f"cuda:{self.world.env.local_rank % torch.cuda.device_count()}"
+            return f"cuda:{self.world.env.gpu % torch.cuda.device_count()}"
         return device
 
     def _trainer_class(self) -> type:
@@ -194,7 +194,7 @@ class Cell:
         host = env.hostname if env.launcher == "slurm" else "127.0.0.1"
         host, port = comm.bcast((host, free_port(host)) if comm.Get_rank() == 0 else None, root=0)
         wait = rendezvous_timeout_s(self.engine_cfg, self.cells)
-        return MegatronWorld(comm.Get_rank(), comm.Get_size(), host, port, gpu=env.local_rank, timeout_s=wait)
+        return MegatronWorld(comm.Get_rank(), comm.Get_size(), host, port, gpu=env.gpu, timeout_s=wait)
 
     @property
     def address(self) -> str:

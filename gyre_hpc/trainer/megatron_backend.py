@@ -403,7 +403,8 @@ class MegatronTrainer:
         if self.pending:  # every rank of the replica trained the same micro-steps: all flush
             for n, p in self.params.items():  # what this rank did not forward adds nothing
                 self.main_grad.setdefault(n, torch.zeros_like(p, dtype=torch.float32))
-            self._sum_tied_embedding_grads()
+            if self.layout.pp > 1:
+                self._sum_tied_embedding_grads()
             if self.dp > 1:
                 for g in self.main_grad.values():
                     torch.distributed.all_reduce(g, group=self.dp_group)

@@ -28,6 +28,7 @@ from gyre_hpc.trainer.base import (
     policy_micro_step,
     tree_inputs,
 )
+from gyre_hpc.trainer.offload import Offload
 from gyre_hpc.trajectory.batch import TrainSequence
 from gyre_hpc.trajectory.packing import PackedTree, pack_tree
 
@@ -48,7 +49,7 @@ class TorchTrainer:
         """``tree``: a micro-step's sequences forwarded as one packed tree (``trajectory.packing``)."""
         self.device = torch.device(device)
         self.model = Qwen3ForCausalLM.from_pretrained(model_dir).train().to(self.device)
-        layout = FlatLayout.of(self.model.config)
+        layout = self.layout = FlatLayout.of(self.model.config)
         self.numel = layout.numel
         if grad_buffer is None:
             grad_buffer = np.zeros(self.numel, dtype=np.float32)
@@ -62,6 +63,7 @@ class TorchTrainer:
         layout.bind(self.model, self.flat, self.grad)
         self.grad.zero_()
         self.version = 0
+        self.offload = Offload()
         params = list(self.model.parameters())  # tied ones once
         self.optimizer = (
             torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, foreach=False)
@@ -141,10 +143,31 @@ class TorchTrainer:
         return ApplyStats(self.version, norm)
 
     def release_memory(self) -> None:
-        """It computes where its flat buffers live, on the host: nothing to hand back."""
+        """On a GPU: the weights (taken into the host mirror first), the gradient buffer and
+        Adam's moments to host memory, the allocator's cache emptied. On the CPU nothing."""
+        if self.host_flat is self.flat or self.offload.released:
+            return
+        self.weights()
+        self.offload.release(self._resident())
+        self._point()
+        torch.cuda.empty_cache()
 
     def resume_memory(self) -> None:
-        """Nothing was handed back."""
+        if self.offload.released:
+            self.offload.resume(self._resident())
+            self._point()
+
+    def _resident(self) -> list[tuple[str, torch.Tensor]]:
+        out = [("flat", self.flat), ("grad", self.grad)]
+        if self.optimizer is not None:
+            for i, state in enumerate(self.optimizer.state.values()):
+                moments = [(k, t) for k, t in state.items() if isinstance(t, torch.Tensor) and t.dim()]
+                out += [(f"adam:{i}:{k}", t) for k, t in moments]
+        return out
+
+    def _point(self) -> None:
+        """The parameters and their gradients are views of the flat buffers wherever these now are."""
+        self.layout.point(self.model, self.flat, self.grad)
 
     # ---- checkpoint state ---------------------------------------------------------------------
 

@@ -239,6 +239,7 @@ class TensorPush:
     def __init__(
         self, url: str, layout: FlatLayout, tp_size: int, device: str, dtype: str, bucket_bytes: int
     ) -> None:
+        """``device``: where a bucket is staged — ``cpu``, or ``cuda:N``, the server's first GPU."""
         self.url, self.tp_size, self.device, self.dtype = url, tp_size, device, dtype
         self.buckets = buckets(layout, _itemsize(dtype), bucket_bytes)
         self.peak_bytes = 0
@@ -250,10 +251,16 @@ class TensorPush:
             # A file the server opens by name: the default (a descriptor handed over a socket)
             # needs the receiver to be a child of this process.
             torch.multiprocessing.set_sharing_strategy("file_system")
+        else:
+            # GPUs named by UUID, not index, as SGLang's own senders do: its ranks may number
+            # the node's GPUs differently.
+            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+            monkey_patch_torch_reductions()
         source, dtype = torch.from_numpy(flat), getattr(torch, self.dtype)
         for i, b in enumerate(self.buckets):
             staged = source[b.start : b.end].to(dtype)
-            staged = staged.cuda() if self.device == "cuda" else staged.share_memory_()
+            staged = staged.share_memory_() if self.device == "cpu" else staged.to(self.device)
             self.peak_bytes = max(self.peak_bytes, staged.numel() * staged.element_size())
             payload = {"flattened_tensor": staged.view(torch.uint8), "metadata": _metadata(b, dtype)}
             # One reference per TP rank: each rank opens its own (CUDA IPC counts references).
@@ -335,6 +342,7 @@ class SGLangServer:
         port: int = 0,
     ) -> None:
         self.engine, self.model_dir, self.work_dir, self.device = engine, model_dir, work_dir, device
+        self.gpu = gpu
         self.port = port or free_port(host)
         self.url = f"http://127.0.0.1:{self.port}"  # the cell and its server share a node
         self.cmd = sglang_command(engine, str(model_dir), self.port, host, python, device, gpu)
@@ -364,7 +372,8 @@ class SGLangServer:
             time.sleep(0.5)
         dtype, bucket = served_dtype(self.engine.dtype, self.model_dir), self.engine.weight_bucket_mb << 20
         if self.engine.weight_sync == "tensor":
-            self.group = TensorPush(self.url, self.layout, self.engine.tp_size, self.device, dtype, bucket)
+            where = "cpu" if self.device == "cpu" else f"cuda:{self.gpu}"
+            self.group = TensorPush(self.url, self.layout, self.engine.tp_size, where, dtype, bucket)
         elif self.engine.weight_sync == "broadcast":
             backend = "gloo" if self.device == "cpu" else "nccl"
             self.group = WeightGroup(

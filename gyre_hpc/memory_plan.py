@@ -161,6 +161,11 @@ class Shape:
         head = 0 if self.tied else self.embedding_params
         return self.layers * self.layer_params + self.embedding_params + head + self.hidden
 
+    def kv_bytes_per_token(self, itemsize: int, tp: int = 1) -> int:
+        """Keys and values one token leaves in one engine rank's cache (fewer kv heads than
+        ranks: each rank keeps one)."""
+        return 2 * self.layers * max(1, self.kv_heads // tp) * self.head_dim * itemsize
+
     def layer_activation_elements(self, tp: int) -> int:
         """Elements one token leaves saved for backward in one layer: the two norms' inputs and
         outputs (whole on every tensor-parallel rank), and per rank its share of q, k, v (before
@@ -190,8 +195,7 @@ def plan(
     static = int(engine.mem_fraction_static * gpu)
     served = BYTES[engine_dtype(engine)]
     engine_weights = s.params * served // engine.tp_size
-    kv_heads = max(1, s.kv_heads // engine.tp_size)  # fewer kv heads than ranks: each keeps one
-    kv_per_token = 2 * s.layers * kv_heads * s.head_dim * served
+    kv_per_token = s.kv_bytes_per_token(served, engine.tp_size)
     bucket = engine.weight_bucket_mb << 20
     sampling = Phase(
         "sampling",

@@ -319,13 +319,14 @@ def test_a_decode_step_copies_its_logits_to_the_host_once_for_the_whole_batch(
 
 def test_an_embedded_engine_on_a_gpu_sizes_its_prefix_cache_from_free_memory() -> None:
     from gyre_hpc.engines.hosted import cache_tokens
+    from gyre_hpc.memory_plan import Shape
     from gyre_hpc.models.catalog import model_shape
 
-    c = model_shape("/models/Qwen3-8B")
+    c = Shape.of(model_shape("/models/Qwen3-8B"))
     gib = 1 << 30
     per_token = 2 * 36 * 8 * 128 * 2  # layers × kv heads × head dim × bf16, keys and values
     params = 8_190_735_360
     # 80 % of an 80 GiB GPU, of which 30 GiB is free now: the free memory bounds it
-    assert cache_tokens(30 * gib, 80 * gib, 0.8, params, c, 2) == (30 * gib - 2 * params) // 2 // per_token
-    assert cache_tokens(79 * gib, 80 * gib, 0.8, params, c, 2) == (64 * gib - 2 * params) // 2 // per_token
-    assert cache_tokens(gib, 80 * gib, 0.8, params, c, 2) == 0  # not even the weights fit: no cache
+    assert cache_tokens(30 * gib, 80 * gib, 0.8, c, 2) == (30 * gib - 2 * params) // 2 // per_token
+    assert cache_tokens(79 * gib, 80 * gib, 0.8, c, 2) == (64 * gib - 2 * params) // 2 // per_token
+    assert cache_tokens(gib, 80 * gib, 0.8, c, 2) == 0  # not even the weights fit: no cache

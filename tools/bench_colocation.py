@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gyre_hpc.trainer.offload import Offload  # noqa: E402
+from gyre_hpc.trainer.offload import Offload, moments  # noqa: E402
 from gyre_hpc.trainer.tree_attention import block_mask, flex, padded_ends, padded_length  # noqa: E402
 
 MIB = 1 << 20
@@ -221,8 +221,8 @@ def cycle(device: str, engine_bytes: int, params: int) -> dict:
         weights.copy_(master)
 
     def state() -> list[tuple[str, torch.Tensor]]:
-        moments = [(k, t) for k, t in opt.state[master].items() if t.dim()]
-        return [("weights", weights), ("master", master), ("grad", master.grad), *moments]
+        adam = moments(opt, {id(master): "master"})
+        return [("weights", weights), ("master", master), ("grad", master.grad), *adam]
 
     off = Offload()
     t0 = time.perf_counter()

@@ -33,7 +33,7 @@ from gyre_hpc.engines.embedded import Engine
 from gyre_hpc.engines.emulated import EmulatedEngine
 from gyre_hpc.engines.server import make_app
 from gyre_hpc.engines.sglang import SGLangServer
-from gyre_hpc.models.flat import FlatLayout
+from gyre_hpc.memory_plan import Shape
 from gyre_hpc.models.qwen3 import Qwen3Config
 from gyre_hpc.recipe.schema import EngineConfig
 
@@ -96,10 +96,8 @@ def host_engine(
         cache = engine.max_total_tokens or CPU_CACHE_TOKENS
         if device == "cuda" and not engine.max_total_tokens:
             free, total = torch.cuda.mem_get_info(at)
-            c = Qwen3Config.load(model_dir)
-            cache = cache_tokens(
-                free, total, engine.mem_fraction_static, FlatLayout.of(c).numel, c, dtype.itemsize
-            )
+            shape = Shape.of(Qwen3Config.load(model_dir))
+            cache = cache_tokens(free, total, engine.mem_fraction_static, shape, dtype.itemsize)
     embedded = Engine(model_dir, max_running=capacity, cache_tokens=cache, dtype=dtype, device=at)
     return EmbeddedHost(embedded, host)
 
@@ -108,13 +106,12 @@ CPU_CACHE_TOKENS = 1 << 20
 """Prefix-cache tokens of an embedded engine on the CPU (host memory) unless the recipe says."""
 
 
-def cache_tokens(free: int, total: int, fraction: float, params: int, c: Qwen3Config, itemsize: int) -> int:
+def cache_tokens(free: int, total: int, fraction: float, shape: Shape, itemsize: int) -> int:
     """Prefix-cache tokens an embedded engine on a GPU keeps: half of what ``fraction`` of the
     GPU leaves after its weights (the other half is for the running sequences' own keys and
     values), no more than is free now."""
-    budget = min(int(fraction * total), free) - params * itemsize
-    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * itemsize
-    return max(0, budget // 2 // per_token)
+    budget = min(int(fraction * total), free) - shape.params * itemsize
+    return max(0, budget // 2 // shape.kv_bytes_per_token(itemsize))
 
 
 class EmbeddedHost:

@@ -53,13 +53,24 @@ from gyre_hpc.runtime.replica import MirroredTrainer, mirror
 from gyre_hpc.runtime.world import World
 from gyre_hpc.scheduler.policy import Role
 from gyre_hpc.trainer import checkpoint
-from gyre_hpc.trainer.base import ApplyStats
+from gyre_hpc.trainer.base import ApplyStats, Trainer
 from gyre_hpc.trainer.data_parallel import Claims, apply_on_core, pull_snapshot, work_once
 from gyre_hpc.trainer.emulated import EmulatedTrainer
 from gyre_hpc.trainer.torch_backend import TorchTrainer
 from gyre_hpc.transport.base import Transport
 
 log = logging.getLogger(__name__)
+
+
+def hand_over(trainer: Trainer | None, role: Role) -> None:
+    """A rank's trainer's part of a role switch: its GPU memory handed back to sample, taken
+    back to train (nothing for a rank without a trainer, or for another role)."""
+    if trainer is None:
+        return
+    if role == Role.SAMPLING:
+        trainer.release_memory()
+    elif role == Role.TRAINING:
+        trainer.resume_memory()
 
 
 def rendezvous_timeout_s(engine: EngineConfig, cells: CellsConfig) -> float:
@@ -273,11 +284,7 @@ class Cell:
             self.trainer.weights()  # gathered while resident: the engine loads them once released
         self._forward(msg)
         self._await_members(msg.seq)
-        if self.trainer is not None:
-            if msg.role == Role.SAMPLING:
-                self.trainer.release_memory()
-            elif msg.role == Role.TRAINING:
-                self.trainer.resume_memory()
+        hand_over(self.trainer, msg.role)
         if msg.role == Role.SAMPLING:
             self.engine.resume()
         self.role = msg.role
@@ -353,10 +360,9 @@ class Cell:
             if isinstance(msg, Shutdown):
                 return
             if isinstance(msg, SwitchRole):
-                if trainer is not None and msg.role == Role.SAMPLING:
-                    trainer.release_memory()  # acknowledged only once the GPU is free for the engine
-                elif trainer is not None and msg.role == Role.TRAINING:
-                    trainer.resume_memory()  # the leader forwards this after its engine let go
+                # Acknowledged only once done: to sample, the engine resumes after every
+                # member's release; to train, the leader forwards this after its engine let go.
+                hand_over(trainer, msg.role)
                 self.role = msg.role
                 self.in_cell.send(RoleSwitched(self.unit, msg.role, msg.seq, 0.0), 0)
             elif isinstance(msg, Mirror) and trainer is not None:

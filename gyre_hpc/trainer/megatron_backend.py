@@ -60,7 +60,7 @@ from gyre_hpc.trainer.base import (
 )
 from gyre_hpc.trainer.megatron_cpu import redirect_cuda_to_cpu
 from gyre_hpc.trainer.megatron_weights import Layout, hf_to_megatron, megatron_to_hf
-from gyre_hpc.trainer.offload import Offload
+from gyre_hpc.trainer.offload import Offload, moments
 from gyre_hpc.trainer.tree_attention import (
     block_mask,
     dense_mask,
@@ -390,11 +390,7 @@ class MegatronTrainer:
         yield from (("param:" + n, p) for n, p in self.params.items())
         yield from (("master:" + n, m) for n, m in (self.master or {}).items())
         if self.optimizer is not None:
-            names = {id(p): n for n, p in (self.master or self.params).items()}
-            for p, state in self.optimizer.state.items():
-                for key, t in state.items():
-                    if isinstance(t, torch.Tensor) and t.dim():  # not Adam's scalar step count
-                        yield f"adam:{key}:{names[id(p)]}", t
+            yield from moments(self.optimizer, {id(p): n for n, p in (self.master or self.params).items()})
 
     def gradient(self) -> np.ndarray:
         """The flat gradient, with every micro-step since ``zero_grad`` in it: the fp32 sums on

@@ -9,9 +9,18 @@ know what the tensors are; the trainer says which (``MegatronTrainer._resident``
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
+
+
+def moments(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """An optimizer's state tensors by name (``adam:<key>:<parameter>``; ``names``: id of a
+    parameter → its name), without its scalar step counts."""
+    for p, state in optimizer.state.items():
+        for key, t in state.items():
+            if isinstance(t, torch.Tensor) and t.dim():
+                yield f"adam:{key}:{names[id(p)]}", t
 
 
 class Offload:

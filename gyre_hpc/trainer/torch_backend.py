@@ -28,7 +28,7 @@ from gyre_hpc.trainer.base import (
     policy_micro_step,
     tree_inputs,
 )
-from gyre_hpc.trainer.offload import Offload
+from gyre_hpc.trainer.offload import Offload, moments
 from gyre_hpc.trajectory.batch import TrainSequence
 from gyre_hpc.trajectory.packing import PackedTree, pack_tree
 
@@ -160,9 +160,7 @@ class TorchTrainer:
     def _resident(self) -> list[tuple[str, torch.Tensor]]:
         out = [("flat", self.flat), ("grad", self.grad)]
         if self.optimizer is not None:
-            for i, state in enumerate(self.optimizer.state.values()):
-                moments = [(k, t) for k, t in state.items() if isinstance(t, torch.Tensor) and t.dim()]
-                out += [(f"adam:{i}:{k}", t) for k, t in moments]
+            out += moments(self.optimizer, {id(p): n for n, p in self.model.named_parameters()})
         return out
 
     def _point(self) -> None:

@@ -132,7 +132,8 @@ def step_batch(
         runs += n
         work.append(group_work(group, trees, seqs, trajectory.packing, micro_step_tokens))
     queue = pack(sequences, micro_step_tokens, trajectory.packing)
-    return StepBatch(queue, runs, step_stats(outcomes, queue, runs, work, trajectory.packing), trees)
+    stats = step_stats(outcomes, queue, runs, work, trajectory.packing, trees.values())
+    return StepBatch(queue, runs, stats, trees)
 
 
 class StreamingBatch:
@@ -188,7 +189,8 @@ class StreamingBatch:
         return new
 
     def stats(self) -> dict[str, object]:
-        return step_stats(self.outcomes, self.queue, self.num_runs, self.work, self.trajectory.packing)
+        packing = self.trajectory.packing
+        return step_stats(self.outcomes, self.queue, self.num_runs, self.work, packing, self.trees.values())
 
 
 def group_rng(seed: int, step: int, task_id: str) -> random.Random:
@@ -235,6 +237,7 @@ def step_stats(
     runs: int,
     work: Sequence[dict[str, object]] = (),
     packing: str = "paths",
+    trees: Iterable[TrajectoryTree] = (),
 ) -> dict[str, object]:
     counted = [o for o in outcomes if o.score.counts_in_group]
     rewards = [o.score.reward or 0.0 for o in counted]
@@ -255,7 +258,14 @@ def step_stats(
         "calls": sum(o.execution.calls for o in outcomes),
         "statuses": dict(sorted(Counter(o.execution.status for o in outcomes).items())),
         "groups": list(work),
+        "engine_calls": engine_calls(trees),
     }
+
+
+def engine_calls(trees: Iterable[TrajectoryTree]) -> dict[str, int]:
+    """The runs' calls by the engine replica that served them (its URL; the last for a call
+    that moved)."""
+    return dict(sorted(Counter(r.meta.engine for tree in trees for r in tree.records()).items()))
 
 
 def token_staleness(micro_steps: Iterable[list[TrainSequence]], trained_from: int) -> dict[str, int]:
@@ -274,6 +284,11 @@ def token_staleness(micro_steps: Iterable[list[TrainSequence]], trained_from: in
 
 def staleness(trees: Iterable[TrajectoryTree], trained_from: int) -> dict[str, int]:
     """Calls by how many versions lie between the one a step trains from and the one that
-    served them (0: on-policy)."""
-    count = Counter(trained_from - r.policy_version for tree in trees for r in tree.records())
+    served them (0: on-policy); a call that spanned a load counts once for each version of
+    its parts."""
+    count = Counter(
+        trained_from - v for tree in trees for r in tree.records() for v in dict.fromkeys(
+            v for _, v in r.meta.versions()
+        )
+    )  # fmt: skip
     return {str(k): v for k, v in sorted(count.items())}

@@ -2,6 +2,8 @@
 # gyre-hpc heterogeneous job, rendered by `gyre-hpc submit` (gyre_hpc/launch/sbatch.py).
 # One MPI world across all components: rank 0 is the controller, then the cells.
 @{header}
+# The engine replicas of each cell (each started by the cell rank named; gyre_hpc/placement.py):
+@{engines}
 set -u
 @{setup}
 export PYTHONUNBUFFERED=1

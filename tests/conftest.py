@@ -20,8 +20,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 CAPABILITIES = ("mpi", "slurm", "gpu", "rdma", "megatron", "sglang", "agents", "bwrap")
-SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
-"""The environment ``tools/setup.sh --sglang`` builds: SGLang and this package, side by side."""
+SGLANG_PYTHON = Path(os.environ.get("GYRE_SGLANG_PYTHON") or REPO / ".venv-sglang" / "bin" / "python")
+"""The environment ``tools/setup.sh --sglang`` builds: SGLang and this package, side by side
+(GYRE_SGLANG_PYTHON: another Python with both, e.g. on a GPU machine)."""
 MINI_SWE_AGENT = REPO / ".venv-agents" / "bin" / "mini"
 """mini-swe-agent, in the environment ``tools/setup.sh --agents`` builds."""
 
@@ -104,6 +105,14 @@ def assert_golden(name: str, text: str) -> None:
     if os.environ.get("GYRE_UPDATE_GOLDEN"):
         path.write_text(text)
     assert text == path.read_text(), f"{name} changed; GYRE_UPDATE_GOLDEN=1 rewrites it"
+
+
+def recomputed(model: torch.nn.Module, prompt: list[int], output: list[int]) -> list[float]:
+    """Log-probs of ``output`` after ``prompt`` under ``model`` (a Qwen3ForCausalLM), computed here."""
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids)[0][0].float(), -1)
+    return [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(output)]
 
 
 def flat_of(model: torch.nn.Module) -> torch.Tensor:

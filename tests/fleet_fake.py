@@ -80,6 +80,8 @@ class FakeSampler:
         self.tito_log, self.output_tokens = tito_log, output_tokens
         self.finished_trees: dict[str, TrajectoryTree] = {}
         self.admitting: list[tuple[float, set[str]]] = []
+        self.held: list[tuple[float, set[str]]] = []
+        self.loads: list[tuple[float, set[str], int]] = []
         self.stoppers: dict[str, Callable[[], None]] = {}
         self.stopped: list[tuple[float, str]] = []
 
@@ -131,6 +133,12 @@ class FakeSampler:
     def set_sampling(self, urls: set[str]) -> None:
         self.admitting.append((self.clock.now, set(urls)))
 
+    def hold(self, urls: set[str]) -> None:
+        self.held.append((self.clock.now, set(urls)))
+
+    def loaded(self, urls: set[str], version: int) -> None:
+        self.loads.append((self.clock.now, set(urls), version))
+
 
 class _Trainer:
     """What ``work_once`` calls: a micro-step that computes nothing (its cost is the clock's)."""
@@ -156,7 +164,7 @@ class FakeFleet:
         self.clock = clock
         self.cells = len(capacities)
         self.units = {
-            u: Hello(u, u + 1, "fake", 0, f"fake://{u}", cap, standalone=u >= self.cells)
+            u: Hello(u, u + 1, "fake", 0, (f"fake://{u}",), cap, standalone=u >= self.cells)
             for u, cap in enumerate([*capacities, *pool])
         }
         self.roles = dict.fromkeys(self.units, Role.IDLE)

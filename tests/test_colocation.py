@@ -160,16 +160,30 @@ def test_the_gpus_change_hands_in_an_order_that_never_needs_both_at_once() -> No
     """To sample: the core's snapshot taken, every member's trainer released (they acknowledge
     the forwarded switch only once released), the leader's, then the engine resumes. To train:
     the engine lets go first, then every trainer takes its memory back."""
+    from gyre_hpc.recipe.schema import CellsConfig
     from gyre_hpc.runtime.cell import Cell
     from gyre_hpc.runtime.protocol import SwitchRole
     from gyre_hpc.scheduler.policy import Role
 
     calls: list[str] = []
+
+    class Members:
+        """The cell's channel to its members: member 1 hosts engine replica 1."""
+
+        def send(self, msg: object, dest: int) -> None:
+            calls.append(f"member {dest} told {msg.verb}")  # type: ignore[attr-defined]
+            self.last = msg
+
+        def recv(self, timeout: float, source: int, what: str) -> tuple[int, object]:
+            calls.append(f"member {source} done")
+            return source, self.last
+
     cell = Cell.__new__(Cell)  # the switch alone: no world, no ranks
-    cell.unit, cell.session, cell.role = 0, None, Role.IDLE
+    cell.unit, cell.session, cell.role, cell.cells = 0, None, Role.IDLE, CellsConfig()
     cell.engine, cell.trainer = Recorder("engine", calls), Recorder("trainer", calls)
     cell._forward = lambda msg: calls.append(f"members told {msg.role}")
     cell._await_members = lambda seq: calls.append("members acknowledged")
+    cell._hosting_members = lambda: []  # one replica: the leader's
     cell.switch(SwitchRole(0, Role.SAMPLING, 1))
     assert calls == [
         "trainer.weights", "members told sampling", "members acknowledged",
@@ -178,6 +192,21 @@ def test_the_gpus_change_hands_in_an_order_that_never_needs_both_at_once() -> No
     calls.clear()
     cell.switch(SwitchRole(0, Role.TRAINING, 2))
     assert calls == ["engine.pause", "members told training", "members acknowledged", "trainer.resume_memory"]
+    # Two replicas: every replica lets go before any trainer takes memory back, and every
+    # trainer lets go before any replica resumes.
+    cell.in_cell, cell._hosting_members = Members(), lambda: [1]
+    calls.clear()
+    cell.switch(SwitchRole(0, Role.SAMPLING, 3))
+    assert calls == [
+        "trainer.weights", "members told sampling", "members acknowledged", "trainer.release_memory",
+        "member 1 told resume", "member 1 done", "engine.resume",
+    ]  # fmt: skip
+    calls.clear()
+    cell.switch(SwitchRole(0, Role.TRAINING, 4))
+    assert calls == [
+        "member 1 told pause", "member 1 done", "engine.pause",
+        "members told training", "members acknowledged", "trainer.resume_memory",
+    ]  # fmt: skip
 
 
 def test_the_gpu_checks_run_at_tiny_size_on_the_cpu(tmp_path: Path) -> None:

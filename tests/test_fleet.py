@@ -27,7 +27,7 @@ class ScriptedCell:
 
     def __init__(self, answer_after: float, silent_at: float = float("inf"), hello_at: float = 0) -> None:
         self.now, self.answer_after, self.silent_at, self.hello_at = 0.0, answer_after, silent_at, hello_at
-        self.outbox: list[Message] = [Hello(0, 1, "node-a", 1, "http://node-a:1", 4)]
+        self.outbox: list[Message] = [Hello(0, 1, "node-a", 1, ("http://node-a:1",), 4)]
         self.answer: tuple[float, Message] | None = None
 
     def clock(self) -> float:

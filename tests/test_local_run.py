@@ -94,6 +94,11 @@ def test_multi_rank_cells_pool_and_async_roles(tmp_path: Path) -> None:
     assert next(e for e in events if e.kind == "world_up").size == 6
     hellos = {e.cell: (e.rank, e.standalone) for e in events if e.kind == "hello"}
     assert hellos == {0: (1, False), 1: (3, False), 2: (5, True)}  # leaders only
+    # Two engine replicas a cell (one per rank: engine.tp_size = 1), one for the pool's engine.
+    replicas = {e.cell: len(e.addresses) for e in events if e.kind == "hello"}
+    assert replicas == {0: 2, 1: 2, 2: 1}
+    (step,) = [e for e in events if e.kind == "step"]
+    assert len(step.engine_calls) >= 2 and sum(step.engine_calls.values()) == step.calls
     switched = {e.cell: e.role for e in events if e.kind == "role_switched"}
     assert switched == {0: "training", 1: "sampling", 2: "sampling"}
     # The first load goes to the engines that serve, not into a training cell's released memory.

@@ -268,9 +268,9 @@ def test_routing_sticky_then_rank_then_load() -> None:
 
     async def go() -> list[str]:
         a, b, c = (
-            EngineSlot("http://a", limit=2, rank=0),
-            EngineSlot("http://b", limit=2, rank=2),
-            EngineSlot("http://c", limit=2, rank=1),
+            EngineSlot("http://a", limit=2, rank=0, version=0),
+            EngineSlot("http://b", limit=2, rank=2, version=0),
+            EngineSlot("http://c", limit=2, rank=1, version=0),
         )
         router = Router([a, b, c])
         picks = []

@@ -21,11 +21,20 @@ FIXED = ["--set", "run.runs_dir=/shared/runs", "--set", "slurm.python=/opt/gyre/
 PER_TASK = ["slurm.gpus_per_node=0", "slurm.gpu_per_task=true", "engine.tp_size=1"]
 """A site that binds GPUs to tasks: one a cell rank, an engine on one GPU."""
 
+SPANNING = [
+    "slurm.nodes_per_cell=2",
+    "slurm.gpus_per_node=4",
+    "engine.tp_size=8",
+    "engine.weight_sync=broadcast",
+]
+"""Cells of two 4-GPU nodes, each served by one replica across both."""
+
 
 @pytest.mark.parametrize(
     ("recipe", "sets", "golden"),
     [("smoke", [], "smoke"), ("qwen3-8b-8cells", [], "qwen3-8b-8cells"),
-     ("qwen3-8b-8cells", PER_TASK, "qwen3-8b-8cells-gpu-per-task")],
+     ("qwen3-8b-8cells", PER_TASK, "qwen3-8b-8cells-gpu-per-task"),
+     ("qwen3-8b-8cells", SPANNING, "qwen3-8b-8cells-engines-across-nodes")],
 )  # fmt: skip
 def test_dry_run_matches_golden(recipe: str, sets: list[str], golden: str) -> None:
     extra = [arg for s in sets for arg in ("--set", s)]

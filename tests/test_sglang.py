@@ -8,6 +8,7 @@ from ``.venv-sglang`` (``tools/setup.sh --sglang``).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -16,8 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from conftest import REPO, SGLANG_PYTHON, flat_of
+from conftest import REPO, SGLANG_PYTHON, flat_of, recomputed
 
 from gyre_hpc.engines.embedded import Engine
 from gyre_hpc.engines.sampling import SamplingParams
@@ -36,6 +36,7 @@ from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.observability import events as ev
+from gyre_hpc.proxy.router import EngineSlot, Router
 from gyre_hpc.recipe.schema import EngineConfig
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.trajectory.codec import by_run, read_records
@@ -119,14 +120,6 @@ def embedded_greedy(engine: Engine, prompt: list[int], n: int = 16) -> tuple[lis
     while not done:
         time.sleep(0.01)
     return done["output_ids"], [lp for lp, _, _ in done["meta_info"]["output_token_logprobs"]]
-
-
-def recomputed(model: Qwen3ForCausalLM, prompt: list[int], output: list[int]) -> list[float]:
-    """Log-probs of ``output`` after ``prompt`` under ``model``, computed here."""
-    ids = torch.tensor([prompt + output])
-    with torch.no_grad():
-        logp = torch.log_softmax(model(ids)[0][0].float(), -1)
-    return [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(output)]
 
 
 @pytest.mark.sglang
@@ -245,6 +238,61 @@ def test_new_weights_arrive_by_reference_by_broadcast_and_from_disk(
     call(url, lambda c: c.end_weight_update())
 
 
+@pytest.mark.sglang
+def test_a_conversation_continued_after_a_load_reuses_no_keys_and_values_of_older_weights(
+    served: tuple[str, Path],
+) -> None:
+    """SGLang keeps its prefix cache across a load while calls run (a load with the cache kept,
+    here). Asked without a key, it continues a conversation on keys/values of the old weights;
+    through the router, each call's cache key is its engine's version (SGLang's extra_key), so
+    the continuation's log-probs are those of the new weights computed afresh."""
+    url, model_dir = served
+    layout = FlatLayout.of(Qwen3Config.load(model_dir))
+    model = Qwen3ForCausalLM.from_pretrained(model_dir)
+    base = flat_of(model).numpy().copy()
+    push = TensorPush(url, layout, 1, "cpu", "float32", bucket_bytes=1 << 20)
+    turn = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+
+    def load(version: int, flush: bool = False) -> np.ndarray:
+        flat = base + np.random.RandomState(version).randn(base.size).astype(np.float32) * 0.05
+        call(url, lambda c: c.begin_weight_update())
+        push.push(flat, version, flush=flush)
+        call(url, lambda c: c.end_weight_update())
+        layout.load(model, flat)
+        return flat
+
+    def mismatch(prompt: list[int], output: list[int], logprobs: list[float]) -> float:
+        return float(np.abs(np.array(logprobs) - np.array(recomputed(model, prompt, output))).max())
+
+    # Unkeyed, as calls were sent before: the second turn reuses the first turn's old KV.
+    first = call(url, lambda c: c.generate(PROMPTS[1], turn))
+    load(31)
+    prompt = PROMPTS[1] + first["output_ids"] + [11, 12]
+    second = call(url, lambda c: c.generate(prompt, turn))
+    assert second["meta_info"]["cached_tokens"] > 0
+    theirs = [lp for lp, _, _ in second["meta_info"]["output_token_logprobs"]]
+    assert mismatch(prompt, second["output_ids"], theirs) > 1e-3  # served partly by the old weights
+
+    async def conversation() -> tuple[list[int], list[int], list[float], int]:
+        router = Router([EngineSlot(url, 4)], timeout_s=120)
+        try:
+            await router.loaded(url, 31)
+            one = await router.complete("conv", PROMPTS[2], turn)
+            await asyncio.to_thread(load, 32)
+            await router.loaded(url, 32)
+            again = PROMPTS[2] + one.output_ids + [11, 12]
+            two = await router.complete("conv", again, turn)
+            return again, two.output_ids, two.logprobs, two.cached_tokens
+        finally:
+            await router.close()
+
+    prompt, output, logprobs, cached = asyncio.run(conversation())
+    assert cached == 0 and mismatch(prompt, output, logprobs) <= 1e-4
+    call(url, lambda c: c.begin_weight_update())
+    push.push(base, 0)  # as it was, cache dropped, for the tests that follow
+    call(url, lambda c: c.end_weight_update())
+
+
 # ---- whole runs with SGLang cells --------------------------------------------------------------
 
 SMOKE_SGLANG = str(REPO / "recipes" / "smoke-sglang.toml")
@@ -286,7 +334,7 @@ def test_an_elastic_run_with_sglang_cells_whose_killed_server_comes_back(tmp_pat
             if any(tmp_path.iterdir()):
                 run, events = events_of(tmp_path)
                 hello = next((e for e in events if isinstance(e, ev.Hello) and e.cell == 1), None)
-                port = hello.address.rsplit(":", 1)[1] if hello else None
+                port = hello.addresses[0].rsplit(":", 1)[1] if hello else None
                 if any(isinstance(e, ev.Finished) and e.run.startswith("s0002") for e in events):
                     break
             assert proc.poll() is None, proc.communicate()[1][-4000:]
@@ -313,6 +361,10 @@ def test_an_elastic_run_with_sglang_cells_whose_killed_server_comes_back(tmp_pat
     trees = {r: TrajectoryTree.from_encoded(recs) for r, recs in by_run(read_records(run.tito_log).records)}
     calls = [rec for r, t in trees.items() if r.startswith("s0003") for rec in t.records()]
     assert calls and {c.policy_version for c in calls} == {2}
+    # Every part of every call was served at the version its engine held then (the engine's own
+    # report), and after step 1 none at version 0: the restarted server had none until it loaded.
+    later = [rec for r, t in trees.items() if not r.startswith("s0001") for rec in t.records()]
+    assert later and all(v >= 1 for rec in later for _, v in rec.meta.versions())
     worst = max(
         np.abs(
             np.array(c.output_logprobs) - np.array(recomputed(model, list(c.input_ids), list(c.output_ids)))
@@ -320,8 +372,43 @@ def test_an_elastic_run_with_sglang_cells_whose_killed_server_comes_back(tmp_pat
         for c in calls
     )
     assert worst <= 1e-4, worst
-    hosts = {e.cell: e.address for e in events if isinstance(e, ev.Hello)}
+    hosts = {e.cell: e.addresses for e in events if isinstance(e, ev.Hello)}
     assert all((run.engines / f"unit-{c}" / "sglang.log").exists() for c in hosts)
+
+
+@pytest.mark.mpi
+@pytest.mark.sglang
+@pytest.mark.timeout(1200)
+def test_a_cell_of_two_ranks_serves_with_two_sglang_replicas(tmp_path: Path) -> None:
+    """One cell of 2 ranks, engine.tp_size 1: two SGLang servers behind the router, both get
+    calls, both load each version (their calls' log-probs are the checkpoint's), and each role
+    switch drains and pauses both."""
+    sets = ("cells.count=1", "cells.ranks_per_cell=2", "scheduler.mode=colocate", "run.steps=2")
+    finish(start_run(tmp_path, *sets, "tasks.prompts_per_step=2"), 1100)
+    run, events = events_of(tmp_path)
+    (hello,) = [e for e in events if isinstance(e, ev.Hello)]
+    assert len(hello.addresses) == 2
+    steps = [e for e in events if isinstance(e, ev.Step)]
+    assert [s.version for s in steps] == [1, 2]
+    for s in steps:
+        assert set(s.engine_calls) == set(hello.addresses) and min(s.engine_calls.values()) > 0, (
+            s.engine_calls
+        )
+    logs = [run.engines / "unit-0" / "sglang.log", run.engines / "unit-0-replica-1" / "sglang.log"]
+    for log in logs:  # the role switches (to train and back) reached both servers
+        text = log.read_text()
+        assert "/pause_generation" in text and "/continue_generation" in text, log
+    model = Qwen3ForCausalLM.from_pretrained(run.checkpoints / "step-000001")
+    trees = {r: TrajectoryTree.from_encoded(recs) for r, recs in by_run(read_records(run.tito_log).records)}
+    calls = [rec for r, t in trees.items() if r.startswith("s0002") for rec in t.records()]
+    assert {c.meta.engine for c in calls} == set(hello.addresses) and {c.policy_version for c in calls} == {1}
+    worst = max(
+        np.abs(
+            np.array(c.output_logprobs) - np.array(recomputed(model, list(c.input_ids), list(c.output_ids)))
+        ).max()
+        for c in calls
+    )
+    assert worst <= 1e-4, worst
 
 
 def _serves(proc: Path, port: str) -> bool:

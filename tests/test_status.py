@@ -22,7 +22,7 @@ def recorded_run(tmp_path: Path, finished: bool) -> RunDir:
     events: list[ev.Event] = [
         ev.RunStart(launcher="mpirun"),
         *(
-            ev.Hello(cell=c, rank=c + 1, host="n1", pid=100 + c, address=f"http://n1:{c}", capacity=8)
+            ev.Hello(cell=c, rank=c + 1, host="n1", pid=100 + c, addresses=(f"http://n1:{c}",), capacity=8)
             for c in range(3)
         ),
         *(ev.RoleSwitched(cell=c, role="sampling", seq=c, seconds=0.01) for c in range(3)),

@@ -38,6 +38,15 @@ run)
     # The tests marked gpu (here: the embedded engine on CUDA); their log comes back too.
     timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_engine.py tests/test_tree_packing.py \
         2>&1 | tee "$out/gpu_tests.log" || true
+    # The serving rules on that machine's Python: version-gated admission after a restart, a load
+    # splitting running calls into segments, no KV reused across versions; where the machine has
+    # SGLang (GYRE_SGLANG_PYTHON), the replicas, the KV rule and the killed-server run against it too.
+    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_versions.py tests/test_placement.py \
+        2>&1 | tee "$out/serving_tests.log" || true
+    if [ -n "${GYRE_SGLANG_PYTHON:-}" ]; then
+        GYRE_REQUIRE=sglang timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_sglang.py \
+            -k "conversation or replicas or weights_arrive" 2>&1 | tee "$out/sglang_tests.log" || true
+    fi
     ;;
 *)
     echo "usage: bash tools/gpu_bench.sh prepare | run [bench_megatron.py arguments]" >&2

@@ -12,6 +12,7 @@ from rich.syntax import Syntax
 from gyre_hpc.errors import GyreError, RecipeError
 from gyre_hpc.memory_plan import MemoryPlan, check_memory
 from gyre_hpc.models.catalog import model_shape
+from gyre_hpc.placement import engine_plan
 from gyre_hpc.recipe import Recipe, load_recipe, to_toml
 from gyre_hpc.recipe.load import schema_lines
 from gyre_hpc.rundir import RunDir
@@ -65,6 +66,10 @@ def check(recipe: RecipeArg, set_: SetOption = None) -> None:
         f"{recipe}: ok — {r.scheduler.mode}, {cells.count} cells × {cells.ranks_per_cell} ranks, "
         f"engine {r.engine.backend}, trainer {r.trainer.backend}, model {r.run.model}"
     )
+    engines = engine_plan(cells.ranks_per_cell, r.slurm.nodes_per_cell, r.engine.tp_size)
+    typer.echo(f"engine replicas a cell: {engines.replicas}, tensor-parallel {r.engine.tp_size}")
+    if cells.ranks_per_cell > 1:
+        typer.echo("\n".join(f"  {line}" for line in engines.describe().splitlines()))
     if plan is not None:
         typer.echo("\n".join(plan.lines()))
     elif r.cells.gpu_memory_gib:

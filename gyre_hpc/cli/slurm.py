@@ -17,6 +17,7 @@ from gyre_hpc.launch.sbatch import render_sbatch
 from gyre_hpc.layout import Layout
 from gyre_hpc.models.registry import resolve_model
 from gyre_hpc.observability import events as ev
+from gyre_hpc.placement import engine_plan
 from gyre_hpc.rundir import RunDir
 
 
@@ -56,6 +57,7 @@ def submit(
             run_dir=where,
             python=python,
             max_restarts=r.run.max_restarts,
+            engines=engine_plan(r.cells.ranks_per_cell, r.slurm.nodes_per_cell, r.engine.tp_size).describe(),
         )
 
     if dry_run:

@@ -66,7 +66,9 @@ class EngineClient:
         *,
         rid: str | None = None,
         return_logprob: bool = True,
+        extra_key: str | None = None,
     ) -> dict[str, Any]:
+        """``extra_key``: the request's prefix-cache key (it reuses only prefixes of its key)."""
         body: dict[str, Any] = {
             "input_ids": input_ids,
             "sampling_params": sampling_params or {},
@@ -74,6 +76,8 @@ class EngineClient:
         }
         if rid is not None:
             body["rid"] = rid
+        if extra_key is not None:
+            body["extra_key"] = extra_key
         return await self._post("/generate", body)
 
     async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
@@ -191,8 +195,8 @@ class EngineClient:
         """Pin an in-flight request's KV for another engine; its handle (None: cannot export)."""
         return (await self._post("/export_kv", {"rid": rid})).get("handle")
 
-    async def import_kv(self, source: str, handle: str) -> None:
-        await self._post("/import_kv", {"source": source, "handle": handle})
+    async def import_kv(self, source: str, handle: str, extra_key: str = "") -> None:
+        await self._post("/import_kv", {"source": source, "handle": handle, "extra_key": extra_key})
 
     async def release_kv(self, handle: str) -> None:
         await self._post("/release_kv", {"handle": handle})

@@ -59,6 +59,10 @@ class Sequence:
     finish_reason: dict[str, Any] | None = None
     generator: torch.Generator | None = None
     started: float = field(default_factory=time.monotonic)
+    extra_key: str = ""
+    """The request's cache key (SGLang's ``extra_key``): it reuses only prefixes of the same key."""
+    kv_version: str | None = None
+    """The weight version its keys/values were computed at (set at prefill)."""
 
     @property
     def tokens(self) -> list[int]:
@@ -71,6 +75,8 @@ class _CacheEntry:
     keys: torch.Tensor  # [layers, kv_heads, len, head_dim]
     values: torch.Tensor
     used: float
+    key: tuple[str, str] = ("", "")
+    """(the request's ``extra_key``, the weight version the keys/values were computed at)"""
 
 
 class PrefixCache:
@@ -80,10 +86,13 @@ class PrefixCache:
         self.max_tokens = max_tokens
         self.entries: list[_CacheEntry] = []
 
-    def lookup(self, tokens: list[int]) -> tuple[_CacheEntry | None, int]:
+    def lookup(self, tokens: list[int], key: tuple[str, str] = ("", "")) -> tuple[_CacheEntry | None, int]:
+        """The longest cached prefix of ``tokens`` under ``key`` (no entry of another key matches)."""
         arr = np.asarray(tokens, dtype=np.int32)
         best, best_len = None, 0
         for e in self.entries:
+            if e.key != key:
+                continue
             n = min(len(arr), len(e.tokens))
             if n <= best_len:
                 continue
@@ -95,17 +104,21 @@ class PrefixCache:
             best.used = time.monotonic()
         return best, best_len
 
-    def insert(self, tokens: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+    def insert(
+        self, tokens: list[int], keys: torch.Tensor, values: torch.Tensor, key: tuple[str, str] = ("", "")
+    ) -> None:
         if not tokens or self.max_tokens <= 0:
             return
         arr = np.asarray(tokens, dtype=np.int32)
-        # An entry this one extends is redundant.
+        # An entry of the same key this one extends is redundant.
         self.entries = [
             e
             for e in self.entries
-            if not (len(e.tokens) <= len(arr) and np.array_equal(e.tokens, arr[: len(e.tokens)]))
+            if not (
+                e.key == key and len(e.tokens) <= len(arr) and np.array_equal(e.tokens, arr[: len(e.tokens)])
+            )
         ]
-        self.entries.append(_CacheEntry(arr, keys.clone(), values.clone(), time.monotonic()))
+        self.entries.append(_CacheEntry(arr, keys.clone(), values.clone(), time.monotonic(), key))
         while sum(len(e.tokens) for e in self.entries) > self.max_tokens and len(self.entries) > 1:
             self.entries.remove(min(self.entries, key=lambda e: e.used))
 
@@ -156,9 +169,12 @@ class Engine:
         on_done: Callable[[dict[str, Any]], None],
         rid: str | None = None,
         on_token: Callable[[Sequence], None] | None = None,
+        extra_key: str = "",
     ) -> Sequence:
         self.check(input_ids, params)
-        seq = Sequence(rid or uuid.uuid4().hex, list(input_ids), params, on_done, on_token)
+        seq = Sequence(
+            rid or uuid.uuid4().hex, list(input_ids), params, on_done, on_token, extra_key=extra_key
+        )
         if params.sampling_seed is not None:
             seq.generator = torch.Generator().manual_seed(params.sampling_seed)
         with self.lock:
@@ -224,11 +240,14 @@ class Engine:
             self.pinned[handle] = kv_transfer.pack(seq.tokens[:n], keys, values)
             return handle, n
 
-    def import_kv(self, data: bytes) -> int:
-        """Keys/values moved from another engine go into the prefix cache; returns their tokens."""
+    def import_kv(self, data: bytes, extra_key: str = "") -> int:
+        """Keys/values moved from another engine go into the prefix cache, under ``extra_key`` and
+        the version served now (the router moves them only between engines of one version);
+        returns their tokens."""
         tokens, keys, values = kv_transfer.unpack(data)
         with self.lock:
-            self.cache.insert(tokens, keys.to(self.device, self.dtype), values.to(self.device, self.dtype))
+            at = keys.to(self.device, self.dtype), values.to(self.device, self.dtype)
+            self.cache.insert(tokens, *at, (extra_key, self.weight_version))
         return len(tokens)
 
     def release_kv(self, handle: str) -> None:
@@ -309,7 +328,8 @@ class Engine:
 
     def _prefill(self, seq: Sequence) -> None:
         tokens = seq.tokens  # a retracted sequence resumes with what it had generated
-        entry, hit = self.cache.lookup(tokens)
+        seq.kv_version = self.weight_version
+        entry, hit = self.cache.lookup(tokens, (seq.extra_key, seq.kv_version))
         hit = min(hit, len(tokens) - 1)  # the last token must run to give the next logits
         c = self.config
         cap = len(tokens) + min(seq.params.max_new_tokens, 256) + 1  # grows by doubling when needed
@@ -409,10 +429,13 @@ class Engine:
         seq.on_done(self.response(seq))
 
     def _release(self, seq: Sequence) -> None:
-        """Hand the sequence's keys/values to the prefix cache and drop them from the sequence."""
-        if seq.keys is not None and seq.length:
+        """Hand the sequence's keys/values to the prefix cache and drop them from the sequence:
+        only keys/values of the weights served now (a sequence that ran across a load holds some
+        of an older version, which no later call may reuse)."""
+        if seq.keys is not None and seq.length and seq.kv_version == self.weight_version:
             tokens = seq.tokens[: seq.length]
-            self.cache.insert(tokens, seq.keys[:, :, : seq.length], seq.values[:, :, : seq.length])
+            key = (seq.extra_key, seq.kv_version)
+            self.cache.insert(tokens, seq.keys[:, :, : seq.length], seq.values[:, :, : seq.length], key)
         seq.keys = seq.values = None
         seq.length = 0
 

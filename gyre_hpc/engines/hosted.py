@@ -32,7 +32,8 @@ from gyre_hpc.engines.colocation import LOAD, State, step
 from gyre_hpc.engines.embedded import Engine
 from gyre_hpc.engines.emulated import EmulatedEngine
 from gyre_hpc.engines.server import make_app
-from gyre_hpc.engines.sglang import SGLangServer
+from gyre_hpc.engines.sglang import SGLangServer, Span
+from gyre_hpc.errors import LaunchError
 from gyre_hpc.memory_plan import Shape
 from gyre_hpc.models.qwen3 import Qwen3Config
 from gyre_hpc.recipe.schema import EngineConfig
@@ -75,11 +76,19 @@ def host_engine(
     work_dir: Path,
     gpu: int,
     current: Current,
+    span: Span | None = None,
+    group_host: str = "127.0.0.1",
 ) -> HostedEngine:
-    """The engine ``engine.backend`` names, for one cell: ``gpu`` is the first GPU it may use."""
+    """The engine ``engine.backend`` names, for one replica of a cell: ``gpu`` is the first GPU
+    it may use, ``span`` its part's place when the replica spans nodes (SGLang only)."""
     device = resolve_device(engine.device)
     if engine.backend == "sglang":
-        return SGLangHost(SGLangServer(engine, model_dir, work_dir, host, device, gpu), current)
+        server = SGLangServer(
+            engine, model_dir, work_dir, host, device, gpu, span=span, group_host=group_host
+        )
+        return SGLangHost(server, current) if span is None or span.head else PartHost(server)
+    if span is not None:
+        raise ValueError(f"engine.backend = {engine.backend!r} cannot span nodes; sglang can")
     if engine.backend == "emulated":
         emulated = EmulatedEngine(
             model_dir,
@@ -152,6 +161,33 @@ class EmbeddedHost:
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.engine.stop()
+
+
+class PartHost:
+    """A part of an SGLang replica across nodes that is not its head: it serves no HTTP and
+    takes no verbs (the head's schedulers reach it); it only runs, and it cannot be restarted
+    alone (its replica's process group is gone with it), so its death fails the cell."""
+
+    restarting = False
+
+    def __init__(self, server: SGLangServer) -> None:
+        self.server = server
+
+    def start(self) -> int:
+        return self.server.start()
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def load(self, flat: np.ndarray, version: int) -> None: ...
+
+    def supervise(self) -> None:
+        if not self.server.alive():
+            raise LaunchError(f"a part of an sglang replica across nodes died; see {self.server.log}")
+
+    def stop(self) -> None:
+        self.server.stop()
 
 
 class SGLangHost:

@@ -94,7 +94,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if body.get("stream"):
         if len(jobs) != 1:
             raise BadRequest("streaming takes one prompt with n = 1")
-        return await _stream(request, engine, jobs[0], params, return_logprob)
+        return await _stream(request, engine, jobs[0], params, return_logprob, _extra_key(body))
     for ids, _ in jobs:  # every prompt refused or none: nothing half-submitted
         engine.check(ids, params)
     loop = asyncio.get_running_loop()
@@ -102,7 +102,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     seqs: list[Sequence] = []
     for ids, r in jobs:
         fut = loop.create_future()
-        seqs.append(engine.submit(ids, params, _resolver(loop, fut), rid=r))
+        seqs.append(engine.submit(ids, params, _resolver(loop, fut), rid=r, extra_key=_extra_key(body)))
         futures.append(fut)
     try:
         results = await asyncio.gather(*futures)
@@ -114,6 +114,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
     ids = body.get("input_ids")
     batch = bool(ids) and isinstance(ids[0], list) or isinstance(body.get("text"), list)
     return web.json_response(results if batch or params.n > 1 else results[0])
+
+
+def _extra_key(body: dict[str, Any]) -> str:
+    """SGLang's per-request cache key: a prefix is reused only by requests of the same key."""
+    key = body.get("extra_key")
+    if key is not None and not isinstance(key, str):
+        raise BadRequest("extra_key should be a string for a single request")
+    return key or ""
 
 
 def _prompts(engine: Engine, body: dict[str, Any]) -> list[list[int]]:
@@ -151,6 +159,7 @@ async def _stream(
     job: tuple[list[int], str | None],
     params: SamplingParams,
     return_logprob: bool,
+    extra_key: str,
 ) -> web.StreamResponse:
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
@@ -165,7 +174,7 @@ async def _stream(
 
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    seq = engine.submit(job[0], params, on_done, rid=job[1], on_token=on_token)
+    seq = engine.submit(job[0], params, on_done, rid=job[1], on_token=on_token, extra_key=extra_key)
     try:
         while (chunk := await queue.get()) is not None:
             await resp.write(f"data: {json.dumps(_shape(chunk, return_logprob))}\n\n".encode())
@@ -267,7 +276,7 @@ async def import_kv(request: web.Request) -> web.Response:
     if not body.get("source") or not body.get("handle"):
         raise BadRequest("import_kv needs source and handle")
     data = await request.app[TRANSFER].fetch(body["source"], body["handle"])  # type: ignore[attr-defined]
-    tokens = await asyncio.to_thread(request.app[ENGINE].import_kv, data)
+    tokens = await asyncio.to_thread(request.app[ENGINE].import_kv, data, str(body.get("extra_key") or ""))
     return web.json_response({"success": True, "tokens": tokens})
 
 

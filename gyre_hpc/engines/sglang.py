@@ -66,10 +66,15 @@ def sglang_command(
     python: str = sys.executable,
     device: str = "cuda",
     gpu: int = 0,
+    span: Span | None = None,
 ) -> list[str]:
-    """The server's command line; ``device`` is resolved (cpu | cuda), ``gpu`` its first GPU."""
+    """The server's command line; ``device`` is resolved (cpu | cuda), ``gpu`` its first GPU,
+    ``span`` this part's place in a replica across nodes."""
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model, "--host", host, "--port", str(port)]
     cmd += ["--tp-size", str(engine.tp_size), "--weight-version", "0", "--skip-server-warmup"]
+    if span is not None:
+        cmd += ["--nnodes", str(span.nnodes), "--node-rank", str(span.node_rank)]
+        cmd += ["--dist-init-addr", span.dist_init_addr]
     if device == "cpu":
         cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch"]
         cmd += ["--disable-cuda-graph", "--grammar-backend", "none"]
@@ -87,6 +92,20 @@ def sglang_command(
     if not engine.prefix_cache:
         cmd.append("--disable-radix-cache")
     return cmd
+
+
+@dataclass(frozen=True)
+class Span:
+    """A part of a replica that spans nodes: SGLang's --nnodes, --node-rank, --dist-init-addr
+    (host:port of the head part's node, where its ranks meet)."""
+
+    nnodes: int
+    node_rank: int
+    dist_init_addr: str
+
+    @property
+    def head(self) -> bool:
+        return self.node_rank == 0
 
 
 def server_env(device: str, environ: Mapping[str, str]) -> dict[str, str]:
@@ -156,6 +175,19 @@ def buckets(layout: FlatLayout, itemsize: int, limit_bytes: int) -> list[Bucket]
     return out
 
 
+def unflushed_ok(url: str, version: int, send: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """An update's reply, where SGLang's "updated, but the cache was not flushed" (calls were
+    still running or waiting) counts as done: the weights are in, and no call reuses the old
+    prefixes anyway (each call's cache key is its engine's version)."""
+    try:
+        return send()
+    except EngineError as err:
+        if UPDATED_NOT_FLUSHED not in str(err):
+            raise
+        log.info("%s: version %s loaded, prefix cache kept (keyed by version): %s", url, version, err)
+        return {"success": True}
+
+
 class WeightGroup:
     """The cell leader's side of a process group it forms with its server: rank 0 broadcasts
     the flat snapshot bucket by bucket, cast to the served dtype, and the server's TP ranks
@@ -212,15 +244,7 @@ class WeightGroup:
             )
             received = pool.submit(call, self.url, update)
             torch.distributed.broadcast(data, src=0, group=self.group)
-            try:
-                reply = received.result()
-            except EngineError as err:
-                if UPDATED_NOT_FLUSHED not in str(err):
-                    raise
-                # The weights are in; only the prefix cache could not be dropped, because calls
-                # reached a server that had just come back. What it computed is in the TITO log.
-                log.warning("%s: version %s loaded, prefix cache kept: %s", self.url, version, err)
-                return
+            reply = unflushed_ok(self.url, version, received.result)
         if not reply.get("success"):
             raise EngineError(f"{self.url}: update_weights_from_distributed failed: {reply.get('message')}")
 
@@ -244,7 +268,9 @@ class TensorPush:
         self.buckets = buckets(layout, _itemsize(dtype), bucket_bytes)
         self.peak_bytes = 0
 
-    def push(self, flat: np.ndarray, version: int) -> None:
+    def push(self, flat: np.ndarray, version: int, flush: bool = True) -> None:
+        """``flush``: drop the server's prefix cache with the last bucket (False keeps it, as
+        SGLang does anyway while calls run)."""
         import torch
 
         if self.device == "cpu":
@@ -265,8 +291,9 @@ class TensorPush:
             payload = {"flattened_tensor": staged.view(torch.uint8), "metadata": _metadata(b, dtype)}
             # One reference per TP rank: each rank opens its own (CUDA IPC counts references).
             refs = [_reference(payload) for _ in range(self.tp_size)]
-            last = i == len(self.buckets) - 1
-            reply = call(self.url, lambda c, r=refs, f=last: c.update_weights_from_tensor(r, str(version), f))
+            last = flush and i == len(self.buckets) - 1
+            update = lambda c, r=refs, f=last: c.update_weights_from_tensor(r, str(version), f)  # noqa: E731
+            reply = unflushed_ok(self.url, version, lambda u=update: call(self.url, u))
             if not reply.get("success"):
                 raise EngineError(f"{self.url}: update_weights_from_tensor failed: {reply.get('message')}")
             del staged, payload, refs  # the server copied the bucket into its weights
@@ -340,19 +367,25 @@ class SGLangServer:
         gpu: int = 0,
         python: str = sys.executable,
         port: int = 0,
+        span: Span | None = None,
+        group_host: str = "127.0.0.1",
     ) -> None:
+        """``group_host``: where this rank's end of the weight group listens (its node's name
+        when the replica spans nodes, so their ranks reach it)."""
         self.engine, self.model_dir, self.work_dir, self.device = engine, model_dir, work_dir, device
-        self.gpu = gpu
+        self.gpu, self.span, self.group_host = gpu, span, group_host
         self.port = port or free_port(host)
         self.url = f"http://127.0.0.1:{self.port}"  # the cell and its server share a node
-        self.cmd = sglang_command(engine, str(model_dir), self.port, host, python, device, gpu)
+        self.cmd = sglang_command(engine, str(model_dir), self.port, host, python, device, gpu, span)
         self.log = work_dir / "sglang.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.group: WeightGroup | TensorPush | None = None
         self.layout = FlatLayout.of(Qwen3Config.load(model_dir))
 
     def start(self) -> int:
-        """Launch and wait until healthy (and the weight group is formed); returns the port."""
+        """Launch and wait until healthy (and the weight group is formed); returns the port. A
+        part that is not its replica's head serves no HTTP: it is launched, and its head's
+        health says when the replica is up."""
         self.work_dir.mkdir(parents=True, exist_ok=True)
         env = server_env(self.device, os.environ)
         if self.device == "cuda":  # this process's NCCL (the weight group, the trainer) agrees
@@ -361,6 +394,8 @@ class SGLangServer:
             self.proc = subprocess.Popen(
                 self.cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
+        if self.span is not None and not self.span.head:
+            return self.port
         deadline = time.monotonic() + self.engine.start_timeout_s
         while not call(self.url, lambda c: c.health(), timeout_s=5):
             if self.proc.poll() is not None:
@@ -377,7 +412,7 @@ class SGLangServer:
         elif self.engine.weight_sync == "broadcast":
             backend = "gloo" if self.device == "cpu" else "nccl"
             self.group = WeightGroup(
-                self.url, self.layout, "127.0.0.1", self.engine.tp_size, backend, dtype, bucket
+                self.url, self.layout, self.group_host, self.engine.tp_size, backend, dtype, bucket
             )
         return self.port
 

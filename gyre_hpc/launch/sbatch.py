@@ -40,8 +40,10 @@ def render_sbatch(
     python: str,
     max_restarts: int = 0,
     template: Path = TEMPLATE,
+    engines: str = "",
 ) -> str:
-    """The complete sbatch script for ``layout``; no I/O but reading the template."""
+    """The complete sbatch script for ``layout``; no I/O but reading the template. ``engines``:
+    each cell's engine plan (``placement``), written into the script as comments."""
     components = [_controller(slurm), _cells(slurm, layout)]
     if layout.pool:
         components.append(_pool(slurm, layout))
@@ -67,6 +69,7 @@ def render_sbatch(
         ) from None
     return _Template(text).substitute(
         header="\n".join(header),
+        engines="\n".join(f"#   {line}" for line in engines.splitlines()) or "#   (not given)",
         setup="\n".join(slurm.setup) if slurm.setup else "# (no slurm.setup lines)",
         run_dir=shlex.quote(str(run_dir)),
         python=shlex.quote(python),

@@ -87,7 +87,8 @@ class Hello(Event):
     rank: int
     host: str
     pid: int
-    address: str
+    addresses: tuple[str, ...]
+    """Each engine replica's URL."""
     capacity: int
     standalone: bool = False
 
@@ -237,6 +238,8 @@ class Step(Event):
     groups: list[dict[str, Any]] = field(default_factory=list)
     """Each prompt group's work: ``task``, ``run_tokens`` (by sorted run id), ``sequence_tokens``
     (of each item binned into micro-steps: a path, or with tree packing a run's paths as a tree)."""
+    engine_calls: dict[str, int] = field(default_factory=dict)
+    """The step's trained runs' calls by the engine replica that served them (URL)."""
     staleness: dict[str, int] = field(default_factory=dict)
     """Calls by versions between the one trained from and the one that served them."""
     staleness_tokens: dict[str, int] = field(default_factory=dict)

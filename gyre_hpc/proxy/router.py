@@ -4,6 +4,12 @@
  acquire: sticky engine of the run (prefix-cache locality) if it admits and has room,
           else the admitting engine that stays available longest (highest rank), least loaded;
           none → wait until one frees up or the request's deadline (then HTTP 503)
+ versions: an engine is admitted only while the router knows the version it holds —
+          loaded(url, v) says so; hold(url) before a load stops its calls (each goes on from
+          its partial output, a new segment); after a failure (a server that may have
+          restarted from its initial weights) it is probed until it reports the version last
+          loaded. Every call carries its engine's version as its prefix-cache key (SGLang's
+          extra_key), so no call reuses keys/values computed by other weights.
  drain(engine): stop admitting; abort its in-flight calls; each call goes on elsewhere —
           "continue": from its partial output (its KV moved first when the engines can),
           "restart": from scratch — and its TITO record is marked rerouted
@@ -47,6 +53,7 @@ class _Flight:
     rid: str
     drained: DrainMode | None = None
     kv_handle: str | None = None
+    kv_version: int | None = None
 
 
 @dataclass
@@ -59,12 +66,24 @@ class EngineSlot:
     admitting: bool = True
     down_until: float = 0.0
     inflight: dict[str, _Flight] = field(default_factory=dict)
+    version: int | None = None
+    """The version it holds, as far as the router knows (None: unknown, not admitted)."""
+    expected: int | None = None
+    """The version last loaded into it (None: none yet; whatever it reports is taken)."""
+    loading: bool = False
+    probe: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
         self.client = EngineClient(self.url)
 
     def available(self, now: float) -> bool:
-        return self.admitting and now >= self.down_until and len(self.inflight) < self.limit
+        return (
+            self.admitting
+            and not self.loading
+            and self.version is not None
+            and now >= self.down_until
+            and len(self.inflight) < self.limit
+        )
 
 
 @dataclass
@@ -78,6 +97,12 @@ class Completion:
     rerouted: bool
     t_start: float
     t_end: float
+    segments: list[tuple[int, int]] = field(default_factory=list)
+    """(output tokens, the version that generated them) for each part, in order."""
+
+
+PROBE_S = 0.5
+"""How often an engine of unknown version is asked which it holds."""
 
 
 class Router:
@@ -93,9 +118,60 @@ class Router:
 
     async def close(self) -> None:
         for e in self.engines.values():
+            if e.probe is not None:
+                e.probe.cancel()
             await e.client.close()
 
+    def calls(self) -> dict[str, int]:
+        """Calls in flight on each engine now."""
+        return {url: len(e.inflight) for url, e in self.engines.items()}
+
+    # ---- versions -------------------------------------------------------------------------------
+
+    async def hold(self, url: str) -> int:
+        """Before a load into ``url``: no new call, and its calls stop where they are (each goes
+        on from its partial output after the load, or elsewhere); returns how many stopped."""
+        slot = self.engines[url]
+        slot.loading = True
+        flights = list(slot.inflight.values())
+        for f in flights:
+            f.drained = "continue"  # the tokens so far are exact, and tagged with their version
+            await slot.client.abort(f.rid)
+        await self._notify()
+        return len(flights)
+
+    async def loaded(self, url: str, version: int) -> None:
+        """``url`` holds ``version`` now, and may be admitted again."""
+        slot = self.engines[url]
+        slot.version = slot.expected = version
+        slot.loading = False
+        await self._notify()
+
+    def _unsure(self, slot: EngineSlot) -> None:
+        """It failed: it may be a fresh server with its initial weights. Not admitted until it
+        reports the version last loaded into it (or a newer one)."""
+        slot.version = None
+        if slot.probe is None or slot.probe.done():
+            slot.probe = asyncio.ensure_future(self._probe(slot))
+
+    async def _probe(self, slot: EngineSlot) -> None:
+        while slot.version is None:
+            try:
+                said = str((await slot.client.model_info()).get("weight_version"))
+                held: int | None = int(said) if said.isdigit() else 0  # unnamed: the initial weights
+            except (EngineError, aiohttp.ClientError, TimeoutError, ValueError):
+                held = None
+            if held is not None and (slot.expected is None or held >= slot.expected):
+                if slot.version is None and not slot.loading:
+                    slot.version = held
+                await self._notify()
+                return
+            await asyncio.sleep(PROBE_S)
+
     async def acquire(self, run_id: str, deadline: float) -> EngineSlot:
+        for slot in self.engines.values():
+            if slot.version is None and not slot.loading:
+                self._unsure(slot)  # learn what it holds (a probe at a time)
         async with self._changed:
             while True:
                 now = time.monotonic()
@@ -127,23 +203,28 @@ class Router:
         started = time.time()
         output: list[int] = []
         logprobs: list[float] = []
+        segments: list[tuple[int, int]] = []
         rerouted, cached, moved_kv = False, None, None
         budget = int(params.get("max_new_tokens", 128))
         while True:
             slot = await self.acquire(run_id, deadline)
             flight = _Flight(f"{run_id}-{next(self._ids)}-{uuid.uuid4().hex[:6]}")
             slot.inflight[flight.rid] = flight
+            version = slot.version
             try:
                 if moved_kv is not None:
                     await self._import_kv(slot, *moved_kv)
                     moved_kv = None
                 left = dict(params, max_new_tokens=budget - len(output))
-                res = await slot.client.generate(input_ids + output, left, rid=flight.rid)
+                res = await slot.client.generate(
+                    input_ids + output, left, rid=flight.rid, extra_key=f"v{version}"
+                )
             except EngineError as err:
                 if err.refused:  # never the engine's fault: the client hears it at once
                     raise Refused(_reason(err)) from None
                 slot.down_until = time.monotonic() + self.retry_down_s  # try the others first
-                output, logprobs, rerouted = [], [], True
+                self._unsure(slot)
+                output, logprobs, segments, rerouted = [], [], [], True
                 if time.monotonic() >= deadline:
                     raise NoEngine(f"engine {slot.url} failed and no other served in time") from None
                 continue
@@ -152,7 +233,8 @@ class Router:
                 raise
             except (aiohttp.ClientError, TimeoutError):
                 slot.down_until = time.monotonic() + self.retry_down_s  # try the others first
-                output, logprobs, rerouted = [], [], True
+                self._unsure(slot)
+                output, logprobs, segments, rerouted = [], [], [], True
                 if time.monotonic() >= deadline:
                     raise NoEngine(f"engine {slot.url} failed and no other served in time") from None
                 continue
@@ -161,40 +243,24 @@ class Router:
                 await self._notify()
             meta = res["meta_info"]
             cached = meta.get("cached_tokens", 0) if cached is None else cached
-            if flight.drained is None or meta["finish_reason"].get("type") != "abort":
+            served = str(meta.get("weight_version"))
+            finished = flight.drained is None or meta["finish_reason"].get("type") != "abort"
+            if finished or flight.drained == "continue":
                 output += res["output_ids"]
                 logprobs += [lp for lp, _, _ in meta["output_token_logprobs"]]
+                segments = _segment(segments, len(res["output_ids"]), served, version)
+            if finished or (flight.drained == "continue" and len(output) >= budget):
+                reason = meta["finish_reason"] if finished else {"type": "length", "length": len(output)}
                 return Completion(
-                    output,
-                    logprobs,
-                    meta["finish_reason"],
-                    slot.url,
-                    str(meta.get("weight_version")),
-                    cached,
-                    rerouted,
-                    started,
-                    time.time(),
-                )
+                    output, logprobs, reason, slot.url, served, cached,
+                    rerouted or not finished, started, time.time(), segments,
+                )  # fmt: skip
             rerouted = True
             if flight.drained == "continue":
-                output += res["output_ids"]
-                logprobs += [lp for lp, _, _ in meta["output_token_logprobs"]]
                 if flight.kv_handle:
-                    moved_kv = (slot, flight.kv_handle)
-                if len(output) >= budget:
-                    return Completion(
-                        output,
-                        logprobs,
-                        {"type": "length", "length": len(output)},
-                        slot.url,
-                        str(meta.get("weight_version")),
-                        cached,
-                        True,
-                        started,
-                        time.time(),
-                    )
+                    moved_kv = (slot, flight.kv_handle, flight.kv_version)
             else:
-                output, logprobs = [], []
+                output, logprobs, segments = [], [], []
 
     async def drain(self, url: str, mode: DrainMode = "continue") -> int:
         """Stop admitting on ``url`` and move its in-flight calls elsewhere; returns how many."""
@@ -205,7 +271,7 @@ class Router:
             f.drained = mode
             if mode == "continue":
                 try:
-                    f.kv_handle = await slot.client.export_kv(f.rid)
+                    f.kv_handle, f.kv_version = await slot.client.export_kv(f.rid), slot.version
                 except EngineError:
                     f.kv_handle = None  # the engine cannot export: the destination recomputes
             await slot.client.abort(f.rid)
@@ -216,9 +282,13 @@ class Router:
         self.engines[url].admitting = True
         await self._notify()
 
-    async def _import_kv(self, dest: EngineSlot, source: EngineSlot, handle: str) -> None:
+    async def _import_kv(
+        self, dest: EngineSlot, source: EngineSlot, handle: str, version: int | None
+    ) -> None:
+        """The KV goes only to an engine of the version that computed it."""
         try:
-            await dest.client.import_kv(source.url, handle)
+            if version is not None and dest.version == version:
+                await dest.client.import_kv(source.url, handle, extra_key=f"v{version}")
         except EngineError:
             pass  # no prefix moved: the destination recomputes it
         finally:
@@ -226,6 +296,17 @@ class Router:
                 await source.client.release_kv(handle)
             except (EngineError, aiohttp.ClientError):
                 pass
+
+
+def _segment(
+    segments: list[tuple[int, int]], tokens: int, served: str, version: int | None
+) -> list[tuple[int, int]]:
+    """The call's segments with the part just served appended (parts of one version merge):
+    the version the engine reported, else the one the router knew it held."""
+    v = int(served) if served.isdigit() else (version or 0)
+    if segments and segments[-1][1] == v:
+        return [*segments[:-1], (segments[-1][0] + tokens, v)]
+    return [*segments, (tokens, v)] if tokens or not segments else segments
 
 
 def _reason(err: EngineError) -> str:

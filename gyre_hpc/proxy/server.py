@@ -27,7 +27,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -64,7 +64,10 @@ class Proxy:
         engines: list[str],
         config: ProxyConfig,
         capacity: int = 8,
+        limits: Mapping[str, int] | None = None,
     ) -> None:
+        """``capacity``: calls in flight an engine admits, unless ``limits`` says per engine URL
+        (``proxy.admission_limit`` overrides both)."""
         self.run_dir = Path(run_dir)
         self.config = config
         self.tokenizer = ChatTokenizer(model_dir)
@@ -77,9 +80,12 @@ class Proxy:
         self.keys = KeyRing.load(files.proxy_secret)
         self.tito = TitoLog(files.tito_log)
         self.index = ChatIndex(files.chat_index)
-        limit = config.admission_limit or capacity
+        limits = limits or {}
         self.router = Router(
-            [EngineSlot(url, limit, rank=i) for i, url in enumerate(engines)],
+            [
+                EngineSlot(url, config.admission_limit or limits.get(url, capacity), rank=i)
+                for i, url in enumerate(engines)
+            ],
             timeout_s=config.request_timeout_s,
         )
         self.runs: dict[str, RunChats] = {}
@@ -161,13 +167,15 @@ class Proxy:
         engine_s = time.perf_counter() - started
         version = done.weight_version
         meta = CallMeta(
-            policy_version=int(version) if version.isdigit() else 0,
+            # the version of its first part: the oldest (a call spans loads only forward)
+            policy_version=done.segments[0][1] if done.segments else int(version) if version.isdigit() else 0,
             engine=done.engine,
             t_start=done.t_start,
             t_end=done.t_end,
             rerouted=done.rerouted,
             aborted=(done.finish_reason or {}).get("type") == "abort",
             finish_reason=(done.finish_reason or {}).get("type", ""),
+            segments=tuple(done.segments) if len(done.segments) > 1 else (),
         )
         record = TitoRecord(run_id, call_id, role, input_ids, done.output_ids, done.logprobs, meta)
         index = await self.tito.append(record)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gyre_hpc.errors import RecipeError
+from gyre_hpc.placement import check_engine_plan, engine_plan
 from gyre_hpc.trajectory.records import ROLE_PRIORITY
 
 Mode = Literal["elastic", "async", "colocate"]
@@ -141,9 +142,15 @@ class EngineConfig:
     )
     tp_size: int = knob(
         1,
-        "Tensor-parallel size of one engine (sglang: the GPUs of the cell's first tp_size ranks).",
+        "Tensor-parallel size of one engine replica: a cell serves with ranks_per_cell / tp_size "
+        "replicas, each on its own GPUs (a replica larger than a node spans whole nodes).",
         min=1,
         max=1024,
+    )
+    allow_idle_gpus: bool = knob(
+        False,
+        "Allow a layout that leaves GPUs of a sampling cell without an engine (a node's ranks not a "
+        "multiple of tp_size); refused otherwise.",
     )
     mem_fraction_static: float = knob(0.8, "GPU memory fraction for weights and KV cache.", min=0.05, max=1.0)
     enable_memory_saver: bool = knob(
@@ -478,6 +485,14 @@ class Recipe:
             raise RecipeError(
                 f"cells.ranks_per_cell = {cells.ranks_per_cell} must be a multiple of "
                 f"slurm.nodes_per_cell = {self.slurm.nodes_per_cell}"
+            )
+        plan = engine_plan(cells.ranks_per_cell, self.slurm.nodes_per_cell, self.engine.tp_size)
+        check_engine_plan(plan, self.engine.allow_idle_gpus)
+        if any(p.nnodes > 1 for p in plan.parts) and self.engine.weight_sync == "tensor":
+            raise RecipeError(
+                f"engine.tp_size = {self.engine.tp_size} spans nodes: its weights cannot go by "
+                'reference (engine.weight_sync = "tensor" shares memory within a node); set '
+                'engine.weight_sync = "broadcast"'
             )
         if cells.ranks_per_cell % (trainer.tp_size * trainer.pp_size):
             raise RecipeError(

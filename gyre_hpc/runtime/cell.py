@@ -7,8 +7,10 @@
      └──────── Shutdown ─┴──────── Shutdown ────────┘
 ```
 
-The leader hosts the engine (an HTTP server the proxy calls) and the trainer; members follow
-role switches. The torch backend computes on the leader; a megatron trainer spans every rank
+The engine is one replica per tensor-parallel group of the cell's GPUs (``placement``),
+each hosted by the rank at its first GPU: the leader hosts replica 0 (an HTTP server the proxy
+calls) and the trainer; the members follow role switches and weight loads, each with the replica
+it hosts. The torch backend computes on the leader; a megatron trainer spans every rank
 of its cell (tensor-, pipeline- and data-parallel), and the members mirror each trainer verb
 the leader calls (``runtime.replica``). Cell 0 — the core — owns the optimizer, publishes every
 version through the transport and writes checkpoints. A cell knows nothing about the schedule.
@@ -25,14 +27,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gyre_hpc.engines.hosted import host_engine, resolve_device
+from gyre_hpc.engines.hosted import HostedEngine, host_engine, resolve_device
+from gyre_hpc.engines.sglang import Span, free_port
 from gyre_hpc.layout import CONTROLLER
+from gyre_hpc.placement import EnginePart, engine_plan
 from gyre_hpc.recipe.schema import CellsConfig, EngineConfig, TrainerConfig
 from gyre_hpc.runtime.protocol import (
     POLL_INTERVAL_S,
     ApplyStep,
     Channel,
     CloseQueue,
+    EnginesUp,
+    EngineVerb,
     Heartbeat,
     Hello,
     LoadWeights,
@@ -91,6 +97,8 @@ class CellSetup:
     """Where engine processes keep their logs and weights on disk (``unit-<n>/``)."""
     packing: str = "tree"
     """How the trainer forwards a micro-step (``trajectory.packing``)."""
+    nodes_per_cell: int = 1
+    """The nodes a cell spans (``slurm.nodes_per_cell``): where its engine replicas go."""
 
 
 @dataclass
@@ -121,6 +129,9 @@ class Cell:
         self.session: Session | None = None
         self.trained_step = -1
         self.megatron = None  # a MegatronWorld: this rank's place in its replica's torch.distributed world
+        self.engine: HostedEngine | None = None
+        self.scratch_version = 0
+        self.replicas = 1
 
     @property
     def spread(self) -> bool:
@@ -134,33 +145,72 @@ class Cell:
     def run(self) -> None:
         if self.trainer_cfg.backend == "megatron" and not self.world.layout.is_standalone(self.unit):
             self.megatron = self._megatron_world()
-        if self.world.is_leader:
-            self.start_replica()
-            try:
+        self.part, self.span = self._engine_part()
+        try:
+            if self.world.is_leader:
+                self.start_replica()
                 self.lead()
-            finally:
+            else:
+                self.follow()
+        finally:
+            if self.engine is not None:
                 self.engine.stop()
-        else:
-            self.follow()
         for channel in (self.to_controller, self.in_cell):
             channel.flush(self.cells.heartbeat_timeout_s)
         wait_barrier(self.world.comm, self.cells.heartbeat_timeout_s)
 
-    def start_replica(self) -> None:
+    def _engine_part(self) -> tuple[EnginePart | None, Span | None]:
+        """The engine part this rank hosts, if any, and its place in a replica across nodes.
+        Every rank of the cell computes the same plan; a replica across nodes takes one
+        collective here, while every rank is present: each rank's node and a port free there."""
+        comm, env, tp = self.world.cell_comm, self.world.env, self.engine_cfg.tp_size
+        if self.world.layout.is_standalone(self.unit):
+            return EnginePart(0, 0, 0, env.gpu, tp), None
         assert self.setup is not None
-        s = self.setup
+        plan = engine_plan(comm.Get_size(), self.setup.nodes_per_cell, tp)
+        self.replicas = plan.replicas
+        mine = plan.hosted_by(comm.Get_rank())
+        if all(p.nnodes == 1 for p in plan.parts):
+            return (mine[0] if mine else None), None
+        offers = comm.allgather((env.hostname, free_port(env.hostname)))
+        if not mine:
+            return None, None
+        part = mine[0]
+        head = next(p for p in plan.parts if p.replica == part.replica and p.head)
+        host, port = offers[head.host_rank]
+        return part, Span(part.nnodes, part.node_rank, f"{host}:{port}")
+
+    def start_engine(self) -> str | None:
+        """Start the engine part this rank hosts; the URL it serves at (None: it hosts none, or
+        a part that serves no HTTP)."""
+        assert self.setup is not None
+        s, env, part = self.setup, self.world.env, self.part
         self.scratch = np.empty(s.transport.plan.params, dtype=np.float32)  # pulled snapshots land here
-        self.scratch_version = 0
+        if part is None:
+            return None
+        slurm = env.launcher == "slurm"
         self.engine = host_engine(
             self.engine_cfg,
             s.model_dir,
-            self.cells.capacity,
-            "0.0.0.0" if self.world.env.launcher == "slurm" else "127.0.0.1",
-            s.engines / f"unit-{self.unit}",
-            self.world.env.gpu,
+            -(-self.cells.capacity // self.replicas),  # the cell's capacity, shared by its replicas
+            "0.0.0.0" if slurm else "127.0.0.1",
+            s.engines
+            / (f"unit-{self.unit}" if part.replica == 0 else f"unit-{self.unit}-replica-{part.replica}"),
+            env.gpu,
             self.newest_weights,
+            self.span,
+            env.hostname if self.span is not None else "127.0.0.1",
         )
-        self.port = self.engine.start()
+        port = self.engine.start()
+        if self.span is not None and not self.span.head:
+            return None
+        return f"http://{env.hostname if slurm else '127.0.0.1'}:{port}"
+
+    def start_replica(self) -> None:
+        assert self.setup is not None
+        s = self.setup
+        own = self.start_engine()
+        self.addresses = self._gather_addresses(own)
         if self.world.layout.is_standalone(self.unit):
             self.trainer = None
             return
@@ -207,10 +257,22 @@ class Cell:
         wait = rendezvous_timeout_s(self.engine_cfg, self.cells)
         return MegatronWorld(comm.Get_rank(), comm.Get_size(), host, port, gpu=env.gpu, timeout_s=wait)
 
-    @property
-    def address(self) -> str:
-        host = self.world.env.hostname if self.world.env.launcher == "slurm" else "127.0.0.1"
-        return f"http://{host}:{self.port}"
+    def _gather_addresses(self, own: str | None) -> tuple[str, ...]:
+        """Every replica's URL, in replica order: the leader's own, and each hosting member's
+        (its EnginesUp comes once its engine is healthy: up to engine.start_timeout_s)."""
+        assert own is not None, "the leader hosts replica 0's head"
+        if self.world.layout.is_standalone(self.unit):
+            return (own,)
+        comm = self.world.cell_comm
+        plan = engine_plan(comm.Get_size(), self.setup.nodes_per_cell, self.engine_cfg.tp_size)
+        urls = {0: own}
+        wait = self.engine_cfg.start_timeout_s + self.cells.heartbeat_timeout_s
+        for rank in sorted({p.host_rank for p in plan.parts if p.head and p.host_rank != 0}):
+            _, msg = self.in_cell.recv(wait, rank, f"EnginesUp from cell member {rank}")
+            if not isinstance(msg, EnginesUp):
+                raise ProtocolError(f"cell {self.unit}: member {rank} answered {msg!r}")
+            urls.update(msg.addresses)
+        return tuple(urls[r] for r in sorted(urls))
 
     def lead(self) -> None:
         layout = self.world.layout
@@ -220,7 +282,7 @@ class Cell:
                 self.world.rank,
                 self.world.env.node_name,
                 os.getpid(),
-                self.address,
+                self.addresses,
                 self.cells.capacity,
                 layout.is_standalone(self.unit),
             ),
@@ -274,30 +336,66 @@ class Cell:
 
     def switch(self, msg: SwitchRole) -> None:
         """The GPUs change hands in an order that never needs both at once: to sample, every
-        rank's trainer lets go (members first, on the forwarded switch) before the engine
-        resumes; to train, the engine lets go before any trainer takes its memory back."""
+        rank's trainer lets go before any engine replica resumes; to train, every replica lets
+        go before any trainer takes its memory back."""
         if self.session is not None:
             raise ProtocolError(f"cell {self.unit}: role switch while training step {self.session.step}")
         if msg.role == Role.TRAINING:
-            self.engine.pause()  # the proxy drained it first: nothing is left in flight
+            self._engines("pause", msg.seq)  # the proxy drained them first: nothing is left in flight
         elif msg.role == Role.SAMPLING and self.trainer is not None and self.is_core:
             self.trainer.weights()  # gathered while resident: the engine loads them once released
         self._forward(msg)
         self._await_members(msg.seq)
         hand_over(self.trainer, msg.role)
         if msg.role == Role.SAMPLING:
-            self.engine.resume()
+            self._engines("resume", msg.seq)
         self.role = msg.role
 
+    def _engines(self, verb: str, seq: int) -> None:
+        """Every replica of the cell paused or resumed: the members' first, then the leader's."""
+        hosts = self._hosting_members()
+        for rank in hosts:
+            self.in_cell.send(EngineVerb(verb, seq), rank)
+        for rank in hosts:
+            _, ack = self.in_cell.recv(
+                self.cells.heartbeat_timeout_s, rank, f"{verb} from cell member {rank}"
+            )
+            if ack != EngineVerb(verb, seq):
+                raise ProtocolError(f"cell {self.unit}: member {rank} answered {ack!r}")
+        getattr(self.engine, verb)()
+
     def load_weights(self, version: int) -> None:
+        """Every replica of the cell loads ``version``: the members hosting one at once (each
+        pulls the snapshot itself), the leader's own meanwhile."""
+        hosts = self._hosting_members()
+        for rank in hosts:
+            self.in_cell.send(LoadWeights(self.unit, version), rank)
         if self.trainer is not None and self.is_core:
-            flat = self.trainer.weights()
+            self.engine.load(self.trainer.weights(), version)
         else:
-            got = self.setup.transport.pull_snapshot(self.scratch)
-            if got != version:
-                raise ProtocolError(f"cell {self.unit}: snapshot holds version {got}, expected {version}")
-            flat, self.scratch_version = self.scratch, got
-        self.engine.load(flat, version)
+            self.load_pulled(version)
+        wait = self.engine_cfg.start_timeout_s + self.cells.heartbeat_timeout_s  # a restarting replica
+        for rank in hosts:
+            _, ack = self.in_cell.recv(wait, rank, f"WeightsLoaded from cell member {rank}")
+            if not (isinstance(ack, WeightsLoaded) and ack.version == version):
+                raise ProtocolError(f"cell {self.unit}: member {rank} answered {ack!r}")
+
+    def load_pulled(self, version: int) -> None:
+        """The core's snapshot ``version`` into this rank's engine part."""
+        got = self.setup.transport.pull_snapshot(self.scratch)
+        if got != version:
+            raise ProtocolError(f"cell {self.unit}: snapshot holds version {got}, expected {version}")
+        self.scratch_version = got
+        self.engine.load(self.scratch, version)
+
+    def _hosting_members(self) -> list[int]:
+        """The members that host an engine part taking weights (heads: a part across nodes gets
+        them from its head's weight group)."""
+        if self.world.layout.is_standalone(self.unit):
+            return []
+        comm = self.world.cell_comm
+        plan = engine_plan(comm.Get_size(), self.setup.nodes_per_cell, self.engine_cfg.tp_size)
+        return sorted({p.host_rank for p in plan.parts if p.head and p.host_rank != 0})
 
     def newest_weights(self) -> tuple[np.ndarray, int]:
         """What a restarted engine loads: the newest weights this cell holds (a copy, taken when
@@ -352,19 +450,38 @@ class Cell:
         return StepApplied(msg.step, stats.version, stats.grad_norm, time.monotonic() - started, saved)
 
     def follow(self) -> None:
+        url = self.start_engine()
+        if url is not None:
+            self.in_cell.send(EnginesUp(self.world.cell_comm.Get_rank(), {self.part.replica: url}), 0)
         trainer = self._member_trainer() if self.spread else None
         while True:
             # No timeout: a leader that dies takes the job down, one that hangs is caught by the
-            # controller's heartbeat check.
-            _, msg = self.in_cell.recv(timeout=None, source=0)
+            # controller's heartbeat check. Between messages, the hosted engine is supervised.
+            got = self.in_cell.poll(0)
+            if got is None:
+                if self.engine is not None:
+                    self.engine.supervise()
+                time.sleep(POLL_INTERVAL_S)
+                continue
+            msg = got[1]
             if isinstance(msg, Shutdown):
                 return
             if isinstance(msg, SwitchRole):
-                # Acknowledged only once done: to sample, the engine resumes after every
-                # member's release; to train, the leader forwards this after its engine let go.
+                # Acknowledged only once done: to sample, the engines resume after every
+                # member's release; to train, the leader forwards this after they let go.
                 hand_over(trainer, msg.role)
                 self.role = msg.role
                 self.in_cell.send(RoleSwitched(self.unit, msg.role, msg.seq, 0.0), 0)
+            elif isinstance(msg, EngineVerb) and self.engine is not None:
+                getattr(self.engine, msg.verb)()
+                self.in_cell.send(msg, 0)
+            elif isinstance(msg, LoadWeights) and self.engine is not None:
+                started = time.monotonic()
+                while self.engine.restarting:  # it comes back at the newest version it held
+                    self.engine.supervise()
+                    time.sleep(POLL_INTERVAL_S)
+                self.load_pulled(msg.version)
+                self.in_cell.send(WeightsLoaded(self.unit, msg.version, time.monotonic() - started), 0)
             elif isinstance(msg, Mirror) and trainer is not None:
                 mirror(trainer, msg, self.world.cell_comm, self.scratch)
             else:
@@ -382,7 +499,8 @@ class Cell:
             world=self.megatron,
             packing=self.setup.packing,
         )
-        self.scratch = np.empty(trainer.numel, dtype=np.float32)  # broadcast snapshots land here
+        if self.scratch.size != trainer.numel:
+            self.scratch = np.empty(trainer.numel, dtype=np.float32)  # broadcast snapshots land here
         return trainer
 
     def _forward(self, msg: SwitchRole | Shutdown) -> None:

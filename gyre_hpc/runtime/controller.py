@@ -29,13 +29,21 @@ from gyre_hpc.recipe.schema import RunConfig, SchedulerConfig, TasksConfig, Trai
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.runtime.fleet import Fleet
 from gyre_hpc.runtime.serving import Serving
-from gyre_hpc.runtime.steps import StepContext, step_event, step_kind, wait_for
+from gyre_hpc.runtime.steps import (
+    StepContext,
+    engine_limits,
+    engine_urls,
+    load_serving,
+    step_event,
+    step_kind,
+    wait_for,
+)
 from gyre_hpc.scheduler.policy import Role, initial_roles
 from gyre_hpc.tasks.suites import load_suite
 
 log = logging.getLogger(__name__)
 
-MakeServing = Callable[[list[str], Callable[[str, str], None]], Serving]
+MakeServing = Callable[[dict[str, int], Callable[[str, str], None]], Serving]
 
 
 class Controller:
@@ -64,7 +72,7 @@ class Controller:
     def run(self) -> None:
         f = self.fleet
         f.start()
-        self.serving = self.make_serving([f.units[u].address for u in sorted(f.units)], self.on_run_event)
+        self.serving = self.make_serving(engine_limits(f.units), self.on_run_event)
         self.events.emit(ev.ProxyUp(url=self.serving.start()))
         failed, reason = True, "completed"
         try:
@@ -73,8 +81,9 @@ class Controller:
             f.switch(dict(enumerate(roles)))
             # Only engines that serve load: a training cell's engine may hold no memory now, and
             # it loads the version in force when it switches to sampling.
-            f.load_weights([u for u, r in sorted(f.roles.items()) if r == Role.SAMPLING])
-            self.serving.set_sampling({f.units[u].address for u, r in f.roles.items() if r == Role.SAMPLING})
+            sampling = [u for u, r in sorted(f.roles.items()) if r == Role.SAMPLING]
+            load_serving(f, self.serving, sampling)
+            self.serving.set_sampling(engine_urls(f, sampling))
             ctx = StepContext(
                 f, self.serving, self.events, self.run_dir, self.run_cfg,
                 self.scheduler, self.tasks, self.trajectory, self.trainer,

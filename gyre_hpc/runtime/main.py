@@ -90,7 +90,12 @@ def main(argv: list[str] | None = None) -> int:
             controller(world, recipe, run_dir, events, model_dir, transport, checkpoint_now).run()
         else:
             setup = CellSetup(
-                model_dir, run_dir.checkpoints, transport, run_dir.engines, recipe.trajectory.packing
+                model_dir,
+                run_dir.checkpoints,
+                transport,
+                run_dir.engines,
+                recipe.trajectory.packing,
+                recipe.slurm.nodes_per_cell,
             )
             Cell(world, recipe.cells, recipe.engine, recipe.trainer, setup).run()
         transport.close()  # collective: only on the way out of a run every rank completed
@@ -167,7 +172,7 @@ def controller(
             )
         )
 
-    def make_serving(engines: list[str], on_event: Callable[[str, str], None]) -> Serving:
+    def make_serving(engines: dict[str, int], on_event: Callable[[str, str], None]) -> Serving:
         warnings: list[str] = []
         sandbox = for_run(
             recipe.agent,

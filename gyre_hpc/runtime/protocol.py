@@ -2,12 +2,13 @@
 
 ```
  controller (rank 0)                         cell leader            cell members
+   │                                          │◀── EnginesUp ──────────┤  members hosting a replica
    │◀──────────────── Hello ──────────────────┤                        │
    ├──────────────── SwitchRole ─────────────▶├── SwitchRole ─────────▶│
    │◀─────────────── RoleSwitched ────────────┤◀── RoleSwitched ───────┤
    │◀─────────────── Heartbeat (every heartbeat_s) ─┤                   │
-   ├──────────────── LoadWeights(v) ─────────▶│  engine pulls snapshot v from the core
-   │◀─────────────── WeightsLoaded ───────────┤
+   ├──────────────── LoadWeights(v) ─────────▶├── LoadWeights(v) ─────▶│  every replica pulls
+   │◀─────────────── WeightsLoaded ───────────┤◀── WeightsLoaded ──────┤  snapshot v from the core
    ├──────────────── TrainStep(v, queue) ────▶│  claim micro-steps until the queue is empty
    │◀─────────────── TrainDone(claimed) ──────┤
    ├──────────────── ApplyStep ──────────────▶│  core only: pull, sum, step, publish v+1
@@ -36,15 +37,33 @@ POLL_INTERVAL_S = 0.002  # between probes: ranks outnumber cores on a laptop, so
 
 @dataclass(frozen=True, slots=True)
 class Hello:
-    """A cell (or standalone rollout engine) is up and says where it serves."""
+    """A cell (or standalone rollout engine) is up and says where it serves: the URL of each of
+    its engine replicas (``placement``), in replica order."""
 
     cell: int
     rank: int
     host: str
     pid: int
-    address: str
+    addresses: tuple[str, ...]
     capacity: int
     standalone: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EngineVerb:
+    """Leader → a member hosting an engine replica: ``pause`` or ``resume`` it; the member
+    answers with the same message once done (a role switch's engine half)."""
+
+    verb: str
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class EnginesUp:
+    """A cell member's engine parts are up: the URLs of those that serve (head parts), by replica."""
+
+    rank: int
+    addresses: dict[int, str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +180,8 @@ class StepApplied:
 
 Message = (
     Hello
+    | EnginesUp
+    | EngineVerb
     | SwitchRole
     | RoleSwitched
     | Heartbeat
@@ -177,6 +198,8 @@ Message = (
 )
 MESSAGE_TYPES = (
     Hello,
+    EnginesUp,
+    EngineVerb,
     SwitchRole,
     RoleSwitched,
     Heartbeat,

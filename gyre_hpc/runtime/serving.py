@@ -5,6 +5,7 @@
    dispatch(jobs) ──run_coroutine_threadsafe──▶  Dispatcher ─▶ Harness ─▶ Proxy ─▶ engines (cells)
    future.done()? ◀─────────────────────────────  outcomes (scored)
    trees(runs), set_sampling(urls) ──────────▶   TITO trees, router admits / drains
+   hold(urls), loaded(urls, v) ──────────────▶   around a load: calls stop, go on at v
 ```
 
 MPI stays on the main thread; everything HTTP stays on the loop. The counters d/p/f are
@@ -42,7 +43,7 @@ class Serving:
         self,
         run_dir: RunDir,
         model_dir: Path,
-        engines: list[str],
+        engines: dict[str, int],
         *,
         proxy: ProxyConfig,
         agent: AgentConfig,
@@ -53,7 +54,9 @@ class Serving:
         on_event: Callable[[str, str], None],
         sandbox: Sandbox = UNCONFINED,
     ) -> None:
-        self.run_dir, self.model_dir, self.engine_urls = run_dir, model_dir, engines
+        self.run_dir, self.model_dir = run_dir, model_dir
+        self.engine_urls, self.limits = list(engines), engines
+        """Every engine's URL, and the calls each admits at once."""
         self.proxy_cfg, self.agent_cfg, self.engine_cfg = proxy, agent, engine
         self.capacity, self.seed, self.on_event = capacity, seed, on_event
         self.sandbox = sandbox
@@ -69,7 +72,9 @@ class Serving:
         return self.call(self._start())
 
     async def _start(self) -> str:
-        self.proxy = Proxy(self.run_dir.path, self.model_dir, self.engine_urls, self.proxy_cfg, self.capacity)
+        self.proxy = Proxy(
+            self.run_dir.path, self.model_dir, self.engine_urls, self.proxy_cfg, self.capacity, self.limits
+        )
         # In-flight calls get a few seconds at shutdown, never longer: a run that ends (or fails)
         # does not wait on executions it will not train.
         self._runner = web.AppRunner(self.proxy.app(), handler_cancellation=True, shutdown_timeout=STOP_S)
@@ -133,6 +138,23 @@ class Serving:
                     await self.proxy.router.undrain(url)
                 elif self.proxy.router.engines[url].admitting:
                     await self.proxy.router.drain(url, self.proxy_cfg.drain_mode)
+
+        self.call(apply())
+
+    def hold(self, urls: set[str]) -> None:
+        """Before a load: no new call on ``urls``, their calls stopped where they are (each goes on
+        from its partial output once the engine holds the new version)."""
+
+        async def apply() -> None:
+            for url in urls:
+                await self.proxy.router.hold(url)
+
+        self.call(apply())
+
+    def loaded(self, urls: set[str], version: int) -> None:
+        async def apply() -> None:
+            for url in urls:
+                await self.proxy.router.loaded(url, version)
 
         self.call(apply())
 

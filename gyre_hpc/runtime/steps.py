@@ -33,7 +33,7 @@ from gyre_hpc.observability import events as ev
 from gyre_hpc.recipe.schema import RunConfig, SchedulerConfig, TasksConfig, TrainerConfig, TrajectoryConfig
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.runtime.fleet import Fleet
-from gyre_hpc.runtime.protocol import ProtocolError, StepApplied, TrainDone
+from gyre_hpc.runtime.protocol import Hello, ProtocolError, StepApplied, TrainDone
 from gyre_hpc.scheduler.inflight import closes, in_flight, lookahead, to_stop
 from gyre_hpc.scheduler.policy import (
     Role,
@@ -79,8 +79,37 @@ class Sampler(Protocol):
     def set_sampling(self, urls: set[str]) -> None:
         """Admit new calls only on these engines; drain the others (their calls move)."""
 
+    def hold(self, urls: set[str]) -> None:
+        """Before a load into these engines: no new call, and their calls stop where they are
+        (each goes on from its partial output once a version is loaded)."""
+
+    def loaded(self, urls: set[str], version: int) -> None:
+        """These engines hold ``version`` now: admit calls to them at it."""
+
     def stop_runs(self, run_ids: list[str]) -> None:
         """End these executions now; each is scored on what it left."""
+
+
+def engine_urls(fleet: Fleet, units: Sequence[int]) -> set[str]:
+    """The URLs of every engine replica of these units."""
+    return {a for u in units for a in fleet.units[u].addresses}
+
+
+def engine_limits(hellos: dict[int, Hello]) -> dict[str, int]:
+    """Calls in flight each engine admits, in unit then replica order: its cell's capacity
+    shared by the cell's replicas."""
+    return {a: -(-h.capacity // len(h.addresses)) for _, h in sorted(hellos.items()) for a in h.addresses}
+
+
+def load_serving(fleet: Fleet, sampler: Sampler, units: Sequence[int]) -> float:
+    """The current version into these units' engines, which the router admits again only at it:
+    calls running there stop first and go on from their partial output once it is loaded (so
+    each part of a call is tagged with the version that generated it). The slowest load's s."""
+    urls = engine_urls(fleet, units)
+    sampler.hold(urls)
+    seconds = fleet.load_weights(list(units))
+    sampler.loaded(urls, fleet.version)
+    return seconds
 
 
 @dataclass
@@ -187,7 +216,7 @@ class StepKind:
 
     def sampling_urls(self, leaving: Sequence[int] = ()) -> set[str]:
         f = self.ctx.fleet
-        return {f.units[u].address for u, r in f.roles.items() if r == Role.SAMPLING and u not in leaving}
+        return engine_urls(f, [u for u, r in f.roles.items() if r == Role.SAMPLING and u not in leaving])
 
     # ---- the policy -----------------------------------------------------------------------------
 
@@ -221,7 +250,7 @@ class StepKind:
         t0 = c.clock()
         f.switch(dict.fromkeys(cells, Role.SAMPLING))
         t1 = c.clock()
-        f.load_weights(cells)
+        load_serving(f, c.sampler, cells)
         t2 = c.clock()
         c.sampler.set_sampling(self.sampling_urls())
         for s in switches:
@@ -278,7 +307,7 @@ class StepKind:
         """The step boundary: sampling engines load the new version, then the policy sends the
         training cells back (boundary rule 3)."""
         f = self.ctx.fleet
-        f.load_weights([u for u, r in sorted(f.roles.items()) if r == Role.SAMPLING])
+        load_serving(f, self.ctx.sampler, [u for u, r in sorted(f.roles.items()) if r == Role.SAMPLING])
         while switches := decide(self.state(counters.closed())):
             if any(s.role != Role.SAMPLING for s in switches):
                 raise ProtocolError(f"the policy sent cells to training between steps: {switches}")

@@ -42,9 +42,28 @@ class CallMeta:
     rerouted: bool = False
     aborted: bool = False
     finish_reason: str = ""
+    segments: tuple[tuple[int, int], ...] = ()
+    """(output tokens, version) of each part of a call that spanned a load, in order; empty when
+    one version (``policy_version``) generated the whole output."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "segments", tuple((int(n), int(v)) for n, v in self.segments))
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def versions(self) -> list[tuple[int, int]]:
+        """(output tokens, version) of every part; one part at ``policy_version`` when unsplit."""
+        return list(self.segments) or [(-1, self.policy_version)]
+
+    def output_versions(self, n: int) -> np.ndarray:
+        """The version that generated each of the call's ``n`` output tokens."""
+        if not self.segments:
+            return np.full(n, self.policy_version, dtype=np.int32)
+        out = np.repeat([v for _, v in self.segments], [k for k, _ in self.segments]).astype(np.int32)
+        if len(out) != n:
+            raise ValueError(f"segments cover {len(out)} output tokens, the call has {n}")
+        return out
 
 
 @dataclass(frozen=True, eq=False)

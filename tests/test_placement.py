@@ -1,0 +1,74 @@
+"""Where a cell's engine replicas run (``placement``), and the commands each part starts."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import assert_golden
+
+from gyre_hpc.engines.sglang import Span, sglang_command
+from gyre_hpc.errors import RecipeError
+from gyre_hpc.placement import EnginePart, check_engine_plan, engine_plan
+from gyre_hpc.recipe.load import load_recipe
+from gyre_hpc.recipe.schema import EngineConfig
+
+
+def test_every_gpu_of_a_node_serves_one_replica_per_tensor_parallel_group() -> None:
+    plan = engine_plan(8, 1, 4)  # the flagship cell
+    assert plan.replicas == 2 and plan.idle_gpus == 0
+    assert [(p.host_rank, p.base_gpu, p.gpus) for p in plan.parts] == [(0, 0, 4), (4, 4, 4)]
+    one_each = engine_plan(2, 1, 1)
+    assert one_each.replicas == 2 and [p.host_rank for p in one_each.parts] == [0, 1]
+    two_nodes = engine_plan(16, 2, 4)
+    assert [(p.node, p.host_rank, p.base_gpu) for p in two_nodes.parts] == [
+        (0, 0, 0), (0, 4, 4), (1, 8, 0), (1, 12, 4),
+    ]  # fmt: skip
+
+
+def test_a_replica_larger_than_a_node_spans_whole_nodes_with_one_head() -> None:
+    plan = engine_plan(32, 4, 16)  # two replicas of 16 GPUs on nodes of 8
+    assert plan.replicas == 2
+    assert plan.parts == (
+        EnginePart(0, 0, 0, 0, 8, 2, 0),
+        EnginePart(0, 8, 1, 0, 8, 2, 1),
+        EnginePart(1, 16, 2, 0, 8, 2, 0),
+        EnginePart(1, 24, 3, 0, 8, 2, 1),
+    )
+    assert [p.head for p in plan.parts] == [True, False, True, False]
+    with pytest.raises(RecipeError, match="engine.tp_size = 12 spans nodes of 8 GPUs"):
+        engine_plan(16, 2, 12)
+    with pytest.raises(RecipeError, match="divides the cell's 3 nodes"):
+        engine_plan(24, 3, 16)
+
+
+def test_gpus_left_without_an_engine_are_refused_in_one_line_unless_allowed() -> None:
+    plan = engine_plan(6, 1, 4)
+    assert plan.replicas == 1 and plan.idle_gpus == 2
+    check_engine_plan(plan, allow_idle_gpus=True)
+    with pytest.raises(RecipeError, match="2 GPUs of each cell would have no engine") as err:
+        check_engine_plan(plan, allow_idle_gpus=False)
+    assert "\n" not in str(err.value) and "engine.allow_idle_gpus = true" in str(err.value)
+    with pytest.raises(RecipeError, match="2 GPUs of each cell would have no engine"):
+        load_recipe(None, ["cells.ranks_per_cell=6", "engine.tp_size=4"])
+    load_recipe(None, ["cells.ranks_per_cell=6", "engine.tp_size=4", "engine.allow_idle_gpus=true"])
+
+
+def test_a_replica_across_nodes_takes_its_weights_by_broadcast() -> None:
+    sets = ["cells.ranks_per_cell=16", "slurm.nodes_per_cell=2", "engine.tp_size=16", "engine.backend=sglang"]
+    with pytest.raises(RecipeError, match='set engine.weight_sync = "broadcast"'):
+        load_recipe(None, sets)
+    load_recipe(None, [*sets, "engine.weight_sync=broadcast"])
+
+
+def test_the_launch_plan_of_a_cell_across_two_nodes() -> None:
+    """Each part's command on its node: the head serves HTTP and takes the weights; the other
+    part joins it at the head's address with its node rank."""
+    engine = EngineConfig(backend="sglang", tp_size=16, weight_sync="broadcast")
+    plan = engine_plan(16, 2, 16)
+    lines = [plan.describe(), ""]
+    for p in plan.parts:
+        span = Span(p.nnodes, p.node_rank, "node-a:29500")
+        port = 30000 + p.node
+        cmd = sglang_command(engine, "/shared/models/Qwen3-235B", port, "0.0.0.0", "python", "cuda", 0, span)
+        lines.append(f"node {p.node} (cell rank {p.host_rank}): {' '.join(cmd)}")
+    lines += ["", engine_plan(8, 1, 4).describe(), engine_plan(6, 1, 4).describe()]
+    assert_golden("engine-plan.txt", "\n".join(lines) + "\n")

@@ -357,21 +357,19 @@ def test_an_elastic_run_with_sglang_cells_whose_killed_server_comes_back(tmp_pat
     # Every call of the last step was served by the version the step before published, and its
     # behaviour log-probs are those of that version's weights (the checkpoint), recomputed here:
     # the restarted server too.
-    model = Qwen3ForCausalLM.from_pretrained(run.checkpoints / "step-000002")
-    trees = {r: TrajectoryTree.from_encoded(recs) for r, recs in by_run(read_records(run.tito_log).records)}
-    calls = [rec for r, t in trees.items() if r.startswith("s0003") for rec in t.records()]
+    calls, worst = served_against_checkpoint(run, 3)
     assert calls and {c.policy_version for c in calls} == {2}
+    assert worst <= 1e-4, worst
     # Every part of every call was served at the version its engine held then (the engine's own
     # report), and after step 1 none at version 0: the restarted server had none until it loaded.
-    later = [rec for r, t in trees.items() if not r.startswith("s0001") for rec in t.records()]
+    trees = by_run(read_records(run.tito_log).records)
+    later = [
+        rec
+        for r, recs in trees
+        if not r.startswith("s0001")
+        for rec in TrajectoryTree.from_encoded(recs).records()
+    ]
     assert later and all(v >= 1 for rec in later for _, v in rec.meta.versions())
-    worst = max(
-        np.abs(
-            np.array(c.output_logprobs) - np.array(recomputed(model, list(c.input_ids), list(c.output_ids)))
-        ).max()
-        for c in calls
-    )
-    assert worst <= 1e-4, worst
     hosts = {e.cell: e.addresses for e in events if isinstance(e, ev.Hello)}
     assert all((run.engines / f"unit-{c}" / "sglang.log").exists() for c in hosts)
 
@@ -398,17 +396,28 @@ def test_a_cell_of_two_ranks_serves_with_two_sglang_replicas(tmp_path: Path) -> 
     for log in logs:  # the role switches (to train and back) reached both servers
         text = log.read_text()
         assert "/pause_generation" in text and "/continue_generation" in text, log
-    model = Qwen3ForCausalLM.from_pretrained(run.checkpoints / "step-000001")
-    trees = {r: TrajectoryTree.from_encoded(recs) for r, recs in by_run(read_records(run.tito_log).records)}
-    calls = [rec for r, t in trees.items() if r.startswith("s0002") for rec in t.records()]
+    calls, worst = served_against_checkpoint(run, 2)
     assert {c.meta.engine for c in calls} == set(hello.addresses) and {c.policy_version for c in calls} == {1}
-    worst = max(
+    assert worst <= 1e-4, worst
+
+
+def served_against_checkpoint(run: RunDir, step: int) -> tuple[list, float]:
+    """The calls of ``step``'s executions, and the largest gap between their behaviour log-probs
+    and a recomputation here with the checkpoint of the step before (the version they sampled)."""
+    model = Qwen3ForCausalLM.from_pretrained(run.checkpoints / f"step-{step - 1:06d}")
+    calls = [
+        rec
+        for r, recs in by_run(read_records(run.tito_log).records)
+        if r.startswith(f"s{step:04d}")
+        for rec in TrajectoryTree.from_encoded(recs).records()
+    ]
+    gaps = [
         np.abs(
             np.array(c.output_logprobs) - np.array(recomputed(model, list(c.input_ids), list(c.output_ids)))
         ).max()
         for c in calls
-    )
-    assert worst <= 1e-4, worst
+    ]
+    return calls, float(max(gaps, default=0.0))
 
 
 def _serves(proc: Path, port: str) -> bool:

@@ -102,6 +102,11 @@ def engine_plan(ranks_per_cell: int, nodes_per_cell: int, tp_size: int) -> Engin
     return EnginePlan(tuple(parts), 0)
 
 
+def replica_capacity(capacity: int, replicas: int) -> int:
+    """Calls one replica runs at once: its cell's ``cells.capacity`` shared by the cell's replicas."""
+    return -(-capacity // replicas)
+
+
 def check_engine_plan(plan: EnginePlan, allow_idle_gpus: bool) -> None:
     """A sampling cell whose GPUs are not all serving is refused unless the recipe allows it."""
     if plan.idle_gpus and not allow_idle_gpus:

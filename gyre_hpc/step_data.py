@@ -286,9 +286,6 @@ def staleness(trees: Iterable[TrajectoryTree], trained_from: int) -> dict[str, i
     """Calls by how many versions lie between the one a step trains from and the one that
     served them (0: on-policy); a call that spanned a load counts once for each version of
     its parts."""
-    count = Counter(
-        trained_from - v for tree in trees for r in tree.records() for v in dict.fromkeys(
-            v for _, v in r.meta.versions()
-        )
-    )  # fmt: skip
+    parts = ({v for _, v in r.meta.versions()} for tree in trees for r in tree.records())
+    count = Counter(trained_from - v for versions in parts for v in versions)
     return {str(k): v for k, v in sorted(count.items())}

@@ -122,10 +122,6 @@ class Router:
                 e.probe.cancel()
             await e.client.close()
 
-    def calls(self) -> dict[str, int]:
-        """Calls in flight on each engine now."""
-        return {url: len(e.inflight) for url, e in self.engines.items()}
-
     # ---- versions -------------------------------------------------------------------------------
 
     async def hold(self, url: str) -> int:
@@ -133,12 +129,7 @@ class Router:
         on from its partial output after the load, or elsewhere); returns how many stopped."""
         slot = self.engines[url]
         slot.loading = True
-        flights = list(slot.inflight.values())
-        for f in flights:
-            f.drained = "continue"  # the tokens so far are exact, and tagged with their version
-            await slot.client.abort(f.rid)
-        await self._notify()
-        return len(flights)
+        return await self._stop(slot, "continue")  # the tokens so far are exact, tagged with their version
 
     async def loaded(self, url: str, version: int) -> None:
         """``url`` holds ``version`` now, and may be admitted again."""
@@ -266,6 +257,11 @@ class Router:
         """Stop admitting on ``url`` and move its in-flight calls elsewhere; returns how many."""
         slot = self.engines[url]
         slot.admitting = False
+        return await self._stop(slot, mode)
+
+    async def _stop(self, slot: EngineSlot, mode: DrainMode) -> int:
+        """Abort every call in flight on ``slot``; each goes on as ``mode`` says (``continue``:
+        from its partial output, its KV offered to an engine of the same version)."""
         flights = list(slot.inflight.values())
         for f in flights:
             f.drained = mode

@@ -30,7 +30,7 @@ import torch
 from gyre_hpc.engines.hosted import HostedEngine, host_engine, resolve_device
 from gyre_hpc.engines.sglang import Span, free_port
 from gyre_hpc.layout import CONTROLLER
-from gyre_hpc.placement import EnginePart, engine_plan
+from gyre_hpc.placement import EnginePart, EnginePlan, engine_plan, replica_capacity
 from gyre_hpc.recipe.schema import CellsConfig, EngineConfig, TrainerConfig
 from gyre_hpc.runtime.protocol import (
     POLL_INTERVAL_S,
@@ -131,7 +131,6 @@ class Cell:
         self.megatron = None  # a MegatronWorld: this rank's place in its replica's torch.distributed world
         self.engine: HostedEngine | None = None
         self.scratch_version = 0
-        self.replicas = 1
 
     @property
     def spread(self) -> bool:
@@ -160,15 +159,15 @@ class Cell:
         wait_barrier(self.world.comm, self.cells.heartbeat_timeout_s)
 
     def _engine_part(self) -> tuple[EnginePart | None, Span | None]:
-        """The engine part this rank hosts, if any, and its place in a replica across nodes.
-        Every rank of the cell computes the same plan; a replica across nodes takes one
+        """The engine part this rank hosts, if any, and its place in a replica across nodes
+        (``self.plan``: the cell's, the same on every rank). A replica across nodes takes one
         collective here, while every rank is present: each rank's node and a port free there."""
         comm, env, tp = self.world.cell_comm, self.world.env, self.engine_cfg.tp_size
         if self.world.layout.is_standalone(self.unit):
-            return EnginePart(0, 0, 0, env.gpu, tp), None
+            self.plan = EnginePlan((EnginePart(0, 0, 0, env.gpu, tp),), 0)
+            return self.plan.parts[0], None
         assert self.setup is not None
-        plan = engine_plan(comm.Get_size(), self.setup.nodes_per_cell, tp)
-        self.replicas = plan.replicas
+        self.plan = plan = engine_plan(comm.Get_size(), self.setup.nodes_per_cell, tp)
         mine = plan.hosted_by(comm.Get_rank())
         if all(p.nnodes == 1 for p in plan.parts):
             return (mine[0] if mine else None), None
@@ -192,7 +191,7 @@ class Cell:
         self.engine = host_engine(
             self.engine_cfg,
             s.model_dir,
-            -(-self.cells.capacity // self.replicas),  # the cell's capacity, shared by its replicas
+            replica_capacity(self.cells.capacity, self.plan.replicas),
             "0.0.0.0" if slurm else "127.0.0.1",
             s.engines
             / (f"unit-{self.unit}" if part.replica == 0 else f"unit-{self.unit}-replica-{part.replica}"),
@@ -261,13 +260,9 @@ class Cell:
         """Every replica's URL, in replica order: the leader's own, and each hosting member's
         (its EnginesUp comes once its engine is healthy: up to engine.start_timeout_s)."""
         assert own is not None, "the leader hosts replica 0's head"
-        if self.world.layout.is_standalone(self.unit):
-            return (own,)
-        comm = self.world.cell_comm
-        plan = engine_plan(comm.Get_size(), self.setup.nodes_per_cell, self.engine_cfg.tp_size)
         urls = {0: own}
         wait = self.engine_cfg.start_timeout_s + self.cells.heartbeat_timeout_s
-        for rank in sorted({p.host_rank for p in plan.parts if p.head and p.host_rank != 0}):
+        for rank in self._hosting_members():
             _, msg = self.in_cell.recv(wait, rank, f"EnginesUp from cell member {rank}")
             if not isinstance(msg, EnginesUp):
                 raise ProtocolError(f"cell {self.unit}: member {rank} answered {msg!r}")
@@ -391,11 +386,7 @@ class Cell:
     def _hosting_members(self) -> list[int]:
         """The members that host an engine part taking weights (heads: a part across nodes gets
         them from its head's weight group)."""
-        if self.world.layout.is_standalone(self.unit):
-            return []
-        comm = self.world.cell_comm
-        plan = engine_plan(comm.Get_size(), self.setup.nodes_per_cell, self.engine_cfg.tp_size)
-        return sorted({p.host_rank for p in plan.parts if p.head and p.host_rank != 0})
+        return sorted({p.host_rank for p in self.plan.parts if p.head and p.host_rank != 0})
 
     def newest_weights(self) -> tuple[np.ndarray, int]:
         """What a restarted engine loads: the newest weights this cell holds (a copy, taken when

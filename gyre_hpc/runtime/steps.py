@@ -30,6 +30,7 @@ from typing import Any, Protocol, TypeVar
 
 from gyre_hpc.agents.dispatch import Outcome
 from gyre_hpc.observability import events as ev
+from gyre_hpc.placement import replica_capacity
 from gyre_hpc.recipe.schema import RunConfig, SchedulerConfig, TasksConfig, TrainerConfig, TrajectoryConfig
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.runtime.fleet import Fleet
@@ -98,7 +99,11 @@ def engine_urls(fleet: Fleet, units: Sequence[int]) -> set[str]:
 def engine_limits(hellos: dict[int, Hello]) -> dict[str, int]:
     """Calls in flight each engine admits, in unit then replica order: its cell's capacity
     shared by the cell's replicas."""
-    return {a: -(-h.capacity // len(h.addresses)) for _, h in sorted(hellos.items()) for a in h.addresses}
+    return {
+        a: replica_capacity(h.capacity, len(h.addresses))
+        for _, h in sorted(hellos.items())
+        for a in h.addresses
+    }
 
 
 def load_serving(fleet: Fleet, sampler: Sampler, units: Sequence[int]) -> float:

@@ -232,6 +232,10 @@ def plan(
     training = max(stages, key=lambda p: p.total)
     rank_params = t.params // (tp * pp)
     host = 2 * 4 * t.params + rank_params * (train_dtype + (4 if trainer.dtype != "float32" else 0) + 8)
+    if engine.weight_sync == "delta":
+        # The version each side last held, in the served dtype: the sender's (a rank hosting a
+        # replica), and the server rank's on this GPU (at tp > 1 nearly all of it: sharded).
+        host += 2 * s.params * served
     return MemoryPlan(
         gpu_bytes=gpu,
         sampling=sampling,

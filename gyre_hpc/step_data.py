@@ -259,6 +259,7 @@ def step_stats(
         "statuses": dict(sorted(Counter(o.execution.status for o in outcomes).items())),
         "groups": list(work),
         "engine_calls": engine_calls(trees),
+        **prefix_reuse(trees),
     }
 
 
@@ -266,6 +267,15 @@ def engine_calls(trees: Iterable[TrajectoryTree]) -> dict[str, int]:
     """The runs' calls by the engine replica that served them (its URL; the last for a call
     that moved)."""
     return dict(sorted(Counter(r.meta.engine for tree in trees for r in tree.records()).items()))
+
+
+def prefix_reuse(trees: Iterable[TrajectoryTree]) -> dict[str, int]:
+    """The runs' input tokens, and those their engines took from a prefix cache."""
+    records = [r for tree in trees for r in tree.records()]
+    return {
+        "input_tokens": sum(len(r.input_ids) for r in records),
+        "cached_tokens": sum(r.meta.cached_tokens for r in records),
+    }
 
 
 def token_staleness(micro_steps: Iterable[list[TrainSequence]], trained_from: int) -> dict[str, int]:

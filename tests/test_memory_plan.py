@@ -81,3 +81,12 @@ def test_recipe_check_prints_the_plan() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "memory plan, the worst GPU of a cell (80.0 GiB)" in proc.stdout
     assert "  sampling " in proc.stdout and "  training " in proc.stdout
+
+
+def test_delta_pushes_count_the_copies_both_sides_keep_on_the_host() -> None:
+    r = load_recipe(FLAGSHIP, [])
+    shape = model_shape(r.run.model)
+    whole = plan(shape, r.cells, r.engine, r.trainer, r.agent)
+    delta = plan(shape, r.cells, replace(r.engine, weight_sync="delta"), r.trainer, r.agent)
+    assert whole is not None and delta is not None
+    assert delta.host_bytes - whole.host_bytes == 2 * Shape.of(shape).params * 2  # bf16, both sides

@@ -2,14 +2,16 @@
 verbs a cell uses, weights from the core's flat snapshot, and whole runs with SGLang cells.
 
 ``GYRE_SGLANG_URL`` points the engine-level tests at a server already running (any Qwen3 model
-the embedded engine can load too, served at float32 on this machine); otherwise they start one
-from ``.venv-sglang`` (``tools/setup.sh --sglang``).
+the embedded engine can load too, served at float32 on this machine, trusting
+``--custom-weight-loader gyre_hpc.engines.weight_delta.load``); otherwise they start one from
+``.venv-sglang`` (``tools/setup.sh --sglang``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import time
@@ -17,7 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import REPO, SGLANG_PYTHON, flat_of, recomputed
+from test_slurm_job import wait_for_event
 
 from gyre_hpc.engines.embedded import Engine
 from gyre_hpc.engines.sampling import SamplingParams
@@ -27,6 +31,7 @@ from gyre_hpc.engines.sglang import (
     WeightGroup,
     buckets,
     call,
+    cpu_threads_bind,
     served_dtype,
     server_env,
     sglang_command,
@@ -36,6 +41,7 @@ from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.observability import events as ev
+from gyre_hpc.observability.events import read_events
 from gyre_hpc.proxy.router import EngineSlot, Router
 from gyre_hpc.recipe.schema import EngineConfig
 from gyre_hpc.rundir import RunDir
@@ -75,6 +81,14 @@ def test_a_version_goes_in_buckets_that_cover_the_layout_once_in_order() -> None
     assert len(buckets(layout, 4, 1 << 40)) == 1
 
 
+def test_the_cpu_threads_of_a_part_s_tensor_parallel_ranks() -> None:
+    """SGLang's CPU engine needs each TP rank's cores named when it has more ranks than NUMA
+    nodes (tp 2 here, or a replica across two emulated nodes)."""
+    assert cpu_threads_bind([0, 1], 2) == "0|1"
+    assert cpu_threads_bind([3, 2, 1, 0], 2) == "0,1|2,3"
+    assert cpu_threads_bind([5], 2) == "5|5"  # fewer cores than ranks: they share
+
+
 def test_the_served_dtype_and_the_server_s_environment(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"torch_dtype": "bfloat16"}')
     assert served_dtype("auto", tmp_path) == "bfloat16"
@@ -94,7 +108,7 @@ def served(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
         return
     model = init_tiny(tmp_path_factory.mktemp("models") / "tiny", seed=0)
     server = SGLangServer(
-        EngineConfig(backend="sglang", dtype="float32"),
+        EngineConfig(backend="sglang", dtype="float32", weight_sync="delta"),
         model,
         tmp_path_factory.mktemp("sglang"),
         device="cpu",
@@ -239,6 +253,64 @@ def test_new_weights_arrive_by_reference_by_broadcast_and_from_disk(
 
 
 @pytest.mark.sglang
+def test_a_version_travels_as_the_elements_that_changed_and_the_server_checks_what_it_holds(
+    served: tuple[str, Path],
+) -> None:
+    """engine.weight_sync = "delta": after a whole first push, a version that changed 1 % of the
+    elements goes as those alone (positions and absolute values), and the server then serves
+    exactly that version. A server holding another version than the sender kept (another sender
+    loaded it), or a sender whose kept copy is wrong (the checksum disagrees), makes the push
+    whole — served correctly either way."""
+    url, model_dir = served
+    layout = FlatLayout.of(Qwen3Config.load(model_dir))
+    model = Qwen3ForCausalLM.from_pretrained(model_dir)
+    base = flat_of(model).numpy().copy()
+    delta = TensorPush(url, layout, 1, "cpu", "float32", bucket_bytes=1 << 20, delta=True)
+    other = TensorPush(url, layout, 1, "cpu", "float32", bucket_bytes=1 << 20, delta=True)
+    rng = np.random.RandomState(0)
+
+    def sparse_step(flat: np.ndarray) -> np.ndarray:
+        out = flat.copy()
+        at = rng.choice(out.size, out.size // 100, replace=False)
+        out[at] += rng.randn(at.size).astype(np.float32) * 0.05
+        return out
+
+    def push(sender: TensorPush, flat: np.ndarray, version: int):  # noqa: ANN202
+        call(url, lambda c: c.begin_weight_update())
+        pushed = sender.push(flat, version)
+        call(url, lambda c: c.end_weight_update())
+        layout.load(model, flat)
+        for prompt in PROMPTS:
+            reply = greedy(url, prompt)
+            assert reply["meta_info"]["weight_version"] == str(version)
+            theirs = [lp for lp, _, _ in reply["meta_info"]["output_token_logprobs"]]
+            ours = recomputed(model, prompt, reply["output_ids"])
+            assert np.abs(np.array(theirs) - np.array(ours)).max() <= 1e-4, version
+        return pushed
+
+    first = push(delta, base, 21)
+    assert first.sent >= first.whole == base.nbytes and first.changed == base.size  # nothing held yet
+    v22 = sparse_step(base)
+    second = push(delta, v22, 22)
+    assert abs(second.changed_fraction - 0.01) < 1e-3, second
+    assert second.sent < 0.06 * second.whole, second  # 8 bytes a changed float32, and the headers
+
+    push(other, sparse_step(v22), 23)  # the server now holds 23; `delta` still thinks 22
+    v24 = sparse_step(v22)
+    assert push(delta, v24, 24).sent >= base.nbytes  # refused as stale: whole
+
+    v25 = sparse_step(v24)
+    moved = np.flatnonzero(v25[: delta.held[0].numel()] != v24[: delta.held[0].numel()])[:16]
+    assert moved.size
+    delta.held[0].view(-1)[moved] = torch.from_numpy(v25[moved])  # this side's copy wrong there
+    assert push(delta, v25, 25).sent >= base.nbytes  # the checksum disagreed: whole
+    assert push(delta, sparse_step(v25), 26).sent < 0.06 * base.nbytes  # and deltas again
+
+    layout.load(model, base)
+    push(other, base, 0)  # as it was, for the tests that follow
+
+
+@pytest.mark.sglang
 def test_a_conversation_continued_after_a_load_reuses_no_keys_and_values_of_older_weights(
     served: tuple[str, Path],
 ) -> None:
@@ -380,10 +452,16 @@ def test_an_elastic_run_with_sglang_cells_whose_killed_server_comes_back(tmp_pat
 def test_a_cell_of_two_ranks_serves_with_two_sglang_replicas(tmp_path: Path) -> None:
     """One cell of 2 ranks, engine.tp_size 1: two SGLang servers behind the router, both get
     calls, both load each version (their calls' log-probs are the checkpoint's), and each role
-    switch drains and pauses both."""
+    switch drains and pauses both. Versions go by delta (at float32 and this learning rate
+    nearly every element changes, so each bucket goes whole through the same loader), and each
+    load reports what it moved."""
     sets = ("cells.count=1", "cells.ranks_per_cell=2", "scheduler.mode=colocate", "run.steps=2")
-    finish(start_run(tmp_path, *sets, "tasks.prompts_per_step=2"), 1100)
+    finish(start_run(tmp_path, *sets, "tasks.prompts_per_step=2", "engine.weight_sync=delta"), 1100)
     run, events = events_of(tmp_path)
+    loads = [e for e in events if isinstance(e, ev.WeightsLoaded)]
+    whole = 2 * FlatLayout.of(Qwen3Config.load(run.checkpoints / "step-000001")).numel * 4  # 2 replicas
+    assert loads and all(e.whole_bytes == whole and e.bytes >= whole for e in loads), loads
+    assert all(e.changed is not None and 0.9 < e.changed <= 1.0 for e in loads), loads
     (hello,) = [e for e in events if isinstance(e, ev.Hello)]
     assert len(hello.addresses) == 2
     steps = [e for e in events if isinstance(e, ev.Step)]
@@ -399,6 +477,36 @@ def test_a_cell_of_two_ranks_serves_with_two_sglang_replicas(tmp_path: Path) -> 
     calls, worst = served_against_checkpoint(run, 2)
     assert {c.meta.engine for c in calls} == set(hello.addresses) and {c.policy_version for c in calls} == {1}
     assert worst <= 1e-4, worst
+
+
+@pytest.mark.mpi
+@pytest.mark.slurm
+@pytest.mark.sglang
+@pytest.mark.timeout(900)
+def test_a_cell_across_two_slurm_nodes_serves_with_one_replica_spanning_both(tmp_path: Path) -> None:
+    """One cell of 2 ranks on 2 nodes of the local Slurm, engine.tp_size 2: one SGLang replica
+    whose two parts run on the two nodes (--nnodes 2, each part's node rank, the head's address),
+    weights broadcast to both (the group holds the leader and every part's rank), and what it
+    serves is the checkpoint's (log-probs within 1e-4)."""
+    sets = ("slurm.nodes_per_cell=2", "cells.ranks_per_cell=2", "engine.tp_size=2",
+            "engine.weight_sync=broadcast", "cells.count=1", "run.steps=2", "tasks.prompts_per_step=2",
+            "scheduler.mode=colocate")  # fmt: skip
+    args = [str(SGLANG_PYTHON), "-m", "gyre_hpc", "submit", SMOKE_SGLANG, "--set", f"run.runs_dir={tmp_path}"]
+    proc = subprocess.run([*args, *(a for s in sets for a in ("--set", s))], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    run = RunDir(Path(re.search(r"run directory: (\S+)", proc.stdout).group(1)))
+    assert wait_for_event(run, "run_end", timeout=800).status == "completed"
+    (hello,) = [e for e in read_events(run.events) if isinstance(e, ev.Hello)]
+    assert len(hello.addresses) == 1
+    hosts = {r["rank"]: r["host"] for r in run.read_ranks()}
+    assert hosts[1] != hosts[2]  # the cell's two ranks on two emulated nodes
+    parts = {d.name: (d / "sglang.log").read_text() for d in sorted(run.engines.iterdir())}
+    assert parts.keys() == {"unit-0", "unit-0-part-1"}
+    for rank, text in enumerate(parts.values()):
+        assert f"'nnodes': 2, 'node_rank': {rank}, 'tp_size': 2" in text
+    calls, worst = served_against_checkpoint(run, 2)
+    assert calls and {c.policy_version for c in calls} == {1} and worst <= 1e-4, worst
 
 
 def served_against_checkpoint(run: RunDir, step: int) -> tuple[list, float]:

@@ -27,6 +27,9 @@ def recorded_run(tmp_path: Path, finished: bool) -> RunDir:
         ),
         *(ev.RoleSwitched(cell=c, role="sampling", seq=c, seconds=0.01) for c in range(3)),
         ev.WeightsLoaded(version=0, units=[0, 1, 2], seconds=0.01),
+        ev.WeightsLoaded(
+            version=1, units=[1, 2], seconds=0.04, bytes=150_000, whole_bytes=3_600_000, changed=0.0125
+        ),
         ev.Dispatched(run="r1", d=32, p=32, f=0),
         ev.Finished(run="r1", d=32, p=32, f=20),
         ev.RoleSwitched(cell=0, role="training", seq=4, seconds=0.05),
@@ -41,6 +44,7 @@ def recorded_run(tmp_path: Path, finished: bool) -> RunDir:
             pass_rate=0.40,
             micro_steps=34,
             claims={"0": 21, "1": 13},
+            engine_calls={"http://n1:1": 40, "http://n1:2": 35},
         ),
         ev.Eval(step=1, version=1, n=32, statuses={"finished": 32}, pass_rate=0.5, mean_score=0.5),
     ]
@@ -62,6 +66,11 @@ def test_a_finished_run_renders_cells_water_steps_and_switches(tmp_path: Path) -
     assert "0 (core)" in out and "ST" in out and "v0" in out  # core's roles over time: S then T
     assert "0.410" in out and "0.500" in out and "0:21 1:13" in out  # reward, held-out, claims
     assert "sampling→training" in out
+    assert "last load: v1 into cells 1 2 · 0.1 MB sent of 3.6 MB whole · 1.2% changed" in out
+    rows = [line for line in out.splitlines() if line.startswith("│ http://n1:")]
+    engines = {line.split("│")[1].strip(): line for line in rows}
+    assert engines.keys() == {"http://n1:0", "http://n1:1", "http://n1:2"}
+    assert engines["http://n1:1"].replace(" ", "").endswith("│1│40│40│")  # cell, last step, all
 
 
 def test_a_running_run_renders_as_running(tmp_path: Path) -> None:

@@ -1,116 +1,147 @@
 #!/usr/bin/env python3
-"""A new weight version into a real SGLang server: one broadcast of the flat snapshot against a
-model directory on disk, per GB, side by side in one run.
+"""New weight versions into a real SGLang server, on the smoke run's real updates, side by side:
+whole in float32, whole in bfloat16, and as a delta in bfloat16 (``engine.weight_sync``).
 
-    .venv-sglang/bin/python tools/bench_sglang.py [--size 1.2gb] [--repeats 3] [--json OUT]
+    .venv-sglang/bin/python tools/bench_sglang.py [--lr 1e-4 1e-6] [--steps 4] [--json OUT]
 
-The model is a Qwen3-shaped network with random float32 weights (the tiny model's tokenizer),
-served at float32 on this machine's CPU. ``broadcast`` is what a cell does by default
-(``engine.weight_sync = "broadcast"``): begin_weight_update → the leader broadcasts the whole
-flat buffer over a gloo group it formed with the server → end_weight_update. ``disk`` writes the
-buffer as a Hugging Face directory and calls update_weights_from_disk. The bound printed beside
-them is one in-memory copy of the same buffer.
+For each learning rate the smoke recipe trains ``--steps`` steps (the embedded engine; a
+checkpoint a step), then each checkpoint goes into the servers in turn, as a cell pushes it: by
+reference, bucket by bucket (``TensorPush``). The first push of each path is whole (nothing is
+held yet) and is not counted; the figures are the medians of the rest. ``changed`` is the share
+of elements whose bits differ in the served dtype from the version before. The bound printed
+beside them is one in-memory copy of the same version whole in bfloat16 (``memcpy``): the ratio
+is the version's whole bf16 bytes per second of a push over that copy's rate. The last row is
+what a push costs whatever it carries: a delta of nothing (three calls to the server).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 from statistics import median
 
 import numpy as np
+from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
-from gyre_hpc.engines.sglang import SGLangServer, call  # noqa: E402
+from gyre_hpc.engines.sglang import SGLangServer, TensorPush, call  # noqa: E402
 from gyre_hpc.models.flat import FlatLayout  # noqa: E402
 from gyre_hpc.models.qwen3 import Qwen3Config  # noqa: E402
-from gyre_hpc.models.tiny import init_tiny  # noqa: E402
 from gyre_hpc.recipe.schema import EngineConfig  # noqa: E402
 
-SIZES = {
-    "tiny": {},
-    # ≈ 0.30 B parameters, 1.2 GB at float32.
-    "1.2gb": dict(
-        hidden_size=1536,
-        intermediate_size=4096,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        head_dim=128,
-    ),
-}
+PATHS = (
+    ("whole float32", "float32", False),
+    ("whole bfloat16", "bfloat16", False),
+    ("delta bfloat16", "bfloat16", True),
+)
 
 
-def write_model(size: str, root: Path) -> tuple[Path, np.ndarray]:
-    model_dir = init_tiny(root / "model", seed=0)  # tokenizer, template, a config to widen
-    base = Qwen3Config.load(model_dir)
-    config = replace(base, **SIZES[size])
-    layout = FlatLayout.of(config)
-    flat = np.random.default_rng(0).standard_normal(layout.numel, dtype=np.float32) * np.float32(0.02)
-    (model_dir / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
-    layout.save(flat, model_dir, model_dir)  # the weights over the tiny ones, in place
-    return model_dir, flat
+def checkpoints(runs: Path, lr: float, steps: int) -> list[Path]:
+    """The smoke recipe trained ``steps`` steps at ``lr``: its checkpoints, oldest first."""
+    sets = [f"run.runs_dir={runs}", f"run.steps={steps}", f"trainer.lr={lr}"]
+    cmd = [sys.executable, "-m", "gyre_hpc", "run", str(REPO / "recipes" / "smoke.toml")]
+    cmd += [arg for s in sets for arg in ("--set", s)]
+    subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    (run,) = runs.iterdir()
+    return sorted((run / "checkpoints").glob("step-*"))
 
 
-def timed(fn, repeats: int) -> float:  # noqa: ANN001
-    times = []
-    for _ in range(repeats):
+def flat_of(path: Path) -> np.ndarray:
+    layout = FlatLayout.of(Qwen3Config.load(path))
+    flat = np.empty(layout.numel, dtype=np.float32)
+    state = load_file(str(path / "model.safetensors"))
+    for name, view in layout.views(flat).items():
+        view.copy_(state[name])
+    return flat
+
+
+def pushes(server: SGLangServer, push: TensorPush, flats: list[np.ndarray]) -> list[tuple[float, object]]:
+    """Every version in turn, as a cell loads it: (seconds, what it moved) each."""
+    out = []
+    for version, flat in enumerate(flats, 1):
         t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return median(times)
+        call(server.url, lambda c: c.begin_weight_update())
+        pushed = push.push(flat, version)
+        call(server.url, lambda c: c.end_weight_update())
+        out.append((time.perf_counter() - t0, pushed))
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", choices=list(SIZES), default="1.2gb")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--lr", type=float, nargs="+", default=[1e-4, 1e-6])
+    ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    figures: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir, flat = write_model(args.size, Path(tmp))
-        gb = flat.nbytes / 1e9
-        engine = EngineConfig(backend="sglang", dtype="float32", max_total_tokens=4096)
-        server = SGLangServer(engine, model_dir, Path(tmp) / "sglang", device="cpu")
-        t0 = time.perf_counter()
-        server.start()
-        start_s = time.perf_counter() - t0
+        root = Path(tmp)
+        runs = {lr: checkpoints(root / f"runs-{lr:g}", lr, args.steps) for lr in args.lr}
+        model_dir = runs[args.lr[0]][0]
+        layout = FlatLayout.of(Qwen3Config.load(model_dir))
+        servers = {}
         try:
-            version = iter(range(1, 1000))
-            broadcast = timed(lambda: server.load(flat, next(version)), args.repeats)
-            group, server.group = server.group, None  # the disk path, same server
-            disk = timed(lambda: server.load(flat, next(version)), args.repeats)
-            server.group = group
-            write = timed(lambda: server.layout.save(flat, model_dir, Path(tmp) / "write-only"), args.repeats)
-            served = call(server.url, lambda c: c.generate([1, 2, 3], {"max_new_tokens": 1}))["meta_info"]
-            copy = np.empty_like(flat)
-            bound = timed(lambda: np.copyto(copy, flat), args.repeats)
+            for dtype in ("float32", "bfloat16"):
+                engine = EngineConfig(
+                    backend="sglang", dtype=dtype, weight_sync="delta", max_total_tokens=4096
+                )
+                servers[dtype] = SGLangServer(engine, model_dir, root / f"sglang-{dtype}", device="cpu")
+                servers[dtype].start()
+            whole_bf16 = layout.numel * 2
+            src, dst = np.ones(whole_bf16, np.uint8), np.empty(whole_bf16, np.uint8)
+            copies = []
+            for _ in range(20):
+                t0 = time.perf_counter()
+                np.copyto(dst, src)
+                copies.append(time.perf_counter() - t0)
+            memcpy = whole_bf16 / median(copies) / 1e9
+            for lr, paths in runs.items():
+                flats = [flat_of(p) for p in paths]
+                for name, dtype, delta in PATHS:
+                    push = TensorPush(servers[dtype].url, layout, 1, "cpu", dtype, 512 << 20, delta)
+                    measured = pushes(servers[dtype], push, flats)[1:]  # the first is whole anyway
+                    seconds = median(s for s, _ in measured)
+                    sent = median(p.sent for _, p in measured)
+                    changed = [p.changed_fraction for _, p in measured if p.changed_fraction is not None]
+                    figures[f"{name} @ lr {lr:g}"] = {
+                        "bytes": int(sent),
+                        "seconds": round(seconds, 4),
+                        "gb_per_s": round(sent / seconds / 1e9, 3),
+                        "of_memcpy": round(whole_bf16 / seconds / 1e9 / memcpy, 4),
+                        "changed": round(median(changed), 4) if changed else None,
+                    }
+            # What any push costs here whatever it carries: the last version again, as a delta
+            # of nothing (begin, one update, end: three calls to the server).
+            floor = pushes(servers["bfloat16"], push, [flats[-1]] * 6)
+            figures["delta of nothing (the fixed cost)"] = {
+                "bytes": int(median(p.sent for _, p in floor)),
+                "seconds": round(median(s for s, _ in floor), 4),
+                "gb_per_s": 0.0,
+                "of_memcpy": round(whole_bf16 / median(s for s, _ in floor) / 1e9 / memcpy, 4),
+                "changed": 0.0,
+            }
         finally:
-            server.stop()
-    figures = {
-        "size_gb": round(gb, 3),
-        "server_start_s": round(start_s, 1),
-        "broadcast_s": round(broadcast, 3),
-        "broadcast_gb_per_s": round(gb / broadcast, 2),
-        "disk_s": round(disk, 3),
-        "disk_gb_per_s": round(gb / disk, 2),
-        "disk_write_s": round(write, 3),
-        "memcpy_gb_per_s": round(gb / bound, 2),
-        "last_version_served": served["weight_version"],
-    }
-    print(f"{args.size}: {gb:.2f} GB of float32 weights into one SGLang server (CPU, gloo)")
-    print(f"  broadcast (begin → one flattened bucket → end): {broadcast:.3f} s = {gb / broadcast:.2f} GB/s")
-    print(f"  disk (write a model directory + update_weights_from_disk): {disk:.3f} s = {gb / disk:.2f} GB/s"
-          f" (of which writing {write:.3f} s)")  # fmt: skip
-    print(f"  broadcast is {disk / broadcast:.2f}× faster; the bound, one memcpy: {gb / bound:.2f} GB/s")
+            for server in servers.values():
+                server.stop()
+    print(f"{layout.numel:,} parameters; whole: {layout.numel * 4:,} B float32, {whole_bf16:,} B bfloat16;"
+          f" memcpy of the bf16 version: {memcpy:.2f} GB/s")  # fmt: skip
+    heads = ("bytes", 12), ("of bf16", 8), ("seconds", 9), ("GB/s", 7), ("of memcpy", 10), ("changed", 8)
+    print(f"{'path':<36}" + "".join(f" {h:>{w}}" for h, w in heads))
+    for name, f in figures.items():
+        changed = "" if f["changed"] is None else f"{f['changed']:.1%}"
+        print(f"{name:<36} {f['bytes']:>12,} {f['bytes'] / whole_bf16:>8.1%} {f['seconds']:>9.4f}"
+              f" {f['gb_per_s']:>7.3f} {f['of_memcpy']:>10.2%} {changed:>8}")  # fmt: skip
     if args.json:
-        args.json.write_text(json.dumps(figures, indent=1) + "\n")
+        args.json.write_text(
+            json.dumps({"memcpy_gb_per_s": round(memcpy, 2), "paths": figures}, indent=1) + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -42,10 +42,14 @@ run)
     # splitting running calls into segments, no KV reused across versions; where the machine has
     # SGLang (GYRE_SGLANG_PYTHON), the replicas, the KV rule and the killed-server run against it too.
     timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_versions.py tests/test_placement.py \
-        2>&1 | tee "$out/serving_tests.log" || true
+        tests/test_weight_delta.py tests/test_pushed.py 2>&1 | tee "$out/serving_tests.log" || true
     if [ -n "${GYRE_SGLANG_PYTHON:-}" ]; then
+        # Delta pushes too: the loader's verdicts and exact weights, then whole / bf16 / delta side by side.
         GYRE_REQUIRE=sglang timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_sglang.py \
-            -k "conversation or replicas or weights_arrive" 2>&1 | tee "$out/sglang_tests.log" || true
+            -k "conversation or replicas or weights_arrive or elements_that_changed" \
+            2>&1 | tee "$out/sglang_tests.log" || true
+        timeout 300 "$GYRE_SGLANG_PYTHON" tools/bench_sglang.py --json "$out/bench_sglang.json" \
+            2>&1 | tail -12 | tee "$out/bench_sglang.log" || true
     fi
     ;;
 *)

@@ -177,15 +177,20 @@ class EngineClient:
         )
 
     async def update_weights_from_tensor(
-        self, serialized: list[str], weight_version: str, flush_cache: bool = True
+        self,
+        serialized: list[str],
+        weight_version: str,
+        flush_cache: bool = True,
+        load_format: str = "flattened_bucket",
     ) -> dict[str, Any]:
-        """Load a flattened bucket the server's TP ranks read where it lies (``serialized``: one
-        pickled reference per TP rank, base64: a CUDA IPC handle or a shared-memory file)."""
+        """Load tensors the server's TP ranks read where they lie (``serialized``: one pickled
+        reference per TP rank, base64: a CUDA IPC handle or a shared-memory file): a flattened
+        bucket, or what a custom loader the server trusts takes (``load_format``: its path)."""
         return await self._post(
             "/update_weights_from_tensor",
             {
                 "serialized_named_tensors": serialized,
-                "load_format": "flattened_bucket",
+                "load_format": load_format,
                 "weight_version": weight_version,
                 "flush_cache": flush_cache,
             },

@@ -36,6 +36,7 @@ from gyre_hpc.engines.sglang import SGLangServer, Span
 from gyre_hpc.errors import LaunchError
 from gyre_hpc.memory_plan import Shape
 from gyre_hpc.models.qwen3 import Qwen3Config
+from gyre_hpc.pushed import Pushed
 from gyre_hpc.recipe.schema import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,8 @@ class HostedEngine(Protocol):
 
     def resume(self) -> None: ...
 
-    def load(self, flat: np.ndarray, version: int) -> None: ...
+    def load(self, flat: np.ndarray, version: int) -> Pushed:
+        """Serve ``flat`` as ``version``; what the load moved."""
 
     def supervise(self) -> None: ...
 
@@ -151,8 +153,9 @@ class EmbeddedHost:
     def resume(self) -> None:
         self.engine.resume()
 
-    def load(self, flat: np.ndarray, version: int) -> None:
+    def load(self, flat: np.ndarray, version: int) -> Pushed:
         self.engine.load_flat(torch.from_numpy(flat), str(version))
+        return Pushed(flat.nbytes, flat.nbytes, None, flat.size)  # copied in this process
 
     def supervise(self) -> None:
         """It lives in this process: it cannot die alone."""
@@ -180,7 +183,8 @@ class PartHost:
 
     def resume(self) -> None: ...
 
-    def load(self, flat: np.ndarray, version: int) -> None: ...
+    def load(self, flat: np.ndarray, version: int) -> Pushed:
+        return Pushed()  # its head's weight group reaches it
 
     def supervise(self) -> None:
         if not self.server.alive():
@@ -219,17 +223,19 @@ class SGLangHost:
         the proxy admits calls again), then serve."""
         self._go("sample")
 
-    def load(self, flat: np.ndarray, version: int) -> None:
-        self._go("load", flat, version)
+    def load(self, flat: np.ndarray, version: int) -> Pushed:
+        return self._go("load", flat, version)
 
-    def _go(self, verb: str, *weights: object) -> None:
+    def _go(self, verb: str, *weights: object) -> Pushed:
         state, verbs = step(self.state, verb, self.releases_memory)
+        pushed = Pushed()
         for name in verbs:
             if name == LOAD:
-                self.server.load(*weights)  # type: ignore[arg-type]
+                pushed = self.server.load(*weights)  # type: ignore[arg-type]
             else:
                 self.server.send(name)
         self.state = state
+        return pushed
 
     def supervise(self) -> None:
         if self.restarting:

@@ -43,10 +43,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from gyre_hpc.engines import weight_delta as wd
 from gyre_hpc.engines.client import EngineClient, EngineError
+from gyre_hpc.engines.weight_delta import LOADER
 from gyre_hpc.errors import LaunchError
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.qwen3 import Qwen3Config
+from gyre_hpc.pushed import Pushed
 from gyre_hpc.recipe.schema import EngineConfig
 
 T = TypeVar("T")
@@ -91,6 +94,8 @@ def sglang_command(
         cmd += ["--dtype", engine.dtype]
     if not engine.prefix_cache:
         cmd.append("--disable-radix-cache")
+    if engine.weight_sync == "delta":
+        cmd += ["--custom-weight-loader", LOADER]
     return cmd
 
 
@@ -115,6 +120,17 @@ def server_env(device: str, environ: Mapping[str, str]) -> dict[str, str]:
     if device == "cpu":
         return dict(environ, SGLANG_USE_CPU_ENGINE="1")
     return dict(environ, NCCL_CUMEM_ENABLE=environ.get("NCCL_CUMEM_ENABLE", "0"))
+
+
+def cpu_threads_bind(cores: list[int], ranks: int) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for ``ranks`` TP ranks of a part on the CPU: the cores it may
+    use cut into that many contiguous groups (``0|1``; ``0,1|2,3``), sharing when there are
+    fewer. SGLang's CPU engine refuses more TP ranks than NUMA nodes without it."""
+    cores = sorted(cores)
+    if len(cores) < ranks:
+        return "|".join(str(cores[r % len(cores)]) for r in range(ranks))
+    size = len(cores) // ranks
+    return "|".join(",".join(map(str, cores[r * size : (r + 1) * size])) for r in range(ranks))
 
 
 def free_port(host: str) -> int:
@@ -221,18 +237,21 @@ class WeightGroup:
         if not reply.get("success"):
             raise LaunchError(f"{url}: init_weights_update_group failed: {reply.get('message')}")
 
-    def push(self, flat: np.ndarray, version: int) -> None:
+    def push(self, flat: np.ndarray, version: int) -> Pushed:
         import torch
 
         source = torch.from_numpy(flat)
         dtype = getattr(torch, self.dtype)
+        sent = 0
         for i, b in enumerate(self.buckets):
             staged = source[b.start : b.end].to(dtype)  # cast on the host: one bucket at a time
             if self.backend == "nccl":
                 staged = staged.cuda()
             self.peak_bytes = max(self.peak_bytes, staged.numel() * staged.element_size())
+            sent += staged.numel() * staged.element_size()
             self._send(b, staged.view(torch.uint8), str(version), flush=i == len(self.buckets) - 1)
             del staged  # before the next one is staged
+        return Pushed(sent, sent, None, source.numel())
 
     def _send(self, bucket: Bucket, data: Any, version: str, flush: bool) -> None:
         import torch
@@ -258,48 +277,125 @@ class TensorPush:
     """Weights into a server on this rank's node by reference: each bucket is staged once, cast to
     the served dtype (on this rank's GPU, or in a shared-memory file on the CPU), and every TP
     rank of the server reads it there (CUDA IPC, or the file) through SGLang's tensor verb. No
-    process group: no GPU twice in a communicator, and one bucket staged at a time."""
+    process group: no GPU twice in a communicator, and one bucket staged at a time.
+
+    With ``delta`` (``engine.weight_sync = "delta"``) a bucket goes as the elements that changed
+    since the version the server holds (``engines.weight_delta``): this side keeps every bucket
+    it last pushed, in the served dtype, on the host."""
 
     def __init__(
-        self, url: str, layout: FlatLayout, tp_size: int, device: str, dtype: str, bucket_bytes: int
+        self,
+        url: str,
+        layout: FlatLayout,
+        tp_size: int,
+        device: str,
+        dtype: str,
+        bucket_bytes: int,
+        delta: bool = False,
     ) -> None:
         """``device``: where a bucket is staged — ``cpu``, or ``cuda:N``, the server's first GPU."""
         self.url, self.tp_size, self.device, self.dtype = url, tp_size, device, dtype
         self.buckets = buckets(layout, _itemsize(dtype), bucket_bytes)
+        self.delta = delta
         self.peak_bytes = 0
+        self.held: list[Any] = [None] * len(self.buckets)
+        """Delta: each bucket as last pushed (served dtype, host), and the version it holds."""
+        self.held_version: int | None = None
 
-    def push(self, flat: np.ndarray, version: int, flush: bool = True) -> None:
+    def forget(self) -> None:
+        """The server's weights are no longer the last ones pushed (released memory holds no
+        weights): the next version goes whole."""
+        self.held, self.held_version = [None] * len(self.buckets), None
+
+    def push(self, flat: np.ndarray, version: int, flush: bool = True) -> Pushed:
         """``flush``: drop the server's prefix cache with the last bucket (False keeps it, as
         SGLang does anyway while calls run)."""
         import torch
 
-        if self.device == "cpu":
+        if self.device == "cpu" or self.delta:
             # A file the server opens by name: the default (a descriptor handed over a socket)
             # needs the receiver to be a child of this process.
             torch.multiprocessing.set_sharing_strategy("file_system")
-        else:
+        if self.device != "cpu":
             # GPUs named by UUID, not index, as SGLang's own senders do: its ranks may number
             # the node's GPUs differently.
             from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
             monkey_patch_torch_reductions()
         source, dtype = torch.from_numpy(flat), getattr(torch, self.dtype)
+        if not self.delta:
+            return self._whole(source, dtype, version, flush)
+        pushed = self._deltas(source, dtype, version, flush, whole=self.held_version is None)
+        if pushed is None:  # the server did not hold what this side kept: all of it, whole
+            log.warning("%s: version %d: delta refused by the server; pushing it whole", self.url, version)
+            pushed = self._deltas(source, dtype, version, flush, whole=True)
+            if pushed is None:
+                raise EngineError(f"{self.url}: version {version} pushed whole: the checksums disagree")
+        self.held_version = version
+        return pushed
+
+    def _whole(self, source: Any, dtype: Any, version: int, flush: bool) -> Pushed:
+        import torch
+
+        sent = 0
         for i, b in enumerate(self.buckets):
-            staged = source[b.start : b.end].to(dtype)
-            staged = staged.share_memory_() if self.device == "cpu" else staged.to(self.device)
-            self.peak_bytes = max(self.peak_bytes, staged.numel() * staged.element_size())
+            staged = self._stage(source[b.start : b.end].to(dtype))
+            sent += staged.numel() * staged.element_size()
             payload = {"flattened_tensor": staged.view(torch.uint8), "metadata": _metadata(b, dtype)}
-            # One reference per TP rank: each rank opens its own (CUDA IPC counts references).
-            refs = [_reference(payload) for _ in range(self.tp_size)]
-            last = flush and i == len(self.buckets) - 1
-            update = lambda c, r=refs, f=last: c.update_weights_from_tensor(r, str(version), f)  # noqa: E731
-            reply = unflushed_ok(self.url, version, lambda u=update: call(self.url, u))
-            if not reply.get("success"):
-                raise EngineError(f"{self.url}: update_weights_from_tensor failed: {reply.get('message')}")
-            del staged, payload, refs  # the server copied the bucket into its weights
+            self._update(payload, version, flush and i == len(self.buckets) - 1, "flattened_bucket")
+            del staged, payload  # the server copied the bucket into its weights
+        return Pushed(sent, sent, None, source.numel())
+
+    def _deltas(self, source: Any, dtype: Any, version: int, flush: bool, whole: bool) -> Pushed | None:
+        """Every bucket as a delta over the kept one (or whole); None if the server refused one."""
+        import torch
+
+        sent = changed = 0
+        for i, b in enumerate(self.buckets):
+            new = source[b.start : b.end].to(dtype, copy=True)
+            old = None if whole else self.held[i]
+            positions = None if old is None else wd.changed_positions(new, old)
+            changed += new.numel() if positions is None else positions.numel()
+            if positions is not None and not wd.worth_sending(len(positions), len(new), new.element_size()):
+                positions = None
+            base = -1 if positions is None else self.held_version
+            entries = {
+                wd.HEADER: wd.header(i, version, base, wd.checksum([new]), b.names, b.shapes),
+                wd.VERDICT: torch.zeros(1, dtype=torch.int32),
+            }
+            if positions is None:
+                entries[wd.WHOLE] = new
+            else:
+                entries[wd.POSITIONS], entries[wd.VALUES] = positions, new[positions.long()]
+            staged = {name: self._stage(t) for name, t in entries.items()}
+            sent += sum(t.numel() * t.element_size() for t in staged.values())
+            self._update(list(staged.items()), version, flush and i == len(self.buckets) - 1, LOADER)
+            verdict = int(staged[wd.VERDICT].item())
+            if verdict != wd.OK:
+                log.info("%s: bucket %d of version %d: verdict %d", self.url, i, version, verdict)
+                self.forget()
+                return None
+            self.held[i] = new
+            del staged, entries
+        itemsize = _itemsize(self.dtype)
+        return Pushed(sent, source.numel() * itemsize, changed, source.numel())
+
+    def _stage(self, t: Any) -> Any:
+        """Where the server's ranks read it: a shared-memory file, or this rank's GPU."""
+        staged = t.share_memory_() if self.device == "cpu" else t.to(self.device)
+        self.peak_bytes = max(self.peak_bytes, staged.numel() * staged.element_size())
+        return staged
+
+    def _update(self, payload: Any, version: int, flush: bool, load_format: str) -> None:
+        # One reference per TP rank: each rank opens its own (CUDA IPC counts references).
+        refs = [_reference(payload) for _ in range(self.tp_size)]
+        update = lambda c: c.update_weights_from_tensor(refs, str(version), flush, load_format)  # noqa: E731
+        reply = unflushed_ok(self.url, version, lambda: call(self.url, update))
+        if not reply.get("success"):
+            raise EngineError(f"{self.url}: update_weights_from_tensor failed: {reply.get('message')}")
 
     def close(self) -> None:
-        """Nothing is held between pushes."""
+        """Nothing is held between pushes but the kept buckets (this object's)."""
 
 
 def _metadata(bucket: Bucket, dtype: Any) -> list[types.SimpleNamespace]:
@@ -388,6 +484,9 @@ class SGLangServer:
         health says when the replica is up."""
         self.work_dir.mkdir(parents=True, exist_ok=True)
         env = server_env(self.device, os.environ)
+        if self.device == "cpu" and self.engine.tp_size > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in env:
+            local = self.engine.tp_size // (self.span.nnodes if self.span else 1)
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(sorted(os.sched_getaffinity(0)), local)
         if self.device == "cuda":  # this process's NCCL (the weight group, the trainer) agrees
             os.environ["NCCL_CUMEM_ENABLE"] = env["NCCL_CUMEM_ENABLE"]
         with self.log.open("ab") as out:
@@ -406,9 +505,10 @@ class SGLangServer:
                 raise LaunchError(f"sglang not healthy after {timeout:g} s; see {self.log}")
             time.sleep(0.5)
         dtype, bucket = served_dtype(self.engine.dtype, self.model_dir), self.engine.weight_bucket_mb << 20
-        if self.engine.weight_sync == "tensor":
+        if self.engine.weight_sync in ("tensor", "delta"):
             where = "cpu" if self.device == "cpu" else f"cuda:{self.gpu}"
-            self.group = TensorPush(self.url, self.layout, self.engine.tp_size, where, dtype, bucket)
+            delta = self.engine.weight_sync == "delta"
+            self.group = TensorPush(self.url, self.layout, self.engine.tp_size, where, dtype, bucket, delta)
         elif self.engine.weight_sync == "broadcast":
             backend = "gloo" if self.device == "cpu" else "nccl"
             self.group = WeightGroup(
@@ -430,18 +530,20 @@ class SGLangServer:
             "resume_memory_occupation": lambda c: c.resume_memory(),
         }
         call(self.url, verbs[verb])
+        if verb == "release_memory_occupation" and isinstance(self.group, TensorPush):
+            self.group.forget()  # released memory keeps no weights to apply a delta to
 
-    def load(self, flat: np.ndarray, version: int) -> None:
-        """Serve ``flat`` as ``version`` from now on."""
+    def load(self, flat: np.ndarray, version: int) -> Pushed:
+        """Serve ``flat`` as ``version`` from now on; what it moved."""
         if self.group is None:  # engine.weight_sync = "disk"
             path = self.layout.save(flat, self.model_dir, self.work_dir / "weights")
             reply = call(self.url, lambda c: c.update_weights_from_disk(str(path), str(version)))
             if not reply.get("success"):
                 raise EngineError(f"{self.url}: update_weights_from_disk failed: {reply.get('message')}")
-            return
+            return Pushed(flat.nbytes, flat.nbytes, None, flat.size)
         call(self.url, lambda c: c.begin_weight_update())
         try:
-            self.group.push(flat, version)
+            return self.group.push(flat, version)
         finally:
             call(self.url, lambda c: c.end_weight_update())
 

@@ -136,6 +136,13 @@ class WeightsLoaded(Event):
     version: int
     units: list[int]
     seconds: float
+    bytes: int = 0
+    """Sent into every replica of ``units``, together."""
+    whole_bytes: int = 0
+    """What the same version would have been whole, in each engine's served dtype."""
+    changed: float | None = None
+    """Of the elements, those whose bits changed since the version each engine held (delta
+    only; null where the path does not look)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,6 +247,9 @@ class Step(Event):
     (of each item binned into micro-steps: a path, or with tree packing a run's paths as a tree)."""
     engine_calls: dict[str, int] = field(default_factory=dict)
     """The step's trained runs' calls by the engine replica that served them (URL)."""
+    input_tokens: int = 0
+    """The input tokens of those calls; ``cached_tokens`` of them came from a prefix cache."""
+    cached_tokens: int = 0
     staleness: dict[str, int] = field(default_factory=dict)
     """Calls by versions between the one trained from and the one that served them."""
     staleness_tokens: dict[str, int] = field(default_factory=dict)

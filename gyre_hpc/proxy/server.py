@@ -176,6 +176,7 @@ class Proxy:
             aborted=(done.finish_reason or {}).get("type") == "abort",
             finish_reason=(done.finish_reason or {}).get("type", ""),
             segments=tuple(done.segments) if len(done.segments) > 1 else (),
+            cached_tokens=done.cached_tokens,
         )
         record = TitoRecord(run_id, call_id, role, input_ids, done.output_ids, done.logprobs, meta)
         index = await self.tito.append(record)

@@ -162,12 +162,15 @@ class EngineConfig:
         min=0,
         max=1 << 40,
     )
-    weight_sync: Literal["tensor", "broadcast", "disk"] = knob(
+    weight_sync: Literal["tensor", "delta", "broadcast", "disk"] = knob(
         "tensor",
         "sglang: how a new version reaches the server: tensor (each bucket staged once on the "
         "cell leader's GPU and read by every server rank by CUDA IPC; a shared-memory file on "
-        "the CPU), broadcast (over a process group the leader forms with the server: gloo on "
-        "the CPU, NCCL on GPUs the leader does not share with it), or a checkpoint on disk.",
+        "the CPU), delta (the same path, carrying only the elements whose bits changed since the "
+        "version the server holds, checksummed, whole when it holds another; both sides keep a "
+        "host copy in the served dtype), broadcast (over a process group the leader forms with "
+        "the server: gloo on the CPU, NCCL on GPUs the leader does not share with it), or a "
+        "checkpoint on disk.",
     )
     weight_bucket_mb: int = knob(
         512,
@@ -488,11 +491,11 @@ class Recipe:
             )
         plan = engine_plan(cells.ranks_per_cell, self.slurm.nodes_per_cell, self.engine.tp_size)
         check_engine_plan(plan, self.engine.allow_idle_gpus)
-        if any(p.nnodes > 1 for p in plan.parts) and self.engine.weight_sync == "tensor":
+        if any(p.nnodes > 1 for p in plan.parts) and self.engine.weight_sync in ("tensor", "delta"):
             raise RecipeError(
                 f"engine.tp_size = {self.engine.tp_size} spans nodes: its weights cannot go by "
-                'reference (engine.weight_sync = "tensor" shares memory within a node); set '
-                'engine.weight_sync = "broadcast"'
+                f'reference (engine.weight_sync = "{self.engine.weight_sync}" shares memory within '
+                'a node); set engine.weight_sync = "broadcast"'
             )
         if cells.ranks_per_cell % (trainer.tp_size * trainer.pp_size):
             raise RecipeError(

@@ -31,6 +31,7 @@ from gyre_hpc.engines.hosted import HostedEngine, host_engine, resolve_device
 from gyre_hpc.engines.sglang import Span, free_port
 from gyre_hpc.layout import CONTROLLER
 from gyre_hpc.placement import EnginePart, EnginePlan, engine_plan, replica_capacity
+from gyre_hpc.pushed import Pushed
 from gyre_hpc.recipe.schema import CellsConfig, EngineConfig, TrainerConfig
 from gyre_hpc.runtime.protocol import (
     POLL_INTERVAL_S,
@@ -84,6 +85,13 @@ def rendezvous_timeout_s(engine: EngineConfig, cells: CellsConfig) -> float:
     members come at once, the leader only once its engine is up, which ``engine.start_timeout_s``
     bounds (a real 8B server with graph capture can take longer than torch's 300 s default)."""
     return engine.start_timeout_s + cells.heartbeat_timeout_s
+
+
+def engine_dir(unit: int, part: EnginePart) -> str:
+    """Where a part keeps its log: ``unit-0``, ``unit-0-replica-1``, ``unit-0-part-1`` (a part
+    across nodes that is not its replica's head: emulated nodes share one file system)."""
+    name = f"unit-{unit}" if part.replica == 0 else f"unit-{unit}-replica-{part.replica}"
+    return name if part.node_rank == 0 else f"{name}-part-{part.node_rank}"
 
 
 @dataclass(frozen=True)
@@ -193,8 +201,7 @@ class Cell:
             s.model_dir,
             replica_capacity(self.cells.capacity, self.plan.replicas),
             "0.0.0.0" if slurm else "127.0.0.1",
-            s.engines
-            / (f"unit-{self.unit}" if part.replica == 0 else f"unit-{self.unit}-replica-{part.replica}"),
+            s.engines / engine_dir(self.unit, part),
             env.gpu,
             self.newest_weights,
             self.span,
@@ -314,9 +321,9 @@ class Cell:
                 self.to_controller.send(RoleSwitched(self.unit, msg.role, msg.seq, seconds), CONTROLLER)
                 log.info("cell %d: role %s (%.3f s)", self.unit, msg.role, seconds)
             elif isinstance(msg, LoadWeights):
-                self.load_weights(msg.version)
+                pushed = self.load_weights(msg.version)
                 self.to_controller.send(
-                    WeightsLoaded(self.unit, msg.version, time.monotonic() - started), CONTROLLER
+                    WeightsLoaded(self.unit, msg.version, time.monotonic() - started, pushed), CONTROLLER
                 )
             elif isinstance(msg, TrainStep):
                 self.session = self.open_session(msg)
@@ -359,29 +366,31 @@ class Cell:
                 raise ProtocolError(f"cell {self.unit}: member {rank} answered {ack!r}")
         getattr(self.engine, verb)()
 
-    def load_weights(self, version: int) -> None:
+    def load_weights(self, version: int) -> Pushed:
         """Every replica of the cell loads ``version``: the members hosting one at once (each
-        pulls the snapshot itself), the leader's own meanwhile."""
+        pulls the snapshot itself), the leader's own meanwhile; what they moved, together."""
         hosts = self._hosting_members()
         for rank in hosts:
             self.in_cell.send(LoadWeights(self.unit, version), rank)
         if self.trainer is not None and self.is_core:
-            self.engine.load(self.trainer.weights(), version)
+            pushed = self.engine.load(self.trainer.weights(), version)
         else:
-            self.load_pulled(version)
+            pushed = self.load_pulled(version)
         wait = self.engine_cfg.start_timeout_s + self.cells.heartbeat_timeout_s  # a restarting replica
         for rank in hosts:
             _, ack = self.in_cell.recv(wait, rank, f"WeightsLoaded from cell member {rank}")
             if not (isinstance(ack, WeightsLoaded) and ack.version == version):
                 raise ProtocolError(f"cell {self.unit}: member {rank} answered {ack!r}")
+            pushed += ack.pushed
+        return pushed
 
-    def load_pulled(self, version: int) -> None:
+    def load_pulled(self, version: int) -> Pushed:
         """The core's snapshot ``version`` into this rank's engine part."""
         got = self.setup.transport.pull_snapshot(self.scratch)
         if got != version:
             raise ProtocolError(f"cell {self.unit}: snapshot holds version {got}, expected {version}")
         self.scratch_version = got
-        self.engine.load(self.scratch, version)
+        return self.engine.load(self.scratch, version)
 
     def _hosting_members(self) -> list[int]:
         """The members that host an engine part taking weights (heads: a part across nodes gets
@@ -471,8 +480,9 @@ class Cell:
                 while self.engine.restarting:  # it comes back at the newest version it held
                     self.engine.supervise()
                     time.sleep(POLL_INTERVAL_S)
-                self.load_pulled(msg.version)
-                self.in_cell.send(WeightsLoaded(self.unit, msg.version, time.monotonic() - started), 0)
+                pushed = self.load_pulled(msg.version)
+                seconds = time.monotonic() - started
+                self.in_cell.send(WeightsLoaded(self.unit, msg.version, seconds, pushed), 0)
             elif isinstance(msg, Mirror) and trainer is not None:
                 mirror(trainer, msg, self.world.cell_comm, self.scratch)
             else:

@@ -29,6 +29,7 @@ from typing import Protocol
 
 from gyre_hpc.layout import Layout
 from gyre_hpc.observability import events as ev
+from gyre_hpc.pushed import Pushed
 from gyre_hpc.recipe.schema import CellsConfig, EngineConfig
 from gyre_hpc.runtime.protocol import (
     POLL_INTERVAL_S,
@@ -234,7 +235,7 @@ class MpiFleet:
         version = self.version
         for unit in units:
             self.channel.send(LoadWeights(unit, version), self.layout.leader(unit))
-        pending, slowest = set(units), 0.0
+        pending, slowest, pushed = set(units), 0.0, Pushed()
         while pending:
             msg = self._await(
                 lambda m: isinstance(m, WeightsLoaded) and m.version == version and m.cell in pending,
@@ -244,7 +245,18 @@ class MpiFleet:
             assert isinstance(msg, WeightsLoaded)
             pending.discard(msg.cell)
             slowest = max(slowest, msg.seconds)
-        self.events.emit(ev.WeightsLoaded(version=version, units=units, seconds=round(slowest, 4)))
+            pushed += msg.pushed
+        changed = pushed.changed_fraction
+        self.events.emit(
+            ev.WeightsLoaded(
+                version=version,
+                units=units,
+                seconds=round(slowest, 4),
+                bytes=pushed.sent,
+                whole_bytes=pushed.whole,
+                changed=None if changed is None else round(changed, 6),
+            )
+        )
         return slowest
 
     def train(self, cells: list[int], step: int, queue: list, closed: bool) -> None:

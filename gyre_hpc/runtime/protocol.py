@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from gyre_hpc.pushed import Pushed
 from gyre_hpc.scheduler.policy import Role
 
 CONTROL_TAG = 17
@@ -106,6 +107,8 @@ class WeightsLoaded:
     cell: int
     version: int
     seconds: float
+    pushed: Pushed = Pushed()
+    """What the load moved into the cell's replicas (or this member's)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,6 +45,8 @@ class CallMeta:
     segments: tuple[tuple[int, int], ...] = ()
     """(output tokens, version) of each part of a call that spanned a load, in order; empty when
     one version (``policy_version``) generated the whole output."""
+    cached_tokens: int = 0
+    """Input tokens the engine took from its prefix cache (keys and values of its own version)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "segments", tuple((int(n), int(v)) for n, v in self.segments))

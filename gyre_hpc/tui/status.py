@@ -72,6 +72,11 @@ class RunView:
     queue: int = 0
     attempts: int = 0
     """Worlds started: 1, then one more per restart, requeue or resume."""
+    engines: dict[str, int] = field(default_factory=dict)
+    """Each engine replica's URL → its cell."""
+    engine_calls: dict[str, int] = field(default_factory=dict)
+    """Model calls each engine served, over every step."""
+    last_load: ev.WeightsLoaded | None = None
 
     @classmethod
     def fold(cls, name: str, steps_total: int, events: list[ev.Event], keep: int = 12) -> RunView:
@@ -104,6 +109,7 @@ class RunView:
                 self.status, self.reason = "restarting", e.reason
             case ev.Hello():
                 self.cells[e.cell] = CellView(e.rank, e.host, e.standalone, e.capacity)
+                self.engines.update(dict.fromkeys(e.addresses, e.cell))
             case ev.RoleSwitched() if e.cell in self.cells:
                 cell = self.cells[e.cell]
                 cell.role, cell.switched = e.role, e.t
@@ -111,6 +117,7 @@ class RunView:
             case ev.Dispatched() | ev.Finished():
                 self.counters.update(d=e.d, p=e.p, f=e.f)
             case ev.WeightsLoaded():
+                self.last_load = e
                 for unit in e.units:
                     if unit in self.cells:
                         self.cells[unit].version = e.version
@@ -123,6 +130,8 @@ class RunView:
             case ev.Step():
                 self.step = e.step
                 self.steps.append(e)
+                for url, n in e.engine_calls.items():
+                    self.engine_calls[url] = self.engine_calls.get(url, 0) + n
             case ev.RunEnd():
                 self.status, self.reason, self.ended = e.status, e.reason, e.t
 
@@ -164,7 +173,9 @@ def render(view: RunView, job: JobState | None, run_path: str) -> RenderableType
             f"  · micro-steps in the last step {view.last_micro_steps}",
         )
     )
-    parts += [_cells_table(view), _steps_table(view)]
+    if view.last_load is not None:
+        parts.append(Text(_load_line(view.last_load)))
+    parts += [_cells_table(view), _engines_table(view), _steps_table(view)]
     if view.switches:
         parts.append(_switches_table(view.switches[-6:]))
     parts.append(_events_table(view.recent))
@@ -189,7 +200,7 @@ def _bar(value: int, total: int, width: int = 20) -> str:
 def _steps_table(view: RunView) -> Table:
     table = Table(title="steps", title_justify="left", expand=False)
     columns = ("step", "v", "reward", "pass", "held-out", "seconds", "sampling s", "micro-steps", "claims",
-               "stale tokens")  # fmt: skip
+               "stale tokens", "prefix reused")  # fmt: skip
     for col in columns:
         table.add_column(col, justify="right")
     evals = {e.step: e.pass_rate for e in view.evals}
@@ -205,6 +216,7 @@ def _steps_table(view: RunView) -> Table:
             str(e.micro_steps),
             " ".join(f"{c}:{n}" for c, n in e.claims.items()),
             staleness_shares(e.staleness_tokens),
+            f"{e.cached_tokens / e.input_tokens:.0%}" if e.input_tokens else "",
         )
     return table
 
@@ -240,6 +252,26 @@ def _cells_table(view: RunView) -> Table:
         label = f"{cell}" + (" (pool)" if info.standalone else " (core)" if cell == 0 else "")
         version = "" if info.version is None else f"v{info.version}"
         table.add_row(label, str(info.rank), info.host, info.role, since, version, info.timeline)
+    return table
+
+
+def _load_line(e: ev.WeightsLoaded) -> str:
+    """``last load: v3 into cells 0 1 · 1.2 MB sent of 3.6 MB whole · 4.1% changed · 0.05 s``."""
+    sent = f" · {e.bytes / 1e6:.1f} MB sent of {e.whole_bytes / 1e6:.1f} MB whole" if e.whole_bytes else ""
+    changed = "" if e.changed is None else f" · {e.changed:.1%} changed"
+    cells = " ".join(map(str, e.units))
+    return f"last load: v{e.version} into cells {cells}{sent}{changed} · {e.seconds:.2f} s"
+
+
+def _engines_table(view: RunView) -> Table:
+    """Calls each engine replica served: in the last step, and over the run."""
+    table = Table(title="engines", title_justify="left", expand=False)
+    for col, justify in (("engine", "left"), ("cell", "right"), ("calls last step", "right"),
+                         ("calls", "right")):  # fmt: skip
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    last = view.steps[-1].engine_calls if view.steps else {}
+    for url, cell in sorted(view.engines.items(), key=lambda kv: (kv[1], kv[0])):
+        table.add_row(url, str(cell), str(last.get(url, 0)), str(view.engine_calls.get(url, 0)))
     return table
 
 

@@ -1,0 +1,216 @@
+"""Weights that travel small (``engine.weight_sync = "delta"``): a version goes to a server as
+the elements that changed since the version it holds.
+
+```
+ sender (a cell rank, engines.sglang.TensorPush)           receiver (load: SGLang's custom weight
+   keeps each bucket it last pushed, in the served dtype     loader, in every TP rank of the server)
+   new bucket ─ bits differ from the kept one? ─▶ positions + their new values, or the bucket whole
+   header: bucket, version, base version, checksum  ──▶  held at the base version? apply; checksum
+   verdict ◀──────────────────────────────────────────  OK | STALE | CHECKSUM (written in place)
+   any verdict not OK ─▶ the whole version again, every bucket whole
+```
+
+Values travel absolute, never as a float difference, so the served weights are bit for bit
+those of a whole push. Each bucket's checksum is taken over its bits after the update, on both
+sides (``checksum``: CRC-32 of its bytes; it guards against a stale or half-applied base, not
+against an adversary — no model output reaches this channel).
+
+What it does not know: how a model's ``load_weights`` places a checkpoint tensor. It looks,
+once, after each whole load: a tensor the server keeps bit for bit — as a parameter of its own,
+or as the one slice of rows of a parameter that fuses it with others of its module (at tp 1
+``qkv_proj``, ``gate_up_proj``, and everything else) — is patched in place from then on; any
+other (a shard at tp > 1, a transformed weight) is rebuilt from a host copy the receiver keeps
+and loaded through the model's own ``load_weights``.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+LOADER = "gyre_hpc.engines.weight_delta.load"
+"""What the server is told to trust as a custom loader (``--custom-weight-loader``) and each
+update names as its ``load_format``."""
+
+HEADER, VERDICT, WHOLE, POSITIONS, VALUES = (
+    f"gyre.delta/{n}" for n in ("header", "verdict", "whole", "positions", "values")
+)
+"""The names of one update's entries (every entry must be a tensor: SGLang moves each to its
+device before the loader sees it)."""
+
+NONE, OK, STALE, CHECKSUM = 0, 1, 2, 3
+"""Verdicts: not answered; applied and checked; the base version is not held; applied but the
+checksum disagrees."""
+
+
+def checksum(tensors: Iterable[torch.Tensor]) -> int:
+    """CRC-32 of the tensors' bytes, in order (a bucket's tensors: the same bytes whether it
+    travelled whole or as a delta). Taken on the host (~6 GB/s a core here; a tensor on a GPU
+    is copied over first)."""
+    crc = 0
+    for t in tensors:
+        data = t.detach().reshape(-1).view(torch.uint8).cpu().numpy()
+        crc = zlib.crc32(memoryview(data), crc)
+    return crc
+
+
+def words_of(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bits as 16-bit words (every served dtype is a multiple of two bytes)."""
+    return t.reshape(-1).view(torch.int16)
+
+
+def changed_positions(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Positions (int32, ascending) where ``new``'s bits differ from ``old``'s."""
+    bits = _bits(new.element_size())
+    return torch.nonzero(new.reshape(-1).view(bits) != old.reshape(-1).view(bits)).reshape(-1).to(torch.int32)
+
+
+def worth_sending(changed: int, elements: int, itemsize: int) -> bool:
+    """Whether ``changed`` positions and their values are smaller than the bucket whole."""
+    return changed * (4 + itemsize) < elements * itemsize
+
+
+def _bits(itemsize: int) -> torch.dtype:
+    return {2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]
+
+
+def header(
+    key: int, version: int, base: int, total: int, names: list[str], shapes: list[list[int]]
+) -> torch.Tensor:
+    """One bucket's header as a byte tensor: its index, the version it brings, the version a
+    delta applies to (-1: the bucket whole), its checksum after the update, its tensors."""
+    text = json.dumps(
+        {"key": key, "version": version, "base": base, "checksum": total, "names": names, "shapes": shapes}
+    )
+    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+
+
+@dataclass
+class Held:
+    """What a receiver keeps between updates (on the model object: one per server rank)."""
+
+    versions: dict[int, int] = field(default_factory=dict)
+    """Bucket → the version it holds."""
+    own: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Tensors the server keeps bit for bit as a parameter: patched in place."""
+    host: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Every other tensor, as last loaded, on the host: rebuilt here, loaded whole."""
+
+
+def load(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """SGLang's custom weight loader: apply one bucket (whole or delta) and write the verdict.
+    Never raises on a stale base or a bad checksum (an exception would stop the scheduler);
+    the sender reads the verdict and pushes whole."""
+    entries = dict(named_tensors)
+    head = json.loads(bytes(entries[HEADER].cpu().numpy()).decode())
+    held: Held = model.__dict__.setdefault("_gyre_delta", Held())
+    if head["base"] < 0:
+        verdict = _whole(model, held, head, entries[WHOLE])
+    elif held.versions.get(head["key"]) != head["base"]:
+        verdict = STALE
+    else:
+        verdict = _delta(model, held, head, entries[POSITIONS], entries[VALUES])
+    entries[VERDICT].fill_(_agreed(verdict))
+
+
+def _whole(model: torch.nn.Module, held: Held, head: dict[str, Any], flat: torch.Tensor) -> int:
+    params = dict(model.named_parameters())
+    device = next(iter(params.values())).device
+    tensors, at = [], 0
+    for name, shape in zip(head["names"], head["shapes"], strict=True):
+        n = _numel(shape)
+        tensors.append((name, flat[at : at + n].view(shape)))
+        at += n
+    model.load_weights([(name, t.to(device)) for name, t in tensors])
+    for name, t in tensors:
+        held.own.pop(name, None)
+        held.host.pop(name, None)
+        where = _located(params, name, t.to(device))
+        if where is not None:
+            held.own[name] = where
+        else:
+            held.host[name] = t.to("cpu", copy=True)
+    held.versions[head["key"]] = head["version"]
+    return _checked(held, head)
+
+
+def _located(params: dict[str, torch.nn.Parameter], name: str, t: torch.Tensor) -> torch.Tensor | None:
+    """Where the server keeps ``t`` bit for bit, as just loaded: its own parameter, or the one
+    slice of rows of a parameter of the same module that fuses it with others (``qkv_proj``,
+    ``gate_up_proj`` at tp 1); None where it is kept otherwise (a shard, a transform)."""
+    p = params.get(name)
+    if p is not None and p.shape == t.shape and p.dtype == t.dtype:
+        return p.data if torch.equal(words_of(p.data), words_of(t)) else None
+    module, kind = name.rsplit(".", 2)[0] + ".", name.rsplit(".", 1)[1]
+    rows = t.shape[0] if t.dim() else 0
+    found = []
+    for other, q in params.items():
+        if not (other.startswith(module) and other.endswith(kind) and q.dtype == t.dtype and rows):
+            continue
+        if q.dim() != t.dim() or q.shape[1:] != t.shape[1:] or q.shape[0] <= rows:
+            continue
+        fused, mine = q.data.reshape(q.shape[0], -1).view(torch.int16), t.reshape(rows, -1).view(torch.int16)
+        for r in torch.nonzero((fused == mine[0]).all(dim=1)).reshape(-1).tolist():
+            if r + rows <= q.shape[0] and torch.equal(fused[r : r + rows], mine):
+                found.append(q.data.narrow(0, r, rows))
+    return found[0] if len(found) == 1 else None
+
+
+def _delta(
+    model: torch.nn.Module, held: Held, head: dict[str, Any], positions: torch.Tensor, values: torch.Tensor
+) -> int:
+    positions, values = positions.to("cpu", torch.int64), values.to("cpu")
+    reload, at = [], 0
+    for name, shape in zip(head["names"], head["shapes"], strict=True):
+        n = _numel(shape)
+        lo, hi = (int(x) for x in torch.searchsorted(positions, torch.tensor([at, at + n])))
+        at += n
+        if lo == hi:
+            continue
+        local, vals = positions[lo:hi] - (at - n), values[lo:hi]
+        if name in held.own:
+            target = held.own[name].view(-1)
+            target[local.to(target.device)] = vals.to(target.device)
+        else:
+            base = held.host[name]
+            base.view(-1)[local] = vals
+            reload.append((name, base))
+    if reload:
+        device = next(model.parameters()).device
+        model.load_weights([(name, t.to(device)) for name, t in reload])
+    held.versions[head["key"]] = head["version"]
+    return _checked(held, head)
+
+
+def _checked(held: Held, head: dict[str, Any]) -> int:
+    tensors = (held.own[name] if name in held.own else held.host[name] for name in head["names"])
+    return OK if checksum(tensors) == head["checksum"] else CHECKSUM
+
+
+def _agreed(verdict: int) -> int:
+    """The worst verdict of the server's TP ranks (each applied the bucket to its own shard;
+    only the first rank's verdict is the sender's tensor, the others' are copies)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return verdict
+    try:
+        from sglang.srt.distributed import get_tp_group
+    except ImportError:
+        return verdict
+    group = get_tp_group()
+    if group.world_size == 1:
+        return verdict
+    worst = torch.tensor([verdict], dtype=torch.int32)
+    torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX, group=group.cpu_group)
+    return int(worst.item())
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -24,7 +24,7 @@ from gyre_hpc.proxy.router import PROBE_S, EngineSlot, Router
 from gyre_hpc.trajectory.records import CallMeta
 
 PROMPT = [5, 17, 33, 2, 9, 41]
-LONG = {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}
+LONG = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}  # long: the hold lands mid-call
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ def encode_frame(enc: EncodedRecord) -> bytes:
             "shared": enc.shared,
             "new": len(enc.new_ids),
             "out": len(enc.output_ids),
-            "meta": enc.meta.to_dict(),
+            "meta": enc.meta.stored(),
         },
         separators=(",", ":"),
     ).encode()

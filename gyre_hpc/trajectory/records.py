@@ -54,6 +54,11 @@ class CallMeta:
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def stored(self) -> dict[str, Any]:
+        """What the TITO log keeps: the fields not at their defaults (a reader fills those in),
+        so a field added later costs the calls that do not use it nothing."""
+        return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) != f.default}
+
     def versions(self) -> list[tuple[int, int]]:
         """(output tokens, version) of every part; one part at ``policy_version`` when unsplit."""
         return list(self.segments) or [(-1, self.policy_version)]

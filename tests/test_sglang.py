@@ -496,15 +496,16 @@ def test_a_cell_across_two_slurm_nodes_serves_with_one_replica_spanning_both(tmp
                           cwd=REPO, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     run = RunDir(Path(re.search(r"run directory: (\S+)", proc.stdout).group(1)))
-    assert wait_for_event(run, "run_end", timeout=800).status == "completed"
-    (hello,) = [e for e in read_events(run.events) if isinstance(e, ev.Hello)]
-    assert len(hello.addresses) == 1
+    end = wait_for_event(run, "run_end", timeout=800)
+    assert end.status == "completed", end
+    hellos = [e for e in read_events(run.events) if isinstance(e, ev.Hello)]
+    assert len(hellos) == 1 and len(hellos[0].addresses) == 1, hellos
     hosts = {r["rank"]: r["host"] for r in run.read_ranks()}
-    assert hosts[1] != hosts[2]  # the cell's two ranks on two emulated nodes
+    assert hosts[1] != hosts[2], hosts  # the cell's two ranks on two emulated nodes
     parts = {d.name: (d / "sglang.log").read_text() for d in sorted(run.engines.iterdir())}
-    assert parts.keys() == {"unit-0", "unit-0-part-1"}
-    for rank, text in enumerate(parts.values()):
-        assert f"'nnodes': 2, 'node_rank': {rank}, 'tp_size': 2" in text
+    assert parts.keys() == {"unit-0", "unit-0-part-1"}, parts.keys()
+    for rank, (name, text) in enumerate(parts.items()):
+        assert f"'nnodes': 2, 'node_rank': {rank}, 'tp_size': 2" in text, name
     calls, worst = served_against_checkpoint(run, 2)
     assert calls and {c.policy_version for c in calls} == {1} and worst <= 1e-4, worst
 

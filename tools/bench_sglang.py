@@ -1,17 +1,21 @@
 #!/usr/bin/env python3
-"""New weight versions into a real SGLang server, on the smoke run's real updates, side by side:
+"""New weight versions into a real SGLang server, on real updates, side by side:
 whole in float32, whole in bfloat16, and as a delta in bfloat16 (``engine.weight_sync``).
 
-    .venv-sglang/bin/python tools/bench_sglang.py [--lr 1e-4 1e-6] [--steps 4] [--json OUT]
+    .venv-sglang/bin/python tools/bench_sglang.py [--size smoke|1.2gb] [--lr 1e-4 1e-6] [--steps 4]
+        [--json OUT]
 
 For each learning rate the smoke recipe trains ``--steps`` steps (the embedded engine; a
-checkpoint a step), then each checkpoint goes into the servers in turn, as a cell pushes it: by
-reference, bucket by bucket (``TensorPush``). The first push of each path is whole (nothing is
-held yet) and is not counted; the figures are the medians of the rest. ``changed`` is the share
-of elements whose bits differ in the served dtype from the version before. The bound printed
-beside them is one in-memory copy of the same version whole in bfloat16 (``memcpy``): the ratio
-is the version's whole bf16 bytes per second of a push over that copy's rate. The last row is
-what a push costs whatever it carries: a delta of nothing (three calls to the server).
+checkpoint a step); with ``--size 1.2gb`` a Qwen3 shape of 0.30 B parameters (random float32
+weights, the tiny tokenizer) takes that many AdamW steps on random tokens instead, because the
+smoke model's 3.6 MB is all fixed cost. Each version then goes into the servers in turn, as a
+cell pushes it: by reference, bucket by bucket (``TensorPush``). The first push of each path is
+whole (nothing is held yet) and is not counted; the figures are the medians of the rest.
+``changed`` is the share of elements whose bits differ in the served dtype from the version
+before. The bound printed beside them is one in-memory copy of the same version whole in
+bfloat16 (``memcpy``): the ratio is the version's whole bf16 bytes per second of a push over
+that copy's rate. The last row is what a push costs whatever it carries: a delta of nothing
+(three calls to the server).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from statistics import median
 
@@ -33,8 +38,19 @@ sys.path.insert(0, str(REPO))
 
 from gyre_hpc.engines.sglang import SGLangServer, TensorPush, call  # noqa: E402
 from gyre_hpc.models.flat import FlatLayout  # noqa: E402
-from gyre_hpc.models.qwen3 import Qwen3Config  # noqa: E402
+from gyre_hpc.models.qwen3 import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from gyre_hpc.models.tiny import init_tiny  # noqa: E402
 from gyre_hpc.recipe.schema import EngineConfig  # noqa: E402
+
+SIZE_1_2GB = dict(
+    hidden_size=1536,
+    intermediate_size=4096,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    head_dim=128,
+)
+"""≈ 0.30 B parameters, 1.2 GB at float32."""
 
 PATHS = (
     ("whole float32", "float32", False),
@@ -51,6 +67,38 @@ def checkpoints(runs: Path, lr: float, steps: int) -> list[Path]:
     subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     (run,) = runs.iterdir()
     return sorted((run / "checkpoints").glob("step-*"))
+
+
+def adam_versions(root: Path, lr: float, steps: int) -> tuple[Path, list[np.ndarray]]:
+    """A 0.30 B-parameter Qwen3 shape with random weights (written as a model directory) and the
+    flat versions of ``steps`` AdamW steps on random tokens from it, the first being itself."""
+    import torch
+
+    model_dir = init_tiny(root / "model", seed=0)  # tokenizer, template, a config to widen
+    config = replace(Qwen3Config.load(model_dir), **SIZE_1_2GB)
+    layout = FlatLayout.of(config)
+    first = np.random.default_rng(0).standard_normal(layout.numel, dtype=np.float32) * np.float32(0.02)
+    (model_dir / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
+    layout.save(first, model_dir, model_dir)
+    model = Qwen3ForCausalLM(config)
+    layout.load(model, first)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    tokens = torch.Generator().manual_seed(0)
+    versions = [first]
+    for _ in range(steps - 1):
+        ids = torch.randint(0, config.vocab_size, (1, 65), generator=tokens)
+        logits, _ = model(ids[:, :-1])
+        torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+        ).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        flat = np.empty(layout.numel, dtype=np.float32)
+        params = dict(model.named_parameters())
+        for name, view in layout.views(flat).items():
+            view.copy_(params[name].detach())
+        versions.append(flat)
+    return model_dir, versions
 
 
 def flat_of(path: Path) -> np.ndarray:
@@ -76,6 +124,7 @@ def pushes(server: SGLangServer, push: TensorPush, flats: list[np.ndarray]) -> l
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", choices=("smoke", "1.2gb"), default="smoke")
     ap.add_argument("--lr", type=float, nargs="+", default=[1e-4, 1e-6])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--json", type=Path)
@@ -83,8 +132,14 @@ def main() -> None:
     figures: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        runs = {lr: checkpoints(root / f"runs-{lr:g}", lr, args.steps) for lr in args.lr}
-        model_dir = runs[args.lr[0]][0]
+        if args.size == "smoke":
+            runs = {lr: checkpoints(root / f"runs-{lr:g}", lr, args.steps) for lr in args.lr}
+            model_dir = runs[args.lr[0]][0]
+            versions = {lr: [flat_of(p) for p in paths] for lr, paths in runs.items()}
+        else:
+            made = {lr: adam_versions(root / f"adam-{lr:g}", lr, args.steps) for lr in args.lr}
+            model_dir = made[args.lr[0]][0]
+            versions = {lr: flats for lr, (_, flats) in made.items()}
         layout = FlatLayout.of(Qwen3Config.load(model_dir))
         servers = {}
         try:
@@ -102,8 +157,7 @@ def main() -> None:
                 np.copyto(dst, src)
                 copies.append(time.perf_counter() - t0)
             memcpy = whole_bf16 / median(copies) / 1e9
-            for lr, paths in runs.items():
-                flats = [flat_of(p) for p in paths]
+            for lr, flats in versions.items():
                 for name, dtype, delta in PATHS:
                     push = TensorPush(servers[dtype].url, layout, 1, "cpu", dtype, 512 << 20, delta)
                     measured = pushes(servers[dtype], push, flats)[1:]  # the first is whole anyway

@@ -15,8 +15,8 @@ those of a whole push. Each bucket's checksum is taken over its bits after the u
 sides (``checksum``: CRC-32 of its bytes; it guards against a stale or half-applied base, not
 against an adversary — no model output reaches this channel).
 
-What it does not know: how a model's ``load_weights`` places a checkpoint tensor. It looks,
-once, after each whole load: a tensor the server keeps bit for bit — as a parameter of its own,
+What it does not know: how a model's ``load_weights`` places a checkpoint tensor. It looks
+after the first whole load of each tensor: a tensor the server keeps bit for bit — as a parameter of its own,
 or as the one slice of rows of a parameter that fuses it with others of its module (at tp 1
 ``qkv_proj``, ``gate_up_proj``, and everything else) — is patched in place from then on; any
 other (a shard at tp > 1, a transformed weight) is rebuilt from a host copy the receiver keeps
@@ -128,10 +128,11 @@ def _whole(model: torch.nn.Module, held: Held, head: dict[str, Any], flat: torch
         at += n
     model.load_weights([(name, t.to(device)) for name, t in tensors])
     for name, t in tensors:
-        held.own.pop(name, None)
-        held.host.pop(name, None)
+        if name in held.own:
+            continue  # where load_weights puts it does not change; the checksum checks it is there
         where = _located(params, name, t.to(device))
         if where is not None:
+            held.host.pop(name, None)
             held.own[name] = where
         else:
             held.host[name] = t.to("cpu", copy=True)

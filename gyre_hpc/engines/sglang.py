@@ -354,10 +354,12 @@ class TensorPush:
         for i, b in enumerate(self.buckets):
             new = source[b.start : b.end].to(dtype, copy=True)
             old = None if whole else self.held[i]
-            positions = None if old is None else wd.changed_positions(new, old)
-            changed += new.numel() if positions is None else positions.numel()
-            if positions is not None and not wd.worth_sending(len(positions), len(new), new.element_size()):
-                positions = None
+            mask = None if old is None else wd.changed(new, old)
+            n = new.numel() if mask is None else int(mask.sum())
+            changed += n
+            # Positions only where they are worth sending: listing half a bucket's would cost more.
+            worth = mask is not None and wd.worth_sending(n, len(new), new.element_size())
+            positions = wd.positions_of(mask) if worth else None
             base = -1 if positions is None else self.held_version
             entries = {
                 wd.HEADER: wd.header(i, version, base, wd.checksum([new]), b.names, b.shapes),

@@ -64,10 +64,19 @@ def words_of(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.int16)
 
 
+def changed(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Where ``new``'s bits differ from ``old``'s (a mask over the elements)."""
+    bits = _bits(new.element_size())
+    return new.reshape(-1).view(bits) != old.reshape(-1).view(bits)
+
+
 def changed_positions(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """Positions (int32, ascending) where ``new``'s bits differ from ``old``'s."""
-    bits = _bits(new.element_size())
-    return torch.nonzero(new.reshape(-1).view(bits) != old.reshape(-1).view(bits)).reshape(-1).to(torch.int32)
+    return positions_of(changed(new, old))
+
+
+def positions_of(mask: torch.Tensor) -> torch.Tensor:
+    return torch.nonzero(mask).reshape(-1).to(torch.int32)
 
 
 def worth_sending(changed: int, elements: int, itemsize: int) -> bool:

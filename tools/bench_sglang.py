@@ -31,7 +31,6 @@ from pathlib import Path
 from statistics import median
 
 import numpy as np
-from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -41,6 +40,7 @@ from gyre_hpc.models.flat import FlatLayout  # noqa: E402
 from gyre_hpc.models.qwen3 import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 from gyre_hpc.models.tiny import init_tiny  # noqa: E402
 from gyre_hpc.recipe.schema import EngineConfig  # noqa: E402
+from gyre_hpc.trainer.checkpoint import read_weights  # noqa: E402
 
 SIZE_1_2GB = dict(
     hidden_size=1536,
@@ -81,7 +81,9 @@ def adam_versions(root: Path, lr: float, steps: int) -> tuple[Path, list[np.ndar
     (model_dir / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
     layout.save(first, model_dir, model_dir)
     model = Qwen3ForCausalLM(config)
-    layout.load(model, first)
+    weights = torch.from_numpy(first.copy())
+    layout.load(model, weights)
+    layout.bind(model, weights, torch.zeros_like(weights))  # each step lands in ``weights``
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     tokens = torch.Generator().manual_seed(0)
     versions = [first]
@@ -92,22 +94,9 @@ def adam_versions(root: Path, lr: float, steps: int) -> tuple[Path, list[np.ndar
             logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
         ).backward()
         optimizer.step()
-        optimizer.zero_grad()
-        flat = np.empty(layout.numel, dtype=np.float32)
-        params = dict(model.named_parameters())
-        for name, view in layout.views(flat).items():
-            view.copy_(params[name].detach())
-        versions.append(flat)
+        optimizer.zero_grad(set_to_none=False)  # the gradients stay views of their buffer
+        versions.append(weights.numpy().copy())
     return model_dir, versions
-
-
-def flat_of(path: Path) -> np.ndarray:
-    layout = FlatLayout.of(Qwen3Config.load(path))
-    flat = np.empty(layout.numel, dtype=np.float32)
-    state = load_file(str(path / "model.safetensors"))
-    for name, view in layout.views(flat).items():
-        view.copy_(state[name])
-    return flat
 
 
 def pushes(server: SGLangServer, push: TensorPush, flats: list[np.ndarray]) -> list[tuple[float, object]]:
@@ -135,7 +124,7 @@ def main() -> None:
         if args.size == "smoke":
             runs = {lr: checkpoints(root / f"runs-{lr:g}", lr, args.steps) for lr in args.lr}
             model_dir = runs[args.lr[0]][0]
-            versions = {lr: [flat_of(p) for p in paths] for lr, paths in runs.items()}
+            versions = {lr: [read_weights(p) for p in paths] for lr, paths in runs.items()}
         else:
             made = {lr: adam_versions(root / f"adam-{lr:g}", lr, args.steps) for lr in args.lr}
             model_dir = made[args.lr[0]][0]

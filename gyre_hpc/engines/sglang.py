@@ -312,7 +312,7 @@ class TensorPush:
         SGLang does anyway while calls run)."""
         import torch
 
-        if self.device == "cpu" or self.delta:
+        if self.device == "cpu":
             # A file the server opens by name: the default (a descriptor handed over a socket)
             # needs the receiver to be a child of this process.
             torch.multiprocessing.set_sharing_strategy("file_system")

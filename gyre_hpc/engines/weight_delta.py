@@ -16,16 +16,17 @@ sides (``checksum``: CRC-32 of its bytes; it guards against a stale or half-appl
 against an adversary — no model output reaches this channel).
 
 What it does not know: how a model's ``load_weights`` places a checkpoint tensor. It looks
-after the first whole load of each tensor: a tensor the server keeps bit for bit — as a parameter of its own,
-or as the one slice of rows of a parameter that fuses it with others of its module (at tp 1
-``qkv_proj``, ``gate_up_proj``, and everything else) — is patched in place from then on; any
-other (a shard at tp > 1, a transformed weight) is rebuilt from a host copy the receiver keeps
-and loaded through the model's own ``load_weights``.
+after the first whole load of each tensor: a tensor the server keeps bit for bit — as a
+parameter of its own, or as the one slice of rows of a parameter that fuses it with others of
+its module (at tp 1 ``qkv_proj``, ``gate_up_proj``, and everything else) — is patched in place
+from then on; any other (a shard at tp > 1, a transformed weight) is rebuilt from a host copy
+the receiver keeps and loaded through the model's own ``load_weights``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -70,12 +71,8 @@ def changed(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     return new.reshape(-1).view(bits) != old.reshape(-1).view(bits)
 
 
-def changed_positions(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """Positions (int32, ascending) where ``new``'s bits differ from ``old``'s."""
-    return positions_of(changed(new, old))
-
-
 def positions_of(mask: torch.Tensor) -> torch.Tensor:
+    """The positions (int32, ascending) a mask marks."""
     return torch.nonzero(mask).reshape(-1).to(torch.int32)
 
 
@@ -132,7 +129,7 @@ def _whole(model: torch.nn.Module, held: Held, head: dict[str, Any], flat: torch
     device = next(iter(params.values())).device
     tensors, at = [], 0
     for name, shape in zip(head["names"], head["shapes"], strict=True):
-        n = _numel(shape)
+        n = math.prod(shape)
         tensors.append((name, flat[at : at + n].view(shape)))
         at += n
     model.load_weights([(name, t.to(device)) for name, t in tensors])
@@ -177,7 +174,7 @@ def _delta(
     positions, values = positions.to("cpu", torch.int64), values.to("cpu")
     reload, at = [], 0
     for name, shape in zip(head["names"], head["shapes"], strict=True):
-        n = _numel(shape)
+        n = math.prod(shape)
         lo, hi = (int(x) for x in torch.searchsorted(positions, torch.tensor([at, at + n])))
         at += n
         if lo == hi:
@@ -217,10 +214,3 @@ def _agreed(verdict: int) -> int:
     worst = torch.tensor([verdict], dtype=torch.int32)
     torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX, group=group.cpu_group)
     return int(worst.item())
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

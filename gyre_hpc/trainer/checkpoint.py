@@ -100,12 +100,19 @@ def read_state(path: Path) -> dict[str, Any]:
     return json.loads((path / "state.json").read_text())
 
 
+def read_weights(path: Path) -> np.ndarray:
+    """A checkpoint's weights as one flat float32 buffer (``models.flat`` order)."""
+    state = load_file(str(path / "model.safetensors"))
+    layout = FlatLayout.of(Qwen3Config.load(path))
+    flat = np.empty(layout.numel, dtype=np.float32)
+    for name, view in layout.views(flat).items():
+        view.copy_(state[name])
+    return flat
+
+
 def restore(path: Path, trainer: Trainer) -> dict[str, Any]:
     """Weights and optimizer state into ``trainer`` (through its flat buffer, any backend)."""
-    state = load_file(str(path / "model.safetensors"))
-    flat = np.empty(trainer.numel, dtype=np.float32)
-    for name, view in FlatLayout.of(Qwen3Config.load(path)).views(flat).items():
-        view.copy_(state[name])
+    flat = read_weights(path)
     info = read_state(path)
     trainer.load_snapshot(flat, int(info["version"]))
     try:

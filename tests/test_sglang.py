@@ -257,10 +257,11 @@ def test_a_version_travels_as_the_elements_that_changed_and_the_server_checks_wh
     served: tuple[str, Path],
 ) -> None:
     """engine.weight_sync = "delta": after a whole first push, a version that changed 1 % of the
-    elements goes as those alone (positions and absolute values), and the server then serves
-    exactly that version. A server holding another version than the sender kept (another sender
-    loaded it), or a sender whose kept copy is wrong (the checksum disagrees), makes the push
-    whole — served correctly either way."""
+    elements goes as those alone (positions and absolute values), and one that moved half of them
+    by an ulp (as an RL step does) as its XOR with the held version, packed to under a quarter
+    of the bytes; the server then serves exactly that version. A server holding another version
+    than the sender kept (another sender loaded it), or a sender whose kept copy is wrong (the
+    checksum disagrees), makes the push whole — served correctly either way."""
     url, model_dir = served
     layout = FlatLayout.of(Qwen3Config.load(model_dir))
     model = Qwen3ForCausalLM.from_pretrained(model_dir)
@@ -273,6 +274,13 @@ def test_a_version_travels_as_the_elements_that_changed_and_the_server_checks_wh
         out = flat.copy()
         at = rng.choice(out.size, out.size // 100, replace=False)
         out[at] += rng.randn(at.size).astype(np.float32) * 0.05
+        return out
+
+    def ulp_step(flat: np.ndarray) -> np.ndarray:
+        out = flat.copy()
+        at = rng.choice(out.size, out.size // 2, replace=False)
+        up = rng.rand(at.size) < 0.5
+        out[at] = np.nextafter(out[at], np.where(up, np.inf, -np.inf).astype(np.float32))
         return out
 
     def push(sender: TensorPush, flat: np.ndarray, version: int):  # noqa: ANN202
@@ -294,17 +302,21 @@ def test_a_version_travels_as_the_elements_that_changed_and_the_server_checks_wh
     second = push(delta, v22, 22)
     assert abs(second.changed_fraction - 0.01) < 1e-3, second
     assert second.sent < 0.06 * second.whole, second  # 8 bytes a changed float32, and the headers
+    v23 = ulp_step(v22)
+    third = push(delta, v23, 23)
+    assert abs(third.changed_fraction - 0.5) < 0.01, third
+    assert third.sent < 0.25 * third.whole, third  # positions would be 4 bytes more a change: 2x
 
-    push(other, sparse_step(v22), 23)  # the server now holds 23; `delta` still thinks 22
-    v24 = sparse_step(v22)
-    assert push(delta, v24, 24).sent >= base.nbytes  # refused as stale: whole
+    push(other, sparse_step(v23), 24)  # the server now holds 24; `delta` still thinks 23
+    v25 = sparse_step(v23)
+    assert push(delta, v25, 25).sent >= base.nbytes  # refused as stale: whole
 
-    v25 = sparse_step(v24)
-    moved = np.flatnonzero(v25[: delta.held[0].numel()] != v24[: delta.held[0].numel()])[:16]
+    v26 = sparse_step(v25)
+    moved = np.flatnonzero(v26[: delta.held[0].numel()] != v25[: delta.held[0].numel()])[:16]
     assert moved.size
-    delta.held[0].view(-1)[moved] = torch.from_numpy(v25[moved])  # this side's copy wrong there
-    assert push(delta, v25, 25).sent >= base.nbytes  # the checksum disagreed: whole
-    assert push(delta, sparse_step(v25), 26).sent < 0.06 * base.nbytes  # and deltas again
+    delta.held[0].view(-1)[moved] = torch.from_numpy(v26[moved])  # this side's copy wrong there
+    assert push(delta, v26, 26).sent >= base.nbytes  # the checksum disagreed: whole
+    assert push(delta, ulp_step(v26), 27).sent < 0.25 * base.nbytes  # and deltas again
 
     layout.load(model, base)
     push(other, base, 0)  # as it was, for the tests that follow
@@ -453,14 +465,15 @@ def test_a_cell_of_two_ranks_serves_with_two_sglang_replicas(tmp_path: Path) -> 
     """One cell of 2 ranks, engine.tp_size 1: two SGLang servers behind the router, both get
     calls, both load each version (their calls' log-probs are the checkpoint's), and each role
     switch drains and pauses both. Versions go by delta (at float32 and this learning rate
-    nearly every element changes, so each bucket goes whole through the same loader), and each
-    load reports what it moved."""
+    nearly every element changes: the first goes whole, later ones as their XOR with the held
+    version, packed, never more than whole), and each load reports what it moved."""
     sets = ("cells.count=1", "cells.ranks_per_cell=2", "scheduler.mode=colocate", "run.steps=2")
     finish(start_run(tmp_path, *sets, "tasks.prompts_per_step=2", "engine.weight_sync=delta"), 1100)
     run, events = events_of(tmp_path)
     loads = [e for e in events if isinstance(e, ev.WeightsLoaded)]
     whole = 2 * FlatLayout.of(Qwen3Config.load(run.checkpoints / "step-000001")).numel * 4  # 2 replicas
-    assert loads and all(e.whole_bytes == whole and e.bytes >= whole for e in loads), loads
+    assert loads and all(e.whole_bytes == whole for e in loads) and loads[0].bytes >= whole, loads
+    assert all(e.bytes <= 1.01 * whole for e in loads), loads  # headers aside, never over whole
     assert all(e.changed is not None and 0.9 < e.changed <= 1.0 for e in loads), loads
     (hello,) = [e for e in events if isinstance(e, ev.Hello)]
     assert len(hello.addresses) == 2

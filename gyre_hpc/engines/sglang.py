@@ -357,15 +357,24 @@ class TensorPush:
             mask = None if old is None else wd.changed(new, old)
             n = new.numel() if mask is None else int(mask.sum())
             changed += n
-            # Positions only where they are worth sending: listing half a bucket's would cost more.
-            worth = mask is not None and wd.worth_sending(n, len(new), new.element_size())
-            positions = wd.positions_of(mask) if worth else None
-            base = -1 if positions is None else self.held_version
+            # Few changed: their positions and values. Many: their XOR with the kept bucket,
+            # packed, where that is smaller (listing half a bucket's positions costs more).
+            listed = None if mask is None else n * (4 + new.element_size())
+            xor = positions = None
+            if listed is not None and listed >= new.numel() * new.element_size() / 8:
+                xor = wd.xor_packed(new, old)
+                if xor.numel() >= min(listed, 0.9 * new.numel() * new.element_size()):
+                    xor = None
+            if xor is None and listed is not None and wd.worth_sending(n, len(new), new.element_size()):
+                positions = wd.positions_of(mask)
+            base = -1 if positions is None and xor is None else self.held_version
             entries = {
                 wd.HEADER: wd.header(i, version, base, wd.checksum([new]), b.names, b.shapes),
                 wd.VERDICT: torch.zeros(1, dtype=torch.int32),
             }
-            if positions is None:
+            if xor is not None:
+                entries[wd.XOR] = xor
+            elif positions is None:
                 entries[wd.WHOLE] = new
             else:
                 entries[wd.POSITIONS], entries[wd.VALUES] = positions, new[positions.long()]

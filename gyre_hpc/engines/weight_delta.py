@@ -4,14 +4,20 @@ the elements that changed since the version it holds.
 ```
  sender (a cell rank, engines.sglang.TensorPush)           receiver (load: SGLang's custom weight
    keeps each bucket it last pushed, in the served dtype     loader, in every TP rank of the server)
-   new bucket ─ bits differ from the kept one? ─▶ positions + their new values, or the bucket whole
+   new bucket ─ bits differ from the kept one? ─▶ positions + their new values (few changed),
+                                                  the XOR with the kept one, compressed (many),
+                                                  or the bucket whole (the smallest of these)
    header: bucket, version, base version, checksum  ──▶  held at the base version? apply; checksum
    verdict ◀──────────────────────────────────────────  OK | STALE | CHECKSUM (written in place)
    any verdict not OK ─▶ the whole version again, every bucket whole
 ```
 
-Values travel absolute, never as a float difference, so the served weights are bit for bit
-those of a whole push. Each bucket's checksum is taken over its bits after the update, on both
+Values travel absolute or as the XOR of their bits with the held ones, never as a float
+difference, so the served weights are bit for bit those of a whole push. The XOR goes as its
+two byte planes (high bytes, then low) through zstd at level 1: at RL learning rates most
+changed elements move by an ulp or two, so the XOR is a few low bits and the high plane is
+almost all zero (the smoke run at lr 1e-4 changes 44–51 % of the elements, and its XOR packs to
+20–22 % of the bucket). Each bucket's checksum is taken over its bits after the update, on both
 sides (``checksum``: CRC-32 of its bytes; it guards against a stale or half-applied base, not
 against an adversary — no model output reaches this channel).
 
@@ -38,8 +44,8 @@ LOADER = "gyre_hpc.engines.weight_delta.load"
 """What the server is told to trust as a custom loader (``--custom-weight-loader``) and each
 update names as its ``load_format``."""
 
-HEADER, VERDICT, WHOLE, POSITIONS, VALUES = (
-    f"gyre.delta/{n}" for n in ("header", "verdict", "whole", "positions", "values")
+HEADER, VERDICT, WHOLE, POSITIONS, VALUES, XOR = (
+    f"gyre.delta/{n}" for n in ("header", "verdict", "whole", "positions", "values", "xor")
 )
 """The names of one update's entries (every entry must be a tensor: SGLang moves each to its
 device before the loader sees it)."""
@@ -81,6 +87,26 @@ def worth_sending(changed: int, elements: int, itemsize: int) -> bool:
     return changed * (4 + itemsize) < elements * itemsize
 
 
+def xor_packed(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """The XOR of two tensors' bits, as its byte planes compressed (a byte tensor)."""
+    import zstandard
+
+    planes = (words_of(new) ^ words_of(old)).view(torch.uint8).reshape(-1, 2).t().contiguous()
+    packed = zstandard.ZstdCompressor(level=1).compress(memoryview(planes.numpy()))
+    return torch.frombuffer(bytearray(packed), dtype=torch.uint8)
+
+
+def xor_unpacked(packed: torch.Tensor, words: int) -> torch.Tensor:
+    """``xor_packed``'s XOR again, as ``words`` 16-bit words (on the host)."""
+    import zstandard
+
+    data = zstandard.ZstdDecompressor().decompress(bytes(packed.cpu().numpy()), max_output_size=2 * words)
+    if len(data) != 2 * words:
+        raise ValueError(f"an XOR of {len(data)} bytes for {words} words")
+    planes = torch.frombuffer(bytearray(data), dtype=torch.uint8).reshape(2, words)
+    return planes.t().contiguous().view(torch.int16).reshape(-1)
+
+
 def _bits(itemsize: int) -> torch.dtype:
     return {2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]
 
@@ -119,6 +145,8 @@ def load(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) 
         verdict = _whole(model, held, head, entries[WHOLE])
     elif held.versions.get(head["key"]) != head["base"]:
         verdict = STALE
+    elif XOR in entries:
+        verdict = _xor(model, held, head, entries[XOR])
     else:
         verdict = _delta(model, held, head, entries[POSITIONS], entries[VALUES])
     entries[VERDICT].fill_(_agreed(verdict))
@@ -187,6 +215,29 @@ def _delta(
             base = held.host[name]
             base.view(-1)[local] = vals
             reload.append((name, base))
+    if reload:
+        device = next(model.parameters()).device
+        model.load_weights([(name, t.to(device)) for name, t in reload])
+    held.versions[head["key"]] = head["version"]
+    return _checked(held, head)
+
+
+def _xor(model: torch.nn.Module, held: Held, head: dict[str, Any], packed: torch.Tensor) -> int:
+    sizes = [math.prod(shape) for shape in head["shapes"]]
+    kept = [held.own[name] if name in held.own else held.host[name] for name in head["names"]]
+    words = sum(len(words_of(t)) for t in kept)
+    try:
+        xor = xor_unpacked(packed, words)
+    except Exception:  # noqa: BLE001 - a bad blob is a disagreement, not a crash of the scheduler
+        return CHECKSUM
+    reload, at = [], 0
+    for name, t, n in zip(head["names"], kept, sizes, strict=True):
+        w = words_of(t)
+        part, at = xor[at : at + len(w)], at + len(w)
+        if n and bool(part.any()):
+            w ^= part.to(w.device)
+            if name not in held.own:
+                reload.append((name, t))
     if reload:
         device = next(model.parameters()).device
         model.load_weights([(name, t.to(device)) for name, t in reload])

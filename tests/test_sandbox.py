@@ -28,7 +28,7 @@ from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.recipe.schema import AgentConfig, ScoringConfig
 from gyre_hpc.sandbox import apptainer, bwrap
 from gyre_hpc.sandbox.confine import Sandbox, for_run
-from gyre_hpc.sandbox.policy import Policy, ProxyReach, System
+from gyre_hpc.sandbox.policy import Mount, Policy, ProxyReach, System, policy
 from gyre_hpc.scoring import RunArtifacts, ScoringRunners, load_scorer
 from gyre_hpc.tasks.task import Task
 
@@ -261,6 +261,26 @@ def test_the_apptainer_command_line_is_golden() -> None:
     ]  # fmt: skip
     with pytest.raises(GyreError, match="cannot hide a path under a bind"):
         apptainer.argv(POLICY, "/images/agent.sif", ["x"])
+
+
+HARBOR_POLICY = Policy(
+    workspace=Path("/scratch/score/work-1"),
+    uid=65534,
+    workdir=Path("/app"),
+    mounts=(
+        Mount(Path("/scratch/score/inputs/tests"), Path("/tests")),
+        Mount(Path("/scratch/score/logs"), Path("/logs/verifier"), writable=True),
+    ),
+)
+"""A Harbor task's verifier: its workspace at /app, its tests at /tests, its log directory."""
+
+
+def test_a_task_s_workdir_and_its_verifier_s_directories_are_golden() -> None:
+    tests = ["bash", "/tests/test.sh"]
+    golden("sandbox-bwrap-workdir.txt", bwrap.argv(HARBOR_POLICY, tests, SYSTEM, "py", True))
+    golden("sandbox-apptainer-workdir.txt", apptainer.argv(HARBOR_POLICY, "/images/task.sif", tests))
+    with pytest.raises(GyreError, match="outside usr, bin"):
+        policy(Path("/scratch/ws"), uid=1, workdir=Path("/usr/app"))
 
 
 # -- a command harness in the sandbox, through the real proxy ---------------------------------

@@ -101,7 +101,7 @@ def artifacts(ex: Execution, task: Task, task_dir: Path, sandbox: Sandbox = UNCO
     workspace = ex.workspace if not (ex.status == "crashed" and ex.calls == 0) else ex.workspace / "missing"
     # A stopped execution is scored on what it left, as one cut at its time limit is.
     status = "finished" if ex.status == "finished" else "timed_out" if ex.status in TIMED else "crashed"
-    return RunArtifacts(ex.run_id, workspace, status, task.for_scorer(task_dir), sandbox)
+    return RunArtifacts(ex.run_id, workspace, status, task.for_scorer(task_dir), sandbox.at(task.workdir))
 
 
 class Dispatcher:
@@ -145,7 +145,7 @@ class Dispatcher:
             workspace = self.workspaces / run_id
             if entry is None or entry.calls == 0:
                 await asyncio.to_thread(untrusted.remove, workspace)  # an abandoned attempt's files go
-                task.materialize(workspace)
+                await asyncio.to_thread(task.materialize, workspace)  # a repository's tree, maybe
                 failed = await setup(task, workspace)  # the task's own command: outside the sandbox
             else:
                 failed = None

@@ -175,27 +175,27 @@ class CommandHarness:
     ) -> Execution:
         ex = Execution(run_id, task.id, workspace)
         limit = task.timeout_s or self.config.timeout_s
-        argv = [a.format(**fields(task, workspace, run_id, limit)) for a in self.config.command]  # checked
+        box = self.sandbox.at(task.workdir)  # the workspace where the task says, when it does
+        seen = box.workdir or workspace
+        argv = [a.format(**fields(task, seen, run_id, limit)) for a in self.config.command]  # checked
         self.logs.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         async with contextlib.AsyncExitStack() as scope:
             if group is None:
-                group = scope.enter_context(self.sandbox.group(run_id))
+                group = scope.enter_context(box.group(run_id))
             cpu_s = int(limit) + 1
-            if self.sandbox.confined:
+            if box.confined:
                 url = urlsplit(self.endpoint.base_url)
                 port = url.port or 80
                 sock = await scope.enter_async_context(
-                    relay.outside(url.hostname or "", port, self.sandbox.owner_in(group))
+                    relay.outside(url.hostname or "", port, box.owner_in(group))
                 )
                 inside = replace(self.endpoint, base_url=f"http://127.0.0.1:{port}")
                 env = _inherited() | {"HOME": str(workspace)} | environment(inside, run_id, task, workspace)
-                launch = self.sandbox.launch(
-                    workspace, argv, env, ProxyReach(sock, port), group=group, cpu_s=cpu_s
-                )
+                launch = box.launch(workspace, argv, env, ProxyReach(sock, port), group=group, cpu_s=cpu_s)
             else:
                 env = {**os.environ, **environment(self.endpoint, run_id, task, workspace)}
-                launch = self.sandbox.launch(workspace, argv, env, group=group, cpu_s=cpu_s)
+                launch = box.launch(workspace, argv, env, group=group, cpu_s=cpu_s)
             ex = await self._run(ex, launch, limit, stop, group)
         return _finish(ex, self.endpoint, started)
 
@@ -307,7 +307,15 @@ class PythonHarness:
             for role in ROLES
         }
         ctx = AgentContext(
-            task, workspace, run_id, self.endpoint.model, clients["main"], clients, limit, self.sandbox, group
+            task,
+            workspace,
+            run_id,
+            self.endpoint.model,
+            clients["main"],
+            clients,
+            limit,
+            self.sandbox.at(task.workdir),
+            group,
         )
         started = time.monotonic()
         try:

@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 
 from gyre_hpc import __version__
-from gyre_hpc.cli import bench, model, proxy, recipe, run, sandbox, slurm, status, traj
+from gyre_hpc.cli import bench, model, proxy, recipe, run, sandbox, slurm, status, tasks, traj
 from gyre_hpc.cli import eval as eval_cli
 from gyre_hpc.errors import GyreError
 
@@ -37,6 +37,7 @@ app.add_typer(model.engine_app, name="engine")
 app.add_typer(proxy.app, name="proxy")
 app.add_typer(bench.app, name="bench")
 app.add_typer(sandbox.app, name="sandbox")
+app.add_typer(tasks.app, name="tasks")
 
 
 def _print_version(value: bool) -> None:

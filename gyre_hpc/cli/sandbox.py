@@ -60,13 +60,16 @@ def exec(  # noqa: A001 - the verb users type
     workspace = workspace.resolve()
     run = _enclosing_run(workspace)
     r = _recipe(recipe, run, set_ or [])
-    if task is not None:
-        _seed(workspace, _find(r, task))
+    found = _find(r, task) if task is not None else None
+    if found is not None:
+        _seed(workspace, found)
     if not workspace.is_dir():
         raise GyreError(f"--workspace {workspace} does not exist (give --task to seed a new one)")
     console = Console(stderr=True, highlight=False, soft_wrap=True)
     sandbox = _sandbox(r, run, console)
     sandbox.prepare(workspace)
+    if found is not None:
+        sandbox = sandbox.at(found.workdir)  # where the task's own commands see it (a Harbor task: /app)
     line = command[0] if len(command) == 1 else shlex.join(command)  # one argument: a shell line
     result = Workspace(workspace, sandbox, max_output_bytes=1 << 30).run(line, r.agent.command_timeout_s)
     typer.echo(result.output, nl=False)

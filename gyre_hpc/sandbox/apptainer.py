@@ -23,11 +23,13 @@ def argv(policy: Policy, image: str, command: list[str], python: str = "python3"
             f"agent.sandbox_binds would show {shown} inside apptainer, which cannot hide a path under a "
             "bind; bind directories that do not contain the run directory or the task suite"
         )
-    ws = str(policy.workspace)
+    ws, inside = str(policy.workspace), str(policy.inside)
     a = ["apptainer", "exec", "--containall", "--cleanenv", "--no-privs", "--net", "--network", "none"]
-    a += ["--home", ws, "--pwd", ws]
+    a += ["--home", f"{ws}:{inside}" if ws != inside else ws, "--pwd", inside]
     for p in policy.readonly:
         a += ["--bind", f"{p}:{p}:ro"]
+    for m in policy.mounts:
+        a += ["--bind", f"{m.host}:{m.inside}" + ("" if m.writable else ":ro")]
     if policy.proxy is not None:
         sock, relay = str(INSIDE / "proxy.sock"), str(INSIDE / "relay.py")
         a += ["--bind", f"{RELAY}:{relay}:ro", "--bind", f"{policy.proxy.socket}:{sock}"]

@@ -77,8 +77,11 @@ def argv(
         mount(h, False)
     for f in policy.hidden_files:
         a += ["--ro-bind", "/dev/null", str(f)]
-    ws = policy.workspace
-    a += [*parents(ws), "--bind", str(ws), str(ws), "--chdir", str(ws)]
+    for m in policy.mounts:
+        a += [*parents(m.inside), "--bind" if m.writable else "--ro-bind", str(m.host), str(m.inside)]
+        mount(m.inside, True)
+    ws, inside = str(policy.workspace), str(policy.inside)
+    a += [*parents(policy.inside), "--bind", ws, inside, "--chdir", inside]
     if policy.proxy is not None:
         sock, relay = str(INSIDE / "proxy.sock"), str(INSIDE / "relay.py")
         a += [*parents(INSIDE / "relay.py")]

@@ -30,7 +30,7 @@ from gyre_hpc.errors import GyreError
 from gyre_hpc.recipe.schema import AgentConfig
 from gyre_hpc.sandbox import apptainer, bwrap, seccomp, untrusted
 from gyre_hpc.sandbox.limits import Group, Groups, Limits, choose
-from gyre_hpc.sandbox.policy import ProxyReach, System, host_system, policy
+from gyre_hpc.sandbox.policy import Mount, ProxyReach, System, host_system, policy
 from gyre_hpc.tasks.task import private_paths
 
 KINDS = ("bwrap", "apptainer", "none")
@@ -90,6 +90,8 @@ class Sandbox:
         hidden: tuple[Path, ...] = (),
         system: System | None = None,
         groups: Groups | None = None,
+        workdir: Path | None = None,
+        mounts: tuple[Mount, ...] = (),
     ) -> None:
         if kind not in KINDS:
             raise GyreError(f"agent.sandbox = {kind!r}; valid: auto, {', '.join(KINDS)}")
@@ -99,6 +101,7 @@ class Sandbox:
         self.uid = uid if os.getuid() == 0 else os.getuid()
         self._system = system
         self.groups = groups if groups is not None else Groups("none", Limits())
+        self.workdir, self.mounts = workdir, mounts
         self._seccomp: Path | None = None
         self._paths: dict[str, str] = {}
         self._roots: tuple[tuple[str, ...], tuple[str, ...]] | None = None
@@ -158,9 +161,20 @@ class Sandbox:
         (``scoring.sandbox_binds``: only scorers are given those)."""
         binds = tuple(dict.fromkeys((*self.binds, *(p.resolve() for p in paths))))
         hidden = tuple(h for h in self.hidden if h not in binds)
-        box = Sandbox(
-            self.kind, uid=self.uid, image=self.image, binds=binds, hidden=hidden, groups=self.groups
-        )
+        return self._with(binds=binds, hidden=hidden)
+
+    def at(self, workdir: str | Path | None, mounts: tuple[Mount, ...] = ()) -> Sandbox:
+        """This sandbox with the workspace shown at ``workdir`` (a task's own working directory;
+        None or empty: its host path) and ``mounts`` added. Unconfined, nothing can be moved: the
+        same sandbox (``tasks.check`` says such a task needs one)."""
+        if not self.confined or (not workdir and not mounts):
+            return self
+        return self._with(workdir=Path(workdir) if workdir else self.workdir, mounts=(*self.mounts, *mounts))
+
+    def _with(self, **changes: object) -> Sandbox:
+        now = dict(uid=self.uid, image=self.image, binds=self.binds, hidden=self.hidden, groups=self.groups,
+                   workdir=self.workdir, mounts=self.mounts)  # fmt: skip
+        box = Sandbox(self.kind, **{**now, **changes})  # type: ignore[arg-type]
         box._system, box._seccomp = self._system, self._seccomp
         return box
 
@@ -226,7 +240,9 @@ class Sandbox:
             as_user = group.uid if group.uid is not None else None  # a uid of its own, or the runtime's
             return Launch([*head, *command], env, workspace, as_user)
         p = policy(workspace, uid=uid if uid is not None else self.uid, binds=self.binds, hidden=self.hidden,
-                   proxy=proxy)  # fmt: skip
+                   proxy=proxy, workdir=self.workdir, mounts=self.mounts)  # fmt: skip
+        # Variables naming the workspace name it as its processes see it.
+        env = {k: str(p.inside) if v == str(workspace) else v for k, v in env.items()}
         env = {**env, "TMPDIR": "/tmp"}  # its own, private
         if self.kind == "bwrap":
             env["PATH"] = self.path(env.get("PATH", ""))

@@ -1,8 +1,10 @@
 """What one execution's processes see: a frozen record the sandbox backends render.
 
 Paths are host paths and appear at the same path inside, so a workspace path in a tool's
-output means the same thing to the agent and to the runtime. Everything not named here is
-absent: a sandbox starts from an empty root, not from the host's.
+output means the same thing to the agent and to the runtime — except where a task names its own
+working directory (``workdir``: a Harbor task's ``/app``) and the directories its verifier is
+given (``mounts``: ``/tests``, ``/logs/verifier``). Everything not named here is absent: a
+sandbox starts from an empty root, not from the host's.
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ class ProxyReach:
 
 
 @dataclass(frozen=True)
+class Mount:
+    """A host directory shown at another path inside: read-only unless ``writable``."""
+
+    host: Path
+    inside: Path
+    writable: bool = False
+
+
+@dataclass(frozen=True)
 class Policy:
     workspace: Path
     """Working and home directory: the only host path the sandbox may write."""
@@ -45,6 +56,15 @@ class Policy:
     """The uid and gid inside (and outside, when the runtime is root: ``confine``)."""
     proxy: ProxyReach | None = None
     """None: no network at all (tool commands). Set: loopback only, relayed to the proxy."""
+    workdir: Path | None = None
+    """Where the workspace appears inside; None: at its host path."""
+    mounts: tuple[Mount, ...] = ()
+    """Directories shown at paths of their own (a verifier's tests and its log directory)."""
+
+    @property
+    def inside(self) -> Path:
+        """The workspace's path as the sandbox's processes see it."""
+        return self.workdir or self.workspace
 
 
 @dataclass(frozen=True)
@@ -85,8 +105,14 @@ def policy(
     binds: tuple[Path, ...] = (),
     hidden: tuple[Path, ...] = (),
     proxy: ProxyReach | None = None,
+    workdir: Path | None = None,
+    mounts: tuple[Mount, ...] = (),
 ) -> Policy:
-    """The policy for one workspace; one line naming the conflict if a bind would show a hidden path."""
+    """The policy for one workspace; one line naming the conflict if a bind would show a hidden path
+    or a path of its own (``workdir``, ``mounts``) is not an absolute path outside the system."""
+    for where in (workdir, *(m.inside for m in mounts)):
+        if where is not None and (not where.is_absolute() or _under_system(where) or where == Path("/")):
+            raise GyreError(f"{where}: a sandbox path must be absolute and outside {', '.join(SYSTEM)}")
     workspace = workspace.resolve()
     readonly = tuple(dict.fromkeys(p.resolve() for p in binds))
     hidden = tuple(p.resolve() for p in hidden)
@@ -102,4 +128,6 @@ def policy(
         tuple(h for h in shown if h.is_file()),
         uid,
         proxy,
+        workdir,
+        mounts,
     )

@@ -264,6 +264,39 @@ def own_tree(root: Path, owner: int) -> None:
             continue
 
 
+def place(root: Path, rel: str, data: bytes | None, owner: int | None = None) -> None:
+    """Make ``root/rel`` a regular file holding ``data`` (absent if None), whatever the tree held
+    there: a link or a file standing where a directory must be is removed, never followed. For a
+    tree nothing else writes meanwhile (a scorer's fresh copy, before its sandbox starts)."""
+    parts = [p for p in Path(rel).parts if p not in ("", ".")]
+    if not parts or Path(rel).is_absolute() or ".." in parts:
+        raise ValueError(f"{rel!r} is not a path inside the tree")
+    at = root
+    for part in parts[:-1]:
+        at = at / part
+        if os.path.islink(at) or (os.path.lexists(at) and not at.is_dir()):
+            _unlink(at)
+        if not os.path.lexists(at):
+            at.mkdir(mode=0o755)
+            _own(at, owner)
+    target = at / parts[-1]
+    if os.path.lexists(target):
+        _unlink(target)
+    if data is None:
+        return
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+    _own(target, owner)
+
+
+def _unlink(path: Path) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        remove(path)
+    else:
+        os.unlink(path)
+
+
 def remove(path: Path) -> None:
     """Remove ``path`` and everything under it, at any depth, never through a link."""
     if not os.path.lexists(path):

@@ -92,8 +92,11 @@ class ScoringRunner:
 
 def load_scorer(config: ScoringConfig) -> Scorer:
     """A built-in scorer by name, or ``package.module:Class`` (constructed with the config)."""
-    from gyre_hpc.scoring.builtin import BUILTIN
+    from gyre_hpc.scoring.builtin import BUILTIN as RULES
+    from gyre_hpc.scoring.harbor import HarborScorer
+    from gyre_hpc.scoring.swe import SweScorer
 
+    BUILTIN = {**RULES, "harbor": HarborScorer, "swe": SweScorer}  # the formats' own rules
     name = config.scorer
     if name in BUILTIN:
         return BUILTIN[name](config)

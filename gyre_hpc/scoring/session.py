@@ -33,6 +33,7 @@ from types import TracebackType
 
 from gyre_hpc.sandbox import supervise, untrusted
 from gyre_hpc.sandbox.limits import Group
+from gyre_hpc.sandbox.policy import Mount
 from gyre_hpc.scoring.contract import EvaluationError, RunArtifacts
 
 TESTBENCH = Path(__file__).with_name("testbench.py")
@@ -90,6 +91,7 @@ class Session:
         self.inputs.mkdir(mode=0o755)
         sandbox = self.artifacts.sandbox
         self.sandbox = sandbox.showing([self.inputs, TESTBENCH]) if sandbox.confined else sandbox
+        self.sandbox = self.sandbox.at(self.artifacts.task.get("workdir"))  # where the task's tests look
         self.group: Group = self.sandbox.groups.open(f"score-{self.artifacts.run_id}")
         return self
 
@@ -107,6 +109,10 @@ class Session:
             self.sandbox.owner_in(self.group),
         )  # fmt: skip
         return work
+
+    def place(self, *mounts: Mount) -> None:
+        """Show ``mounts`` (directories of this session's) to the runs after this."""
+        self.sandbox = self.sandbox.at(None, mounts)
 
     def input(self, rel: str, content: str) -> Path:
         """A read-only file the sandbox is shown (checks, an ini file, a canary test)."""

@@ -120,7 +120,7 @@ def run_checks(out: _Report, workspace: str, checks_path: str, timeout_s: float)
 
 
 def run_pytest(
-    out: _Report, workspace: str, tests: list[str], ini: str, canary: str, timeout_s: float
+    out: _Report, workspace: str, tests: list[str], ini: str, canary: str, timeout_s: float, rootdir: str = ""
 ) -> None:
     import pytest  # the scoring environment's, before the workspace is on the path
 
@@ -150,6 +150,8 @@ def run_pytest(
     sys.path.insert(0, workspace)
     os.chdir(workspace)
     args = ["-c", ini, "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors", "-W", "ignore"]
+    if rootdir:  # node ids are then the repository's own (a SWE instance's test lists)
+        args.append(f"--rootdir={rootdir}")
     code = pytest.main([*args, *tests], plugins=[Bench()])
     out.send(done=True, exit=int(code))
 
@@ -164,13 +166,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--ini")
     ap.add_argument("--canary", default="")
     ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--rootdir", default="")
     a = ap.parse_args(argv)
     out = _Report(a.report)
     os.set_inheritable(a.report, False)  # what the tested code starts does not get it
     if a.mode == "checks":
         run_checks(out, a.workspace, a.checks, a.timeout)
     else:
-        run_pytest(out, a.workspace, a.tests, a.ini, a.canary, a.timeout)
+        run_pytest(out, a.workspace, a.tests, a.ini, a.canary, a.timeout, a.rootdir)
     return 0
 
 

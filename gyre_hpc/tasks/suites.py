@@ -299,9 +299,15 @@ def load_suite(name: str, n: int, seed: int = 0, split: str = "train") -> list[T
     """``n`` tasks of a built-in suite (train or held-out split), or of a JSONL file (all if n ≤ 0)."""
     if name in SUITES:
         return SUITES[name](n, seed + (HELDOUT_OFFSET if split == "heldout" else 0))
+    if Path(name).is_dir():
+        from gyre_hpc.tasks.harbor import load_dir
+
+        tasks = load_dir(name)
+        return tasks if n <= 0 else tasks[:n]
     if name.endswith(".jsonl") or Path(name).exists():
         tasks = load_jsonl(name)
         return tasks if n <= 0 else tasks[:n]
     raise GyreError(
-        f"tasks.suite = {name!r} is neither a built-in suite ({', '.join(SUITES)}) nor a JSONL file"
+        f"tasks.suite = {name!r} is neither a built-in suite ({', '.join(SUITES)}), a JSONL file nor a "
+        "directory of Harbor tasks"
     )

@@ -14,7 +14,8 @@ One task per line::
      "milestones": [{"weight": 1, "file_exists": "out.txt"}, ...],    # for the milestones scorer
      "setup": "git init -q && pip install -q -e .",                   # run in the workspace first
      "verifier": "pytest -q tests && echo 1",                         # the verifier scorer's check
-     "timeout_s": 1800}
+     "timeout_s": 1800,
+     "workdir": "/app"}                       # where the workspace appears in the sandbox (optional)
 
 ``hidden_checks`` are what a reward the policy cannot forge needs: each call is evaluated in the
 scoring sandbox, and its value compared with ``expect`` (a Python literal) outside it, types
@@ -29,6 +30,11 @@ test files: ``examples/verifier-tasks.jsonl``.
 
 ``dir`` paths are relative to the JSONL file. Unknown keys are refused with the list of valid
 ones, so a misspelt key never silently drops a verifier.
+
+The formats users bring are read into the same record: a line with ``instance_id`` is a
+SWE-bench-style instance (``tasks.swe``), and a suite path that is a directory holds Harbor
+tasks (``tasks.harbor``). Their format-specific parts (``format``, ``harbor``, ``swe``) are
+not keys of this JSONL.
 """
 
 from __future__ import annotations
@@ -65,6 +71,15 @@ class Task:
     verifier: str = ""
     """A shell command run in a copy of the finished workspace (the ``verifier`` scorer), in the
     run's sandbox: a script of its own is there if its directory is in ``scoring.sandbox_binds``."""
+    workdir: str = ""
+    """Where the workspace appears inside the sandbox (an absolute path, e.g. ``/app``); empty: at
+    its host path. Needs a sandbox (bwrap or apptainer)."""
+    format: str = ""
+    """Where the task came from: empty (this JSONL), ``harbor`` or ``swe``."""
+    harbor: dict[str, Any] = field(default_factory=dict)
+    """A Harbor task's own parts (``tasks.harbor.HarborParts`` as a dict)."""
+    swe: dict[str, Any] = field(default_factory=dict)
+    """A SWE-bench-style instance's own parts (``tasks.swe.SweParts`` as a dict)."""
 
     @property
     def test_command(self) -> str | None:
@@ -72,6 +87,10 @@ class Task:
 
     def materialize(self, workspace: Path) -> None:
         """Lay out the workspace seed (and visible tests) for one execution."""
+        if self.swe:
+            from gyre_hpc.tasks import swe
+
+            swe.seed(self, workspace)
         workspace.mkdir(parents=True, exist_ok=True)
         for rel, content in self.seed.items():
             _write(workspace / rel, content)
@@ -86,7 +105,13 @@ class Task:
             "hidden_checks": self.hidden_checks,
             "hidden_test_count": self.hidden_test_count,
             "verifier": self.verifier,
+            "workdir": self.workdir,
+            "harbor": self.harbor,
         }
+        if self.swe:
+            from gyre_hpc.tasks import swe
+
+            out["swe"] = swe.for_scorer(self, task_dir)
         if self.hidden_tests:
             hidden = task_dir / self.id / "hidden"
             if not hidden.exists():
@@ -100,7 +125,15 @@ class Task:
         for key in ("seed", "hidden_tests", "visible_tests"):
             if getattr(self, key):
                 d[key] = {"files": getattr(self, key)}
-        for key in ("hidden_checks", "hidden_test_count", "milestones", "timeout_s", "setup", "verifier"):
+        for key in (
+            "hidden_checks",
+            "hidden_test_count",
+            "milestones",
+            "timeout_s",
+            "setup",
+            "verifier",
+            "workdir",
+        ):
             if getattr(self, key):
                 d[key] = getattr(self, key)
         return d
@@ -111,7 +144,7 @@ def _write(path: Path, content: str) -> None:
     path.write_text(content)
 
 
-_VALID = [f.name for f in fields(Task)]
+_VALID = [f.name for f in fields(Task) if f.name not in ("format", "harbor", "swe")]
 TASK_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,95}")
 MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
@@ -133,6 +166,8 @@ def task_from_json(d: Mapping[str, Any], base: Path, where: str) -> Task:
     for key in ("setup", "verifier"):
         if not isinstance(d.get(key, ""), str):
             raise GyreError(f"{where}: {key} must be a shell command (a string)")
+    if d.get("workdir"):
+        check_workdir(d["workdir"], f"{where}: workdir")
     if not TASK_ID.fullmatch(d["id"]):  # it names runs and workspaces: a name, not a path
         raise GyreError(f"{where}: id {d['id']!r} is not valid: letters, digits and ._- (at most 96)")
     values = dict(d)
@@ -142,6 +177,20 @@ def task_from_json(d: Mapping[str, Any], base: Path, where: str) -> Task:
         if key in values:
             values[key] = _files(values[key], base, f"{where}: {key}")
     return Task(**values)
+
+
+RESERVED = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "proc", "dev", "tmp", "run")
+"""Top-level directories a sandbox provides itself: no task's workdir lies under them."""
+
+
+def check_workdir(value: Any, where: str) -> str:
+    """A task's working directory inside the sandbox: an absolute, normal path outside the system."""
+    p = Path(value) if isinstance(value, str) else None
+    if p is None or not p.is_absolute() or ".." in p.parts or str(p) != value.rstrip("/") or len(p.parts) < 2:
+        raise GyreError(f"{where} = {value!r}: an absolute path such as /app")
+    if p.parts[1] in RESERVED:
+        raise GyreError(f"{where} = {value!r}: not under /{p.parts[1]}, which the sandbox provides itself")
+    return value
 
 
 def _checks(checks: Any, where: str) -> list[dict[str, str]]:
@@ -198,14 +247,25 @@ def load_jsonl(path: str | Path) -> list[Task]:
             d = json.loads(line)
         except json.JSONDecodeError as err:
             raise GyreError(f"{path}:{n}: not JSON ({err.msg})") from None
-        tasks.append(task_from_json(d, path.parent, f"{path}:{n}"))
+        if isinstance(d, dict) and "instance_id" in d:
+            from gyre_hpc.tasks import swe
+
+            tasks.append(swe.task_from_record(d, path.parent, f"{path}:{n}"))
+        elif isinstance(d, dict):
+            tasks.append(task_from_json(d, path.parent, f"{path}:{n}"))
+        else:
+            raise GyreError(f"{path}:{n}: a task is a JSON object, not {type(d).__name__}")
     return tasks
 
 
 def private_paths(suite: str) -> list[Path]:
-    """What of a JSONL suite no execution may see: the file itself and the directories its hidden
-    tests are read from. Nothing for a built-in suite's name."""
+    """What of a suite no execution may see: a JSONL file itself, the directories its hidden tests
+    are read from and the repositories its SWE instances are seeded from (their later commits
+    hold the fixes); a Harbor directory whole (its tests and solutions). Nothing for a built-in
+    suite's name."""
     path = Path(suite)
+    if path.is_dir():
+        return [path.resolve()]
     if not path.is_file():
         return []
     dirs = []
@@ -217,6 +277,9 @@ def private_paths(suite: str) -> list[Path]:
         spec = d.get("hidden_tests") if isinstance(d, dict) else None
         if isinstance(spec, dict) and isinstance(spec.get("dir"), str):
             dirs.append((path.parent / spec["dir"]).resolve())
+        repo = d.get("repo") if isinstance(d, dict) and "instance_id" in d else None
+        if isinstance(repo, str) and (path.parent / repo).exists():
+            dirs.append((path.parent / repo).resolve())
     return [path.resolve(), *dict.fromkeys(dirs)]
 
 

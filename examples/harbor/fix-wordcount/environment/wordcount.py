@@ -1,0 +1,3 @@
+def count_words(text):
+    """How many words ``text`` holds."""
+    return len(text.split(" "))

@@ -1,0 +1,3 @@
+from minicalc.ops import add, divide, mean
+
+__all__ = ["add", "divide", "mean"]

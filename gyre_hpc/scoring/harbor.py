@@ -1,0 +1,111 @@
+"""Harbor's scoring rule: ``tests/test.sh`` runs on a copy of the finished workspace and writes
+the reward to ``/logs/verifier/reward.txt`` (a number) or ``reward.json`` (``{"reward": x, …}``).
+
+```
+ scorer copy of the workspace ─▶ /app (the task's workdir), read-write
+ the task's tests/  ─▶ /tests, read-only          a fresh directory ─▶ /logs/verifier
+ bash /tests/test.sh ── in the run's sandbox, within the time limit ──▶ every process killed
+ the runtime reads logs/reward.json and reward.txt: regular files (no link, no FIFO), at most
+ 64 KiB, one finite number in [0, 1], the same in both if both are there; anything else: 0
+```
+
+The log directory exists only for this run of the tests, so nothing the agent left in its
+workspace, and nothing it started (its processes are gone before scoring), writes there first.
+What it cannot tell apart: the tests writing the reward and the tested code writing it while the
+tests run it — a task's ``test.sh`` should write its reward last, whatever the outcome (the
+tasks under ``examples/harbor`` do); a process of the tested code that outlives its test and
+races the last write is beyond this rule (and beyond Harbor's).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+from gyre_hpc.recipe.schema import ScoringConfig
+from gyre_hpc.sandbox import untrusted
+from gyre_hpc.sandbox.policy import Mount
+from gyre_hpc.scoring.builtin import VERIFIER_ENV
+from gyre_hpc.scoring.contract import EvaluationError, RunArtifacts, WorkspaceFault
+from gyre_hpc.scoring.session import Session, command
+
+TESTS, LOGS = "/tests", "/logs/verifier"
+REWARD_BYTES = 64 << 10
+
+
+class HarborScorer:
+    def __init__(self, config: ScoringConfig) -> None:
+        self.timeout_s = config.timeout_s
+
+    def score(self, artifacts: RunArtifacts) -> float:
+        parts = artifacts.task.get("harbor") or {}
+        if not parts.get("tests"):
+            raise EvaluationError("task is not a Harbor task (no tests directory)")
+        if not artifacts.sandbox.confined:
+            raise EvaluationError("a Harbor task's tests run at /tests and /app: it needs a sandbox (bwrap)")
+        with Session(artifacts) as session:
+            work = session.copy()
+            tests = session.inputs / "tests"
+            shutil.copytree(parts["tests"], tests, symlinks=False)
+            logs = session.dir / "logs"
+            logs.mkdir(mode=0o755)
+            owner = session.sandbox.owner_in(session.group)
+            if owner is not None:
+                os.chown(logs, owner, owner)
+            session.place(Mount(tests, Path(TESTS)), Mount(logs, Path(LOGS), writable=True))
+            env = {**VERIFIER_ENV, **parts.get("verifier_env", {})}
+            # The task's own limit, within the recipe's for any evaluation.
+            timeout = min(parts.get("verifier_timeout_s") or self.timeout_s, self.timeout_s)
+            b = session.ready(session.run(work, command(f"bash {TESTS}/test.sh"), timeout, **env))
+            if b.killed:
+                raise WorkspaceFault(f"the tests were {b.why()} on the workspace's code")
+            return reward(logs, b.why())
+
+
+def reward(logs: Path, ended: str) -> float:
+    """The reward the tests left in ``logs``: reward.json's ``reward`` (or its one number), else
+    reward.txt's number. Where both are there they must agree: a reward.json the tested code
+    wrote beside the tests' reward.txt does not outrank it."""
+    found = {name: _read(logs, name) for name in ("reward.json", "reward.txt")}
+    values = {name: x for name, x in found.items() if x is not None}
+    if not values:
+        raise WorkspaceFault(f"the tests wrote no reward ({ended})")
+    if len(set(values.values())) > 1:
+        raise WorkspaceFault(f"{LOGS}/reward.json and reward.txt disagree ({values['reward.json']!r} and "
+                             f"{values['reward.txt']!r})")  # fmt: skip
+    return next(iter(values.values()))
+
+
+def _read(logs: Path, name: str) -> float | None:
+    data = untrusted.read(logs, name, REWARD_BYTES + 1)
+    if data is None:
+        if os.path.lexists(logs / name):
+            raise WorkspaceFault(f"{LOGS}/{name} is not a regular file")
+        return None
+    if len(data) > REWARD_BYTES:
+        raise WorkspaceFault(f"{LOGS}/{name} is over {REWARD_BYTES} bytes")
+    text = data.decode(errors="replace").strip()
+    value: object = text
+    if name == "reward.json":
+        try:
+            obj = json.loads(text)
+        except (ValueError, RecursionError):
+            raise WorkspaceFault(f"{LOGS}/reward.json is not JSON") from None
+        numbers = {k: v for k, v in obj.items() if _number(v)} if isinstance(obj, dict) else {}
+        if not isinstance(obj, dict) or ("reward" not in obj and len(numbers) != 1):
+            raise WorkspaceFault(f'{LOGS}/reward.json must hold {{"reward": x}}')
+        value = obj["reward"] if "reward" in obj else next(iter(numbers.values()))
+    try:
+        x = float(value) if not isinstance(value, bool) else math.nan  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise WorkspaceFault(f"{LOGS}/{name} holds {text[:40]!r}, not a number") from None
+    if not (math.isfinite(x) and 0.0 <= x <= 1.0):
+        raise WorkspaceFault(f"{LOGS}/{name} holds {x!r}, not a reward in [0, 1]")
+    return x
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)

@@ -19,11 +19,14 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-CAPABILITIES = ("mpi", "slurm", "gpu", "rdma", "megatron", "sglang", "agents", "bwrap")
+CAPABILITIES = ("mpi", "slurm", "gpu", "rdma", "megatron", "sglang", "agents", "bwrap", "image")
 SGLANG_PYTHON = Path(os.environ.get("GYRE_SGLANG_PYTHON") or REPO / ".venv-sglang" / "bin" / "python")
 """The environment ``tools/setup.sh --sglang`` builds: SGLang and this package, side by side
 (GYRE_SGLANG_PYTHON: another Python with both, e.g. on a GPU machine)."""
 MINI_SWE_AGENT = REPO / ".venv-agents" / "bin" / "mini"
+IMAGES = Path(os.environ.get("GYRE_IMAGE_CACHE") or Path.home() / ".cache" / "gyre-hpc" / "images")
+TEST_IMAGE = IMAGES / "test-bookworm-tree"
+"""A Debian root filesystem holding ``tree``, which the host lacks (``tools/setup.sh --test``)."""
 """mini-swe-agent, in the environment ``tools/setup.sh --agents`` builds."""
 
 
@@ -61,6 +64,10 @@ def why_missing(capability: str) -> str | None:
         from gyre_hpc.sandbox.confine import Sandbox
 
         return Sandbox("bwrap").problem()
+    if capability == "image":
+        if not (TEST_IMAGE / "usr" / "bin" / "tree").exists():
+            return f"no test image at {TEST_IMAGE} (bash tools/setup.sh --test)"
+        return why_missing("bwrap")
     if capability == "gpu":
         return None if torch.cuda.is_available() else "no CUDA GPU"
     if capability == "rdma":

@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import REPO, gyre
+from conftest import REPO, TEST_IMAGE, gyre
 
 from gyre_hpc.agents import reference
 from gyre_hpc.agents.dispatch import Dispatcher, make_harness
@@ -227,15 +227,14 @@ def score(task: Task, workspace: Path, sandbox: Sandbox, tmp_path: Path, **confi
     task_dir = tmp_path / "task-dir"
     task_dir.mkdir(exist_ok=True)
     sandbox.prepare(workspace)
-    artifacts = RunArtifacts(
-        "r-1", workspace, "finished", task.for_scorer(task_dir), sandbox.at(task.workdir)
-    )
+    artifacts = RunArtifacts("r-1", workspace, "finished", task.for_scorer(task_dir), sandbox.for_task(task))
     return runners.get(task.scorer).score(artifacts)
 
 
 def attempt(task: Task, tmp_path: Path, sandbox: Sandbox, name: str, solve: bool = False) -> Path:
     ws = tmp_path / name
     task.materialize(ws)
+    sandbox.for_task(task).seed(ws)
     sandbox.prepare(ws)
     if solve:
         assert reference.apply(task, ws, sandbox, 60) is None
@@ -257,10 +256,10 @@ def test_a_harbor_task_s_commands_see_the_workspace_at_its_workdir(tmp_path: Pat
     task = {t.id: t for t in load_suite(str(HARBOR), 0)}["fix-wordcount"]
     sandbox = box(tmp_path, HARBOR)
     ws = attempt(task, tmp_path, sandbox, "ws")
-    out = Workspace(ws, sandbox.at(task.workdir)).run("pwd; echo $HOME; ls /app; touch /app/made", 30)
+    out = Workspace(ws, sandbox.for_task(task)).run("pwd; echo $HOME; ls /app; touch /app/made", 30)
     assert out.exit_code == 0 and out.output.split() == ["/app", "/app", "wordcount.py"], out.output
     assert (ws / "made").exists()
-    assert not Workspace(ws, sandbox.at(task.workdir)).run(f"ls {HARBOR}", 30).exit_code == 0  # hidden
+    assert not Workspace(ws, sandbox.for_task(task)).run(f"ls {HARBOR}", 30).exit_code == 0  # hidden
 
 
 WORDCOUNT_ATTACKS = {
@@ -427,3 +426,87 @@ def test_the_dispatcher_runs_each_format_s_tasks_where_they_say_and_scores_them_
     solved = ("finished", "scored", 1.0)
     assert got == {"hello-file": solved, "minicalc-1": solved}, outcomes
     assert (run / "ws" / "r-harbor" / "where.txt").read_text() == "/app\n"
+
+
+# --- a task in its own image ----------------------------------------------------------------------
+
+TREE_TEST = (
+    "#!/bin/bash\n# passes only where tree is installed: the task's image, not the host\n"
+    "if tree --version >/dev/null 2>&1; then r=1; else r=0; fi\necho $r > /logs/verifier/reward.txt\n"
+)
+
+
+@pytest.mark.image
+def test_a_task_whose_tests_need_a_tool_of_its_image_passes_only_in_its_image(tmp_path: Path) -> None:
+    assert shutil.which("tree") is None, "the host has tree: this test would show nothing"
+    with_image = harbor_task(tmp_path, f'[environment]\ndocker_image = "{TEST_IMAGE}"\n', name="in-image")
+    without = harbor_task(tmp_path, "", name="on-host")
+    for root in (with_image, without):
+        (root / "tests" / "test.sh").write_text(TREE_TEST)
+    sandbox = box(tmp_path, tmp_path)
+    rewards = {}
+    for root in (with_image, without):
+        task, _ = harbor.read_task(root)
+        ws = attempt(task, tmp_path, sandbox, f"ws-{task.id}")
+        rewards[task.id] = score(task, ws, sandbox, tmp_path).reward
+    assert rewards == {"in-image": 1.0, "on-host": 0.0}, rewards
+    # the agent's own commands run in the image too, with the workspace at the workdir
+    task, _ = harbor.read_task(with_image)
+    out = Workspace(tmp_path / "ws-in-image", sandbox.for_task(task)).run(
+        "cat /etc/debian_version; tree --version | cut -d' ' -f1-2; pwd; ls / | grep -c work || true", 30
+    )
+    assert out.exit_code == 0 and out.output.split()[1:4] == ["tree", "v2.1.0", "/app"], out.output
+    assert out.output.split()[4] == "0", out.output  # nothing of the host's /work: only the image
+
+
+def test_an_image_s_files_at_the_workdir_seed_the_workspace_and_a_tarball_unpacks_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rootfs = tmp_path / "rootfs"
+    (rootfs / "usr" / "bin").mkdir(parents=True)
+    (rootfs / "app" / "src").mkdir(parents=True)
+    (rootfs / "app" / "src" / "main.c").write_text("int main(void) { return 1; }\n")
+    (rootfs / "app" / "keep.txt").write_text("from the image\n")
+    tarball = tmp_path / "rootfs.tar.gz"
+    subprocess.run(["tar", "-czf", str(tarball), "-C", str(rootfs), "."], check=True)
+    monkeypatch.setenv("GYRE_IMAGE_CACHE", str(tmp_path / "cache"))
+    sandbox = Sandbox("bwrap")
+    task = Task(id="t", spec="s", workdir="/app", image=str(tarball))
+    boxed = sandbox.for_task(task)
+    root = boxed.rooted
+    assert (
+        root is not None and root.is_relative_to(tmp_path / "cache") and (root / "app" / "keep.txt").exists()
+    )
+    mtime = root.stat().st_mtime_ns
+    assert Sandbox("bwrap").for_task(task).rooted == root and root.stat().st_mtime_ns == mtime  # once
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "keep.txt").write_text("the task's own seed wins\n")
+    boxed.seed(ws)
+    assert (ws / "src" / "main.c").exists() and (ws / "keep.txt").read_text() == "the task's own seed wins\n"
+
+
+@pytest.mark.parametrize(
+    ("kind", "image", "expected"),
+    [
+        ("bwrap", "python:3.11-slim", "nothing is pulled here: export it to a tarball"),
+        ("bwrap", "docker://python:3.11-slim", "this one needs agent.sandbox = apptainer"),
+        ("none", "/srv/rootfs", "needs agent.sandbox = bwrap"),
+    ],
+)
+def test_an_image_a_sandbox_cannot_run_is_one_line_saying_what_would(
+    kind: str, image: str, expected: str
+) -> None:
+    with pytest.raises(GyreError) as err:
+        Sandbox(kind).for_task(Task(id="t", spec="s", image=image))
+    assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_under_apptainer_a_task_s_image_is_the_one_it_runs(tmp_path: Path) -> None:
+    task = Task(id="t", spec="s", workdir="/testbed", image="docker://swebench/sweb.eval.x86_64.calc:v1")
+    boxed = Sandbox("apptainer", image="/images/default.sif").for_task(task)
+    with boxed.group("t") as group:
+        launch = boxed.launch(tmp_path, ["bash", "-c", "ls"], {"PATH": "/usr/bin"}, group=group, cpu_s=5)
+    argv = launch.argv[launch.argv.index("apptainer") :]
+    assert argv[argv.index("--home") + 1] == f"{tmp_path.resolve()}:/testbed" and "--pwd" in argv
+    assert argv[-4:] == ["docker://swebench/sweb.eval.x86_64.calc:v1", "bash", "-c", "ls"], argv

@@ -5,7 +5,8 @@
 # runs in this environment.
 #
 #   bash tools/setup.sh           # what `gyre-hpc run` and `gyre-hpc submit` need
-#   bash tools/setup.sh --test    # also the test tools (pytest, hypothesis, ruff) and megatron-core
+#   bash tools/setup.sh --test    # also the test tools (pytest, hypothesis, ruff), megatron-core and
+#                                 # the tests' task image (a Debian root filesystem, built once)
 #   bash tools/setup.sh --sglang  # also .venv-sglang: SGLang 0.5.23 on this machine's CPU, and this
 #                                 # package beside it (what recipes with engine.backend = "sglang" run in)
 #   bash tools/setup.sh --agents  # also .venv-agents: third-party agent programs trained through the
@@ -25,6 +26,7 @@ done
 
 packages=(python3-venv python3-dev build-essential openmpi-bin libopenmpi-dev libpmix-dev
           munge slurmctld slurmd slurmdbd slurm-client mariadb-server bubblewrap)
+[ -z "$extras" ] || packages+=(mmdebstrap)
 missing=()
 for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ "${#missing[@]}" -gt 0 ]; then
@@ -47,6 +49,19 @@ pip_install "$venv" torch==2.13.0
 pip_install "$venv" -e ".$extras"
 "$venv/bin/python" -c "import gyre_hpc, mpi4py, torch, pytest" || { echo "setup: the install failed" >&2; exit 1; }
 echo "setup: ready ($("$venv/bin/gyre-hpc" --version), torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)'))"
+
+if [ -n "$extras" ]; then
+  # The tests' task image: Debian's essential packages and one tool the host lacks (tree), from
+  # Debian's archive, kept in the image cache across runs (tests/test_task_formats.py).
+  image="${GYRE_IMAGE_CACHE:-$HOME/.cache/gyre-hpc/images}/test-bookworm-tree"
+  if [ ! -x "$image/usr/bin/tree" ]; then
+    mkdir -p "$(dirname "$image")"; rm -rf "$image.tmp"
+    mmdebstrap --quiet --variant=essential --include=tree bookworm "$image.tmp" >"$venv/image.log" 2>&1 \
+      || { cat "$venv/image.log" >&2; echo "setup: building the test image failed" >&2; exit 1; }
+    rm -rf "$image" && mv "$image.tmp" "$image"
+  fi
+  echo "setup: test image ready ($image)"
+fi
 
 if [ -n "$sglang" ]; then
   # SGLang pins a CUDA torch and CUDA-only kernels: take its requirements without those

@@ -20,6 +20,7 @@ from typing import Any
 from gyre_hpc.agents.external import CommandHarness, Endpoint, PythonHarness
 from gyre_hpc.agents.harness import Execution, Harness
 from gyre_hpc.agents.journal import Journal
+from gyre_hpc.errors import GyreError
 from gyre_hpc.recipe.schema import AgentConfig
 from gyre_hpc.sandbox import supervise, untrusted
 from gyre_hpc.sandbox.confine import UNCONFINED, Sandbox
@@ -101,7 +102,11 @@ def artifacts(ex: Execution, task: Task, task_dir: Path, sandbox: Sandbox = UNCO
     workspace = ex.workspace if not (ex.status == "crashed" and ex.calls == 0) else ex.workspace / "missing"
     # A stopped execution is scored on what it left, as one cut at its time limit is.
     status = "finished" if ex.status == "finished" else "timed_out" if ex.status in TIMED else "crashed"
-    return RunArtifacts(ex.run_id, workspace, status, task.for_scorer(task_dir), sandbox.at(task.workdir))
+    try:
+        sandbox = sandbox.for_task(task)
+    except GyreError:
+        pass  # it never ran in it: scored on the placeholder, as a crash before any call is
+    return RunArtifacts(ex.run_id, workspace, status, task.for_scorer(task_dir), sandbox)
 
 
 class Dispatcher:
@@ -143,12 +148,16 @@ class Dispatcher:
         async with self.limit:
             self.on_event("started", run_id)
             workspace = self.workspaces / run_id
-            if entry is None or entry.calls == 0:
+            try:
+                box = await asyncio.to_thread(self.harness.sandbox.for_task, task)  # a tarball unpacks once
+                failed = None
+            except GyreError as err:  # an image this sandbox cannot run: this execution's failure
+                box, failed = self.harness.sandbox, str(err)
+            if failed is None and (entry is None or entry.calls == 0):
                 await asyncio.to_thread(untrusted.remove, workspace)  # an abandoned attempt's files go
                 await asyncio.to_thread(task.materialize, workspace)  # a repository's tree, maybe
+                await asyncio.to_thread(box.seed, workspace)  # what its image holds at its workdir
                 failed = await setup(task, workspace)  # the task's own command: outside the sandbox
-            else:
-                failed = None
             sandbox = self.harness.sandbox
             group = await asyncio.to_thread(sandbox.groups.open, run_id)  # its limits, all processes
             try:

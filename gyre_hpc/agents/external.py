@@ -175,7 +175,7 @@ class CommandHarness:
     ) -> Execution:
         ex = Execution(run_id, task.id, workspace)
         limit = task.timeout_s or self.config.timeout_s
-        box = self.sandbox.at(task.workdir)  # the workspace where the task says, when it does
+        box = self.sandbox.for_task(task)  # the workspace where the task says, when it does
         seen = box.workdir or workspace
         argv = [a.format(**fields(task, seen, run_id, limit)) for a in self.config.command]  # checked
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -314,7 +314,7 @@ class PythonHarness:
             clients["main"],
             clients,
             limit,
-            self.sandbox.at(task.workdir),
+            self.sandbox.for_task(task),
             group,
         )
         started = time.monotonic()

@@ -126,7 +126,7 @@ class Harness:
             await within(
                 self._main(
                     task,
-                    Workspace(workspace, self.sandbox.at(task.workdir), group=group),
+                    Workspace(workspace, self.sandbox.for_task(task), group=group),
                     ex,
                     clients,
                     log,

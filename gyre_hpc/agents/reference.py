@@ -32,13 +32,13 @@ def apply(task: Task, workspace: Path, sandbox: Sandbox, timeout_s: float) -> st
         if task.harbor.get("solution"):
             solution = shown / "solution"
             shutil.copytree(task.harbor["solution"], solution, symlinks=False)
-            box = sandbox.at(task.workdir, (Mount(solution, SOLUTION),))
+            box = sandbox.for_task(task).at(None, (Mount(solution, SOLUTION),))
             line = f"bash {SOLUTION}/solve.sh"
         elif task.swe.get("patch"):
             patch = shown / "reference.patch"
             patch.write_text(task.swe["patch"])
             patch.chmod(0o644)
-            box = sandbox.showing([shown]).at(task.workdir)
+            box = sandbox.showing([shown]).for_task(task)
             line = f"git apply --whitespace=nowarn {patch}"
         else:
             return "the task has no reference solution"

@@ -69,7 +69,7 @@ def exec(  # noqa: A001 - the verb users type
     sandbox = _sandbox(r, run, console)
     sandbox.prepare(workspace)
     if found is not None:
-        sandbox = sandbox.at(found.workdir)  # where the task's own commands see it (a Harbor task: /app)
+        sandbox = sandbox.for_task(found)  # where the task's own commands see it (a Harbor task: /app)
     line = command[0] if len(command) == 1 else shlex.join(command)  # one argument: a shell line
     result = Workspace(workspace, sandbox, max_output_bytes=1 << 30).run(line, r.agent.command_timeout_s)
     typer.echo(result.output, nl=False)

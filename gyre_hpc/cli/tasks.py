@@ -95,6 +95,7 @@ def _score(
 ) -> tuple[float | None, str]:
     """What ``task``'s scorer gives a fresh workspace, with its reference applied if ``solve``."""
     task.materialize(workspace)
+    sandbox.for_task(task).seed(workspace)
     if (failed := asyncio.run(setup(task, workspace))) is not None:
         return None, failed
     sandbox.prepare(workspace)
@@ -103,7 +104,7 @@ def _score(
     sandbox.prepare(workspace)
     with tempfile.TemporaryDirectory(prefix="gyre-verify-task-") as tasks:
         artifacts = RunArtifacts(f"verify-{task.id}", workspace, "finished", task.for_scorer(Path(tasks)),
-                                 sandbox.at(task.workdir))  # fmt: skip
+                                 sandbox.for_task(task))  # fmt: skip
         result = runners.get(task.scorer).score(artifacts)
     return result.reward, result.reason
 

@@ -64,7 +64,7 @@ def argv(
     a += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp"]
     mount(Path("/tmp"), False)
     for d in system.dirs:
-        a += [*parents(Path(d)), "--ro-bind", d, d]
+        a += [*parents(Path(d)), "--ro-bind", f"{system.root.rstrip('/')}{d}" if system.root else d, d]
         mount(Path(d), True)
     for link, target in system.links:
         a += ["--symlink", target, link]

@@ -17,6 +17,7 @@ bwrap, a seccomp filter (``seccomp``) refuses new user namespaces.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import subprocess
@@ -29,11 +30,15 @@ from pathlib import Path
 from gyre_hpc.errors import GyreError
 from gyre_hpc.recipe.schema import AgentConfig
 from gyre_hpc.sandbox import apptainer, bwrap, seccomp, untrusted
+from gyre_hpc.sandbox.image import Image
+from gyre_hpc.sandbox.image import resolve as resolve_image
 from gyre_hpc.sandbox.limits import Group, Groups, Limits, choose
-from gyre_hpc.sandbox.policy import Mount, ProxyReach, System, host_system, policy
-from gyre_hpc.tasks.task import private_paths
+from gyre_hpc.sandbox.policy import Mount, ProxyReach, System, host_system, image_system, policy
+from gyre_hpc.tasks.task import Task, private_paths
 
 KINDS = ("bwrap", "apptainer", "none")
+IMAGE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+"""``PATH`` in an image (the Debian default)."""
 FILE_SIZE_BYTES = 64 << 20
 """The largest file one process may write (``RLIMIT_FSIZE``)."""
 
@@ -163,19 +168,55 @@ class Sandbox:
         hidden = tuple(h for h in self.hidden if h not in binds)
         return self._with(binds=binds, hidden=hidden)
 
-    def at(self, workdir: str | Path | None, mounts: tuple[Mount, ...] = ()) -> Sandbox:
+    def for_task(self, task: Task) -> Sandbox:
+        """The sandbox ``task``'s commands run in: at its workdir, in its image."""
+        return self.at(task.workdir, image=task.image)
+
+    def at(self, workdir: str | Path | None, mounts: tuple[Mount, ...] = (), image: str = "") -> Sandbox:
         """This sandbox with the workspace shown at ``workdir`` (a task's own working directory;
-        None or empty: its host path) and ``mounts`` added. Unconfined, nothing can be moved: the
-        same sandbox (``tasks.check`` says such a task needs one)."""
-        if not self.confined or (not workdir and not mounts):
+        None or empty: its host path), ``mounts`` added, and ``image`` (``sandbox.image``) as the
+        system. Unconfined, nothing can be moved: the same sandbox, or for an image, one line."""
+        if image and not self.confined:
+            raise GyreError(f"image {image}: a task in an image of its own needs agent.sandbox = bwrap")
+        if not self.confined or (not workdir and not mounts and not image):
             return self
-        return self._with(workdir=Path(workdir) if workdir else self.workdir, mounts=(*self.mounts, *mounts))
+        changes: dict[str, object] = {}
+        if workdir:
+            changes["workdir"] = Path(workdir)
+        if mounts:
+            changes["mounts"] = (*self.mounts, *mounts)
+        if image:
+            found = _image(image)
+            if self.kind == "apptainer":
+                changes["image"] = found.ref  # a root filesystem directory runs there as well
+            elif found.kind != "rootfs":
+                raise GyreError(f"image {image}: bwrap runs a root filesystem (a directory or tarball); "
+                                "this one needs agent.sandbox = apptainer")  # fmt: skip
+            else:
+                changes["system"] = image_system(Path(found.ref))
+        return self._with(**changes)
+
+    @property
+    def rooted(self) -> Path | None:
+        """The image root filesystem bwrap runs commands in; None: the host's system."""
+        return Path(self.system.root) if self.kind == "bwrap" and self.system.root else None
+
+    def seed(self, workspace: Path) -> None:
+        """Copy what the image holds at the workdir into a fresh ``workspace`` (an image's own
+        project files: a Harbor task's /app), never over what is already there."""
+        root = self.rooted
+        if root is None or self.workdir is None:
+            return
+        src = root / self.workdir.relative_to("/")
+        if src.is_dir() and not src.is_symlink():
+            shutil.copytree(src, workspace, symlinks=True, dirs_exist_ok=True,
+                            copy_function=_copy_new)  # fmt: skip
 
     def _with(self, **changes: object) -> Sandbox:
         now = dict(uid=self.uid, image=self.image, binds=self.binds, hidden=self.hidden, groups=self.groups,
-                   workdir=self.workdir, mounts=self.mounts)  # fmt: skip
+                   workdir=self.workdir, mounts=self.mounts, system=self._system)  # fmt: skip
         box = Sandbox(self.kind, **{**now, **changes})  # type: ignore[arg-type]
-        box._system, box._seccomp = self._system, self._seccomp
+        box._seccomp = self._seccomp
         return box
 
     @property
@@ -194,7 +235,9 @@ class Sandbox:
 
     def path(self, host_path: str) -> str:
         """``PATH`` inside: the runtime's interpreter first (``python`` is the one with the runtime's
-        packages), then the host's entries the sandbox shows."""
+        packages), then the host's entries the sandbox shows; in an image, the image's own."""
+        if self.rooted is not None:
+            return IMAGE_PATH
         if host_path not in self._paths:
             entries = [str(Path(sys.executable).parent)]
             entries += [e for e in host_path.split(":") if e and self.shows(Path(e)) and e not in entries]
@@ -248,7 +291,8 @@ class Sandbox:
             env["PATH"] = self.path(env.get("PATH", ""))
             privileged = os.getuid() == 0  # then bwrap drops to the uid itself, after mounting
             fd = bwrap.SECCOMP_FD if self.seccomp is not None else None
-            inner = bwrap.argv(p, command, self.system, sys.executable, privileged, fd)
+            python = sys.executable if self.rooted is None else "python3"  # the relay's: the image's own
+            inner = bwrap.argv(p, command, self.system, python, privileged, fd)
             return Launch([*head, *inner], env, workspace)
         host = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL")}
         inner_env = {f"APPTAINERENV_{k}": v for k, v in env.items() if k not in ("HOME", "PATH")}
@@ -279,6 +323,16 @@ class Sandbox:
             last = proc.stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
             return f"{tool} failed: {last[0]}"
         return None
+
+
+def _copy_new(src: str, dst: str) -> None:
+    if not os.path.lexists(dst):
+        shutil.copy2(src, dst)
+
+
+@functools.cache
+def _image(ref: str) -> Image:
+    return resolve_image(ref)
 
 
 UNCONFINED = Sandbox("none")

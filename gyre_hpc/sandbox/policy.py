@@ -75,9 +75,24 @@ class System:
     dirs: tuple[str, ...]
     links: tuple[tuple[str, str], ...] = ()
     """(path, target): ``/bin`` → ``usr/bin`` on a merged-/usr system."""
+    root: str = ""
+    """An image's root filesystem the directories are bound from (``/usr`` from ``root/usr``);
+    empty: the host's own."""
+
+
+def image_system(root: Path) -> System:
+    """A root filesystem directory as the system: its directories and links, nothing of the host
+    (the runtime's Python neither: commands run the image's own)."""
+    dirs, links = _system_of(root)
+    return System(tuple(dirs), tuple(links), str(root))
 
 
 def host_system(root: Path = Path("/")) -> System:
+    dirs, links = _system_of(root)
+    return System((*dirs, *map(str, python_paths())), tuple(links))
+
+
+def _system_of(root: Path) -> tuple[list[str], list[tuple[str, str]]]:
     dirs, links = [], []
     for name in SYSTEM:
         p = root / name
@@ -85,7 +100,7 @@ def host_system(root: Path = Path("/")) -> System:
             links.append((f"/{name}", str(p.readlink())))
         elif p.is_dir():
             dirs.append(f"/{name}")
-    return System((*dirs, *map(str, python_paths())), tuple(links))
+    return dirs, links
 
 
 def python_paths() -> tuple[Path, ...]:

@@ -91,7 +91,8 @@ class Session:
         self.inputs.mkdir(mode=0o755)
         sandbox = self.artifacts.sandbox
         self.sandbox = sandbox.showing([self.inputs, TESTBENCH]) if sandbox.confined else sandbox
-        self.sandbox = self.sandbox.at(self.artifacts.task.get("workdir"))  # where the task's tests look
+        task = self.artifacts.task  # where the task's tests look, in its image
+        self.sandbox = self.sandbox.at(task.get("workdir"), image=task.get("image") or "")
         self.group: Group = self.sandbox.groups.open(f"score-{self.artifacts.run_id}")
         return self
 
@@ -128,6 +129,8 @@ class Session:
         env = {**base, "HOME": str(work), "PYTHONDONTWRITEBYTECODE": "1", **env}
         read, write = supervise.report_pipe()
         argv = [a.replace(REPORT, str(write)) for a in argv]
+        if self.sandbox.rooted is not None and argv[0] == sys.executable:
+            argv[0] = "python3"  # the bench runs on the image's Python, beside the tested code's packages
         try:
             launch = self.sandbox.launch(work, argv, env, group=self.group, cpu_s=int(timeout_s) + 1)
             limits = self.sandbox.limits

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre_hpc.errors import GyreError
-from gyre_hpc.tasks.task import TASK_ID, Task, check_workdir
+from gyre_hpc.tasks.task import TASK_ID, Task, check_workdir, image_path
 
 WORKDIR = "/app"
 """Where a Harbor task's workspace appears when its Dockerfile names no WORKDIR."""
@@ -69,7 +69,7 @@ class HarborParts:
     """Its ``solution/`` (host path), if any: ``solve.sh`` there is the reference solution."""
     verifier_timeout_s: float | None = None
     image: str = ""
-    """``[environment] docker_image``: the prebuilt image (recorded; run where images run)."""
+    """``[environment] docker_image``: the prebuilt image (also the task's ``image``)."""
     cpus: float | None = None
     memory_mb: int | None = None
     storage_mb: int | None = None
@@ -109,7 +109,7 @@ def read_task(root: Path) -> tuple[Task, list[str]]:
     agent, verifier, env = (config.get(k, {}) for k in ("agent", "verifier", "environment"))
     notes: list[str] = []
     workdir, seed = _dockerfile(root / "environment", notes)
-    image = _str(env, "docker_image", where, "environment")
+    image = image_path(_str(env, "docker_image", where, "environment"), root)
     if notes and image:
         notes = [f"{n} (run here without the image {image!r}, which has them)" for n in notes]
     if not image:
@@ -133,7 +133,7 @@ def read_task(root: Path) -> tuple[Task, list[str]]:
     )
     task = Task(
         id=root.name, spec=spec, scorer="harbor", seed=seed, timeout_s=_seconds(agent, where, "agent"),
-        workdir=workdir, format="harbor", harbor=asdict(parts),
+        workdir=workdir, image=image, format="harbor", harbor=asdict(parts),
     )  # fmt: skip
     return task, notes
 

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre_hpc.errors import GyreError
-from gyre_hpc.tasks.task import TASK_ID, Task
+from gyre_hpc.tasks.task import TASK_ID, Task, image_path
 
 KEYS = ("instance_id", "repo", "base_commit", "problem_statement", "test_patch", "FAIL_TO_PASS",
         "PASS_TO_PASS", "patch", "image")  # fmt: skip
@@ -87,8 +87,10 @@ def task_from_record(d: Mapping[str, Any], base: Path, where: str) -> Task:
     f2p, p2p = (_ids(d.get(k, []), f"{where}: {k}") for k in ("FAIL_TO_PASS", "PASS_TO_PASS"))
     if not f2p:
         raise GyreError(f"{where}: FAIL_TO_PASS is empty (the tests the fix must make pass)")
-    parts = SweParts(str(repo), commit, d["test_patch"], f2p, p2p, d.get("patch", ""), d.get("image", ""))
-    return Task(id=iid, spec=d["problem_statement"], scorer="swe", format="swe", swe=asdict(parts))
+    image = image_path(d.get("image", ""), base)
+    parts = SweParts(str(repo), commit, d["test_patch"], f2p, p2p, d.get("patch", ""), image)
+    spec = d["problem_statement"]
+    return Task(id=iid, spec=spec, scorer="swe", image=image, format="swe", swe=asdict(parts))
 
 
 def _ids(value: Any, where: str) -> list[str]:

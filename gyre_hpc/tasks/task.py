@@ -15,7 +15,8 @@ One task per line::
      "setup": "git init -q && pip install -q -e .",                   # run in the workspace first
      "verifier": "pytest -q tests && echo 1",                         # the verifier scorer's check
      "timeout_s": 1800,
-     "workdir": "/app"}                       # where the workspace appears in the sandbox (optional)
+     "workdir": "/app",                       # where the workspace appears in the sandbox (optional)
+     "image": "images/calc-rootfs.tar"}       # the task's own system (optional; sandbox.image)
 
 ``hidden_checks`` are what a reward the policy cannot forge needs: each call is evaluated in the
 scoring sandbox, and its value compared with ``expect`` (a Python literal) outside it, types
@@ -74,6 +75,9 @@ class Task:
     workdir: str = ""
     """Where the workspace appears inside the sandbox (an absolute path, e.g. ``/app``); empty: at
     its host path. Needs a sandbox (bwrap or apptainer)."""
+    image: str = ""
+    """The task's image (``sandbox.image``): a root filesystem directory or tarball, or an
+    Apptainer reference; empty: the sandbox's own system."""
     format: str = ""
     """Where the task came from: empty (this JSONL), ``harbor`` or ``swe``."""
     harbor: dict[str, Any] = field(default_factory=dict)
@@ -106,6 +110,7 @@ class Task:
             "hidden_test_count": self.hidden_test_count,
             "verifier": self.verifier,
             "workdir": self.workdir,
+            "image": self.image,
             "harbor": self.harbor,
         }
         if self.swe:
@@ -168,9 +173,13 @@ def task_from_json(d: Mapping[str, Any], base: Path, where: str) -> Task:
             raise GyreError(f"{where}: {key} must be a shell command (a string)")
     if d.get("workdir"):
         check_workdir(d["workdir"], f"{where}: workdir")
+    if not isinstance(d.get("image", ""), str):
+        raise GyreError(f"{where}: image must be a string (a root filesystem path, a tarball, docker://…)")
     if not TASK_ID.fullmatch(d["id"]):  # it names runs and workspaces: a name, not a path
         raise GyreError(f"{where}: id {d['id']!r} is not valid: letters, digits and ._- (at most 96)")
     values = dict(d)
+    if values.get("image"):
+        values["image"] = image_path(values["image"], base)
     if "hidden_checks" in values:
         values["hidden_checks"] = _checks(values["hidden_checks"], f"{where}: hidden_checks")
     for key in ("seed", "hidden_tests", "visible_tests"):
@@ -181,6 +190,14 @@ def task_from_json(d: Mapping[str, Any], base: Path, where: str) -> Task:
 
 RESERVED = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "proc", "dev", "tmp", "run")
 """Top-level directories a sandbox provides itself: no task's workdir lies under them."""
+
+
+def image_path(ref: str, base: Path) -> str:
+    """An image reference with a relative path made absolute (relative to the task's file)."""
+    if not ref or "://" in ref or ref.startswith("/"):
+        return ref
+    local = base / ref
+    return str(local.resolve()) if local.exists() else ref
 
 
 def check_workdir(value: Any, where: str) -> str:

@@ -20,8 +20,9 @@ from gyre_hpc.recipe.schema import AgentConfig, ScoringConfig
 from gyre_hpc.sandbox.confine import FILE_SIZE_BYTES, Sandbox
 from gyre_hpc.sandbox.limits import Groups, Limits
 from gyre_hpc.scoring import ScoringRunner, load_scorer
+from gyre_hpc.tasks.jsonl import load_jsonl, write_jsonl
 from gyre_hpc.tasks.suites import load_suite, repo_mini
-from gyre_hpc.tasks.task import Task, load_jsonl, write_jsonl
+from gyre_hpc.tasks.task import Task
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,9 @@ from gyre_hpc.recipe import load_recipe
 from gyre_hpc.recipe.schema import AgentConfig, ScoringConfig
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.scoring import ScoringRunners
+from gyre_hpc.tasks.jsonl import write_jsonl
 from gyre_hpc.tasks.suites import repo_mini
-from gyre_hpc.tasks.task import Task, write_jsonl
+from gyre_hpc.tasks.task import Task
 from gyre_hpc.trajectory.codec import by_run, read_records
 from gyre_hpc.trajectory.records import TitoRecord
 from gyre_hpc.trajectory.tree import TrajectoryTree
@@ -202,7 +203,7 @@ def test_gyre_run_trains_a_black_box_program_in_elastic_mode(tmp_path: Path) -> 
 def test_a_suite_for_black_box_harnesses_sets_up_and_verifies_in_the_workspace(
     tiny: Path, tmp_path: Path
 ) -> None:
-    from gyre_hpc.tasks.task import load_jsonl
+    from gyre_hpc.tasks.jsonl import load_jsonl
 
     greet, count = load_jsonl(EXAMPLES / "verifier-tasks.jsonl")
     assert (greet.scorer, greet.spec) == ("verifier", "Write a script hello.sh that prints hello.")

@@ -256,3 +256,40 @@ def test_the_seccomp_filter_is_golden(machine: str) -> None:
     lines = [program[i : i + 8].hex(" ") for i in range(0, len(program), 8)]
     text = "\n".join(lines) + "\n"
     assert_golden(f"seccomp-{machine}.txt", text)
+
+
+def test_a_harbor_task_s_own_memory_and_storage_bound_its_execution(tmp_path: Path) -> None:
+    """``[environment] memory`` and ``storage`` of a Harbor task replace the recipe's limits for
+    its execution alone: 768 MiB fits the recipe's 2 GiB, not the task's 512 MiB."""
+    from gyre_hpc.sandbox.confine import task_limits
+    from gyre_hpc.tasks import harbor
+
+    needs_cgroups()
+    root = tmp_path / "tasks" / "small"
+    (root / "tests").mkdir(parents=True)
+    (root / "instruction.md").write_text("Do it.\n")
+    (root / "task.toml").write_text('[environment]\nmemory = "512M"\nstorage_mb = 1\ncpus = 1\n')
+    (root / "tests" / "test.sh").write_text("echo 1 > /logs/verifier/reward.txt\n")
+    task, _ = harbor.read_task(root)
+    recipe = Limits(memory_bytes=2048 * MiB)
+    assert task_limits(recipe, task) == Limits(memory_bytes=512 * MiB, cpus=1.0, workspace_bytes=1 * MiB)
+    sandbox = box(recipe)
+    grab = "python3 -c 'b = b\"x\" * (768 << 20); print(len(b) >> 20)'"
+    for shown, limits, fits in ((sandbox, 2048 * MiB, True), (sandbox.for_task(task), 512 * MiB, False)):
+        ws_dir = tmp_path / f"ws-{limits}"
+        ws_dir.mkdir()
+        tmp_path.chmod(0o755)
+        group = shown.groups.open(ws_dir.name)
+        try:
+            assert group.limits.memory_bytes == limits
+            shown.prepare(ws_dir, group)
+            out = shell(Workspace(ws_dir, shown, group=group), grab, timeout_s=60)
+            ok = out.startswith("exit code 0\n768")
+            assert ok == fits, out[:300]
+            if not fits:
+                assert "MemoryError" in out or group.events()["memory"] >= 1, out[:300]  # rlimit/cgroup
+                # and the workspace holds no more than the task's storage
+                over = shell(Workspace(ws_dir, shown, group=group), "head -c 3000000 /dev/zero > big")
+                assert "over its quota: 3 MiB (at most 1 MiB)" in over, over[:300]
+        finally:
+            group.close()

@@ -203,8 +203,8 @@ def test_cli_errors_are_one_line_and_exit_2(tmp_path: Path) -> None:
         ), args
     proc = gyre("eval", "recipes/smoke.toml", "--suite", str(tmp_path), "--n", "1")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        f"error: {tmp_path}: a directory, not a task suite (a JSONL file, one task per line)"
-    ]
+        f"error: {tmp_path}: no task.toml in it or in its subdirectories (not a Harbor task or dataset)"
+    ]  # a directory suite is read as Harbor tasks
 
 
 def test_cli_check_and_show() -> None:

@@ -109,7 +109,7 @@ def test_scorers_by_name_or_dotted_path() -> None:
         "HiddenTestsScorer"
     )
     with pytest.raises(
-        RecipeError, match="neither a built-in \\(hidden-tests, milestones, verifier, coin\\)"
+        RecipeError, match="neither a built-in \\(hidden-tests, milestones, verifier, coin, harbor, swe\\)"
     ):
         load_scorer(ScoringConfig(scorer="exact-match"))
 

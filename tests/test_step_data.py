@@ -11,7 +11,8 @@ from gyre_hpc.agents.harness import Execution
 from gyre_hpc.recipe.schema import TasksConfig, TrajectoryConfig
 from gyre_hpc.scoring.runner import ScoreResult
 from gyre_hpc.step_data import step_batch, step_jobs, step_tasks
-from gyre_hpc.tasks.task import Task, write_jsonl
+from gyre_hpc.tasks.jsonl import write_jsonl
+from gyre_hpc.tasks.task import Task
 from gyre_hpc.trajectory.records import TitoRecord
 from gyre_hpc.trajectory.tree import TrajectoryTree
 

@@ -29,9 +29,9 @@ from gyre_hpc.sandbox.confine import Sandbox, for_run
 from gyre_hpc.scoring import RunArtifacts, ScoreResult, ScoringRunners
 from gyre_hpc.scoring.contract import WorkspaceFault
 from gyre_hpc.scoring.harbor import reward
-from gyre_hpc.tasks import harbor, swe
-from gyre_hpc.tasks.suites import load_suite
-from gyre_hpc.tasks.task import Task, private_paths
+from gyre_hpc.tasks import harbor, swe, swe_repo
+from gyre_hpc.tasks.suites import load_suite, private_paths
+from gyre_hpc.tasks.task import Task
 
 HARBOR = REPO / "examples" / "harbor"
 SWE = REPO / "examples" / "swe" / "instances.jsonl"
@@ -131,7 +131,7 @@ def test_a_swe_instance_reads_with_its_lists_given_as_json_strings_or_lists() ->
     ]  # fmt: skip
     again = swe.task_from_record(swe_record(PASS_TO_PASS=["tests/test_ops.py::test_add"]), SWE.parent, "x")
     assert again.swe["pass_to_pass"] == ["tests/test_ops.py::test_add"]
-    assert swe.touched(task.swe["test_patch"]) == ["tests/test_ops.py"]
+    assert swe_repo.touched(task.swe["test_patch"]) == ["tests/test_ops.py"]
 
 
 @pytest.mark.parametrize(

@@ -33,8 +33,9 @@ from rich.table import Table
 from gyre_hpc.recipe.schema import AgentConfig, ScoringConfig
 from gyre_hpc.sandbox.confine import Sandbox
 from gyre_hpc.scoring import RunArtifacts, ScoringRunners
+from gyre_hpc.tasks.jsonl import load_jsonl
 from gyre_hpc.tasks.suites import FUNCTIONS, load_suite
-from gyre_hpc.tasks.task import Task, load_jsonl
+from gyre_hpc.tasks.task import Task
 
 REPO = Path(__file__).resolve().parents[1]
 SOLUTIONS = {

@@ -8,4 +8,4 @@ bash tools/local_slurm.sh start
 # Here the mpi, slurm, megatron, SGLang, agent-program, sandbox and task-image tests must run: a
 # missing launcher or package is an error, not a skip.
 export GYRE_REQUIRE="${GYRE_REQUIRE-mpi,slurm,megatron,sglang,agents,bwrap,image}"
-exec .venv/bin/python -m pytest "$@"
+exec .venv/bin/python -m pytest --durations=25 "$@"

@@ -158,10 +158,10 @@ class Dispatcher:
                 await asyncio.to_thread(task.materialize, workspace)  # a repository's tree, maybe
                 await asyncio.to_thread(box.seed, workspace)  # what its image holds at its workdir
                 failed = await setup(task, workspace)  # the task's own command: outside the sandbox
-            sandbox = self.harness.sandbox
-            group = await asyncio.to_thread(sandbox.groups.open, run_id)  # its limits, all processes
+            # Its limits (the task's own where it names them), for all its processes.
+            group = await asyncio.to_thread(box.groups.open, run_id)
             try:
-                await asyncio.to_thread(sandbox.prepare, workspace, group)
+                await asyncio.to_thread(self.harness.sandbox.prepare, workspace, group)
                 if failed is not None:
                     ex = Execution(run_id, task.id, workspace, status="crashed", error=failed)
                 else:

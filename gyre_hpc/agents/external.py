@@ -204,7 +204,7 @@ class CommandHarness:
     ) -> Execution:
         """The program to its end in a thread (``supervise``: the time limit, the quota, its output
         to the log, cut); a stop from the controller, or the run ending, kills its group."""
-        run_id, limits = ex.run_id, self.sandbox.limits
+        run_id, limits = ex.run_id, group.limits  # the task's own where it names them
         quota = supervise.Quota(ex.workspace, limits.workspace_entries, limits.workspace_bytes)
         halt = threading.Event()
         with (self.logs / f"{run_id}.log").open("ab", buffering=0) as log:  # live, for `tail -f`

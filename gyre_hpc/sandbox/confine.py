@@ -17,6 +17,7 @@ bwrap, a seccomp filter (``seccomp``) refuses new user namespaces.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import shutil
@@ -34,7 +35,8 @@ from gyre_hpc.sandbox.image import Image
 from gyre_hpc.sandbox.image import resolve as resolve_image
 from gyre_hpc.sandbox.limits import Group, Groups, Limits, choose
 from gyre_hpc.sandbox.policy import Mount, ProxyReach, System, host_system, image_system, policy
-from gyre_hpc.tasks.task import Task, private_paths
+from gyre_hpc.tasks.suites import private_paths
+from gyre_hpc.tasks.task import Task
 
 KINDS = ("bwrap", "apptainer", "none")
 IMAGE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -169,8 +171,11 @@ class Sandbox:
         return self._with(binds=binds, hidden=hidden)
 
     def for_task(self, task: Task) -> Sandbox:
-        """The sandbox ``task``'s commands run in: at its workdir, in its image."""
-        return self.at(task.workdir, image=task.image)
+        """The sandbox ``task``'s commands run in: at its workdir, in its image, within the
+        limits it names for itself (``task_limits``)."""
+        box = self.at(task.workdir, image=task.image)
+        limits = task_limits(box.limits, task)
+        return box if limits == box.limits else box._with(groups=box.groups.limited(limits))
 
     def at(self, workdir: str | Path | None, mounts: tuple[Mount, ...] = (), image: str = "") -> Sandbox:
         """This sandbox with the workspace shown at ``workdir`` (a task's own working directory;
@@ -323,6 +328,18 @@ class Sandbox:
             last = proc.stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
             return f"{tool} failed: {last[0]}"
         return None
+
+
+def task_limits(limits: Limits, task: Task) -> Limits:
+    """``limits`` (``agent.*``) with what ``task`` names for itself instead: a Harbor task's
+    ``[environment]`` cpus, memory (the group's memory) and storage (its workspace's bytes). The
+    task file is the user's, not the policy's, so its values replace the recipe's either way."""
+    own = {
+        "cpus": task.harbor.get("cpus"),
+        "memory_bytes": (task.harbor.get("memory_mb") or 0) << 20,
+        "workspace_bytes": (task.harbor.get("storage_mb") or 0) << 20,
+    }
+    return dataclasses.replace(limits, **{k: v for k, v in own.items() if v})
 
 
 def _copy_new(src: str, dst: str) -> None:

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
+import itertools
 import os
 import signal
 import threading
@@ -187,7 +189,12 @@ class Groups:
     """Per hierarchy, the directory (``gyre-<pid>``) this runtime's groups are made in."""
     _slots: set[int] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _made: int = 0
+    _made: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+
+    def limited(self, limits: Limits) -> Groups:
+        """The same groups with other limits (a task that names its own): one directory, one
+        counter of names and one set of uid slots with this one, so their groups never collide."""
+        return dataclasses.replace(self, limits=limits)
 
     @contextlib.contextmanager
     def group(self, name: str) -> Iterator[Group]:
@@ -207,8 +214,7 @@ class Groups:
         if self.kind == "none":
             return Group(name, self.limits)
         with self._lock:
-            self._made += 1
-            leaf = f"{_safe(name)}-{self._made}"
+            leaf = f"{_safe(name)}-{next(self._made)}"
         dirs = []
         for root in self.roots:
             d = root / leaf

@@ -8,7 +8,7 @@
  any PASS_TO_PASS not passed ─▶ 0 (a regression); else passed FAIL_TO_PASS / FAIL_TO_PASS
 ```
 
-The restored files come from the task (``tasks.swe.for_scorer``), written into the fresh copy
+The restored files come from the task (``tasks.swe_repo.for_scorer``), written into the fresh copy
 before anything of the workspace runs, never through a link it holds. An attempt that changes
 nothing scores 0: its FAIL_TO_PASS tests fail.
 """

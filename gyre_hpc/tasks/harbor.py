@@ -13,12 +13,13 @@
 
 A suite path that is a task directory is one task; a directory of task directories is a
 dataset (each subdirectory with a ``task.toml``). The whole directory is hidden from executions
-(``task.private_paths``): the agent sees its instruction and its workspace, never the tests.
+(``suites.private_paths``): the agent sees its instruction and its workspace, never the tests.
 
 What it does not know: how to build an image. A Dockerfile's RUN lines, and files it copies
 anywhere but the workdir, need the prebuilt image (``[environment] docker_image``); without
 one the task runs on the sandbox's own system, and ``notes`` says so (``gyre-hpc tasks check``).
-Scoring is ``scoring.harbor``.
+Scoring is ``scoring.harbor``; the sandbox applies cpus, memory and storage
+(``sandbox.confine.task_limits``).
 """
 
 from __future__ import annotations

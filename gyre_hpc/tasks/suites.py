@@ -15,12 +15,14 @@ training tasks.
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
 from pathlib import Path
 
 from gyre_hpc.errors import GyreError
-from gyre_hpc.tasks.task import Task, load_jsonl
+from gyre_hpc.tasks.jsonl import load_jsonl
+from gyre_hpc.tasks.task import Task
 
 # name, parameters, what it does, hidden checks: (call, expected value as a Python literal); the
 # first one is also the visible test
@@ -311,3 +313,28 @@ def load_suite(name: str, n: int, seed: int = 0, split: str = "train") -> list[T
         f"tasks.suite = {name!r} is neither a built-in suite ({', '.join(SUITES)}), a JSONL file nor a "
         "directory of Harbor tasks"
     )
+
+
+def private_paths(suite: str) -> list[Path]:
+    """What of a suite no execution may see: a JSONL file itself, the directories its hidden tests
+    are read from and the repositories its SWE instances are seeded from (their later commits
+    hold the fixes); a Harbor directory whole (its tests and solutions). Nothing for a built-in
+    suite's name."""
+    path = Path(suite)
+    if path.is_dir():
+        return [path.resolve()]
+    if not path.is_file():
+        return []
+    dirs = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # load_jsonl names the line
+        spec = d.get("hidden_tests") if isinstance(d, dict) else None
+        if isinstance(spec, dict) and isinstance(spec.get("dir"), str):
+            dirs.append((path.parent / spec["dir"]).resolve())
+        repo = d.get("repo") if isinstance(d, dict) and "instance_id" in d else None
+        if isinstance(repo, str) and (path.parent / repo).exists():
+            dirs.append((path.parent / repo).resolve())
+    return [path.resolve(), *dict.fromkeys(dirs)]

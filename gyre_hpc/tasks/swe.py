@@ -26,26 +26,20 @@ repository's own pytest configuration (the scorer's ini replaces it, as for hidd
 
 from __future__ import annotations
 
-import io
 import json
-import os
-import shutil
-import subprocess
-import tarfile
-import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from gyre_hpc.errors import GyreError
+from gyre_hpc.tasks import swe_repo
 from gyre_hpc.tasks.task import TASK_ID, Task, image_path
 
 KEYS = ("instance_id", "repo", "base_commit", "problem_statement", "test_patch", "FAIL_TO_PASS",
         "PASS_TO_PASS", "patch", "image")  # fmt: skip
 IGNORED = ("hints_text", "created_at", "version", "environment_setup_commit")
 """SWE-bench fields kept by datasets that nothing here uses."""
-GIT = ["git", "-c", "user.name=gyre", "-c", "user.email=gyre@localhost", "-c", "init.defaultBranch=main"]
 
 
 @dataclass(frozen=True)
@@ -75,10 +69,10 @@ def task_from_record(d: Mapping[str, Any], base: Path, where: str) -> Task:
             raise GyreError(f"{where}: {key} must be a string")
     repo = (base / d["repo"]).resolve()
     commit = d.get("base_commit", "")
-    if _is_git(repo):
+    if swe_repo.is_git(repo):
         if not commit:
             raise GyreError(f"{where}: base_commit is empty; {repo} is a git repository: name the commit")
-        if _git(repo, "cat-file", "-e", f"{commit}^{{commit}}").returncode:
+        if swe_repo.git(repo, "cat-file", "-e", f"{commit}^{{commit}}").returncode:
             raise GyreError(f"{where}: base_commit {commit} is not a commit of {repo}")
     elif not repo.is_dir():
         raise GyreError(f"{where}: repo {d['repo']!r} is neither a git repository nor a directory ({repo})")
@@ -106,82 +100,3 @@ def _ids(value: Any, where: str) -> list[str]:
         if Path(path).is_absolute() or ".." in Path(path).parts:
             raise GyreError(f"{where}: {v!r} leaves the repository")
     return list(value)
-
-
-def _is_git(path: Path) -> bool:
-    return (path / ".git").exists() or (path / "HEAD").is_file() and (path / "objects").is_dir()
-
-
-def _git(repo: Path, *args: str, stdout: int = subprocess.DEVNULL) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*GIT, "-C", str(repo), *args], stdout=stdout, stderr=subprocess.DEVNULL, check=False
-    )
-
-
-def base_tree(parts: Mapping[str, Any], dest: Path) -> None:
-    """The repository's tree at the base commit, written to ``dest`` (which must not exist)."""
-    repo = Path(parts["repo"])
-    if not _is_git(repo):
-        shutil.copytree(repo, dest, symlinks=True, ignore=shutil.ignore_patterns(".git"))
-        return
-    tar = _git(repo, "archive", "--format=tar", parts["base_commit"], stdout=subprocess.PIPE)
-    if tar.returncode:
-        raise GyreError(f"{repo}: git archive {parts['base_commit']} failed")
-    dest.mkdir(parents=True)
-    with tarfile.open(fileobj=io.BytesIO(tar.stdout)) as t:
-        t.extractall(dest, filter="data")
-
-
-def seed(task: Task, workspace: Path) -> None:
-    """The workspace of an execution: the base tree, as the one commit of a fresh repository."""
-    if workspace.exists():
-        return
-    base_tree(task.swe, workspace)
-    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "--no-verify", "-m", "base"]):
-        if _git(workspace, *args).returncode:
-            raise GyreError(f"{workspace}: git {args[0]} failed while seeding {task.id}")
-
-
-def touched(patch: str) -> list[str]:
-    """The paths a unified diff changes, creates or deletes (both sides of a rename)."""
-    out: list[str] = []
-    for line in patch.splitlines():
-        if line.startswith(("--- ", "+++ ")):
-            name = line[4:].split("\t")[0].strip()
-            if name != "/dev/null":
-                out.append(name[2:] if name[:2] in ("a/", "b/") else name)
-    return list(dict.fromkeys(out))
-
-
-def for_scorer(task: Task, task_dir: Path) -> dict[str, Any]:
-    """What ``scoring.swe`` needs: the base tree's conftest files and the files the test patch
-    touches as they are once it is applied (prepared once per task, outside any sandbox: both
-    come from the task, not the workspace), and the tests that decide."""
-    parts = task.swe
-    ready = task_dir / task.id / "swe.json"
-    if not ready.is_file():
-        ready.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix="gyre-swe-") as tmp:
-            tree = Path(tmp) / "tree"
-            base_tree(parts, tree)
-            conftests = {
-                str(p.relative_to(tree)): p.read_text(errors="replace") for p in tree.rglob("conftest.py")
-            }
-            patch = Path(tmp) / "test.patch"
-            patch.write_text(parts["test_patch"])
-            applied = subprocess.run(
-                ["git", "apply", "--whitespace=nowarn", str(patch)], cwd=tree, capture_output=True, text=True,
-                env={**os.environ, "GIT_DIR": str(Path(tmp) / "no-repo")},
-            )  # fmt: skip
-            if applied.returncode:
-                why = applied.stderr.strip().splitlines()[:1] or ["?"]
-                raise GyreError(
-                    f"{task.id}: test_patch does not apply to {parts['repo']} at the base: {why[0]}"
-                )
-            files = {rel: (tree / rel).read_text(errors="replace") if (tree / rel).is_file() else None
-                     for rel in touched(parts["test_patch"])}  # fmt: skip
-        tmp_ready = ready.with_suffix(".tmp")
-        tmp_ready.write_text(json.dumps({"conftests": conftests, "tests": files}))
-        tmp_ready.replace(ready)
-    prepared = json.loads(ready.read_text())
-    return {**prepared, "fail_to_pass": parts["fail_to_pass"], "pass_to_pass": parts["pass_to_pass"]}

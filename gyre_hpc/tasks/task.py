@@ -1,4 +1,4 @@
-"""A task, and the external suite format (JSONL) users bring their own tasks in.
+"""A task, and its JSON form: one line of the suite files users bring (``tasks.jsonl`` reads them).
 
 One task per line::
 
@@ -33,15 +33,14 @@ test files: ``examples/verifier-tasks.jsonl``.
 ones, so a misspelt key never silently drops a verifier.
 
 The formats users bring are read into the same record: a line with ``instance_id`` is a
-SWE-bench-style instance (``tasks.swe``), and a suite path that is a directory holds Harbor
-tasks (``tasks.harbor``). Their format-specific parts (``format``, ``harbor``, ``swe``) are
-not keys of this JSONL.
+SWE-bench-style instance (``tasks.swe``; its repository work is ``tasks.swe_repo``), and a
+suite path that is a directory holds Harbor tasks (``tasks.harbor``). Their format-specific
+parts (``format``, ``harbor``, ``swe``) are not keys of this JSONL.
 """
 
 from __future__ import annotations
 
 import ast
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -49,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre_hpc.errors import GyreError
+from gyre_hpc.tasks import swe_repo
 
 VISIBLE_DIR = "tests_visible"
 
@@ -92,9 +92,7 @@ class Task:
     def materialize(self, workspace: Path) -> None:
         """Lay out the workspace seed (and visible tests) for one execution."""
         if self.swe:
-            from gyre_hpc.tasks import swe
-
-            swe.seed(self, workspace)
+            swe_repo.seed(self.swe, self.id, workspace)
         workspace.mkdir(parents=True, exist_ok=True)
         for rel, content in self.seed.items():
             _write(workspace / rel, content)
@@ -114,9 +112,7 @@ class Task:
             "harbor": self.harbor,
         }
         if self.swe:
-            from gyre_hpc.tasks import swe
-
-            out["swe"] = swe.for_scorer(self, task_dir)
+            out["swe"] = swe_repo.for_scorer(self.swe, task_dir / self.id)
         if self.hidden_tests:
             hidden = task_dir / self.id / "hidden"
             if not hidden.exists():
@@ -244,61 +240,3 @@ def _files(spec: Any, base: Path, where: str) -> dict[str, str]:
             raise GyreError(f"{where}: directory {root} does not exist")
         return {str(p.relative_to(root)): p.read_text() for p in sorted(root.rglob("*")) if p.is_file()}
     raise GyreError(f'{where}: expected {{"files": {{path: content}}}} or {{"dir": "relative/path"}}')
-
-
-def load_jsonl(path: str | Path) -> list[Task]:
-    path = Path(path)
-    tasks = []
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        raise GyreError(f"{path}: no such task suite") from None
-    except IsADirectoryError:
-        raise GyreError(f"{path}: a directory, not a task suite (a JSONL file, one task per line)") from None
-    except (PermissionError, UnicodeDecodeError) as err:
-        raise GyreError(f"{path}: not readable as a task suite ({type(err).__name__})") from None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise GyreError(f"{path}:{n}: not JSON ({err.msg})") from None
-        if isinstance(d, dict) and "instance_id" in d:
-            from gyre_hpc.tasks import swe
-
-            tasks.append(swe.task_from_record(d, path.parent, f"{path}:{n}"))
-        elif isinstance(d, dict):
-            tasks.append(task_from_json(d, path.parent, f"{path}:{n}"))
-        else:
-            raise GyreError(f"{path}:{n}: a task is a JSON object, not {type(d).__name__}")
-    return tasks
-
-
-def private_paths(suite: str) -> list[Path]:
-    """What of a suite no execution may see: a JSONL file itself, the directories its hidden tests
-    are read from and the repositories its SWE instances are seeded from (their later commits
-    hold the fixes); a Harbor directory whole (its tests and solutions). Nothing for a built-in
-    suite's name."""
-    path = Path(suite)
-    if path.is_dir():
-        return [path.resolve()]
-    if not path.is_file():
-        return []
-    dirs = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # load_jsonl names the line
-        spec = d.get("hidden_tests") if isinstance(d, dict) else None
-        if isinstance(spec, dict) and isinstance(spec.get("dir"), str):
-            dirs.append((path.parent / spec["dir"]).resolve())
-        repo = d.get("repo") if isinstance(d, dict) and "instance_id" in d else None
-        if isinstance(repo, str) and (path.parent / repo).exists():
-            dirs.append((path.parent / repo).resolve())
-    return [path.resolve(), *dict.fromkeys(dirs)]
-
-
-def write_jsonl(path: str | Path, tasks: list[Task]) -> None:
-    Path(path).write_text("".join(json.dumps(t.to_json()) + "\n" for t in tasks))

@@ -10,6 +10,7 @@ the embedded engine can load too, served at float32 on this machine, trusting
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import re
 import signal
@@ -431,7 +432,7 @@ def test_an_elastic_run_with_sglang_cells_whose_killed_server_comes_back(tmp_pat
         proc.kill()
     run, events = events_of(tmp_path)
     steps = [e for e in events if isinstance(e, ev.Step)]
-    assert [s.step for s in steps] == [1, 2, 3] and [s.version for s in steps] == [1, 2, 3]
+    assert [s.step for s in steps] == [1, 2, 3] and [s.version for s in steps] == published(steps)
     for s in steps:  # none failed: drained calls, and those of the killed server, continued elsewhere
         assert set(s.statuses) <= {"finished", "timed_out"} and s.executions == 16, s.statuses
     log = (run.logs / "rank-2.log").read_text()  # cell 1's leader
@@ -442,7 +443,7 @@ def test_an_elastic_run_with_sglang_cells_whose_killed_server_comes_back(tmp_pat
     # behaviour log-probs are those of that version's weights (the checkpoint), recomputed here:
     # the restarted server too.
     calls, worst = served_against_checkpoint(run, 3)
-    assert calls and {c.policy_version for c in calls} == {2}
+    assert calls and {c.policy_version for c in calls} == {steps[1].version}
     assert worst <= 1e-4, worst
     # Every part of every call was served at the version its engine held then (the engine's own
     # report), and after step 1 none at version 0: the restarted server had none until it loaded.
@@ -453,7 +454,7 @@ def test_an_elastic_run_with_sglang_cells_whose_killed_server_comes_back(tmp_pat
         if not r.startswith("s0001")
         for rec in TrajectoryTree.from_encoded(recs).records()
     ]
-    assert later and all(v >= 1 for rec in later for _, v in rec.meta.versions())
+    assert later and all(v >= steps[0].version for rec in later for _, v in rec.meta.versions())
     hosts = {e.cell: e.addresses for e in events if isinstance(e, ev.Hello)}
     assert all((run.engines / f"unit-{c}" / "sglang.log").exists() for c in hosts)
 
@@ -474,11 +475,18 @@ def test_a_cell_of_two_ranks_serves_with_two_sglang_replicas(tmp_path: Path) -> 
     whole = 2 * FlatLayout.of(Qwen3Config.load(run.checkpoints / "step-000001")).numel * 4  # 2 replicas
     assert loads and all(e.whole_bytes == whole for e in loads) and loads[0].bytes >= whole, loads
     assert all(e.bytes <= 1.01 * whole for e in loads), loads  # headers aside, never over whole
-    assert all(e.changed is not None and 0.9 < e.changed <= 1.0 for e in loads), loads
+    steps = [e for e in events if isinstance(e, ev.Step)]
+    assert [s.version for s in steps] == published(steps)
+    # A load of a new version changed nearly every element; one of the version the engines hold
+    # (after a step that learned nothing) changed none and sent only the buckets' headers.
+    assert loads[0].changed == 1.0, loads  # the first goes whole: the servers held nothing of ours
+    for before, e in itertools.pairwise(loads):
+        if e.version != before.version:
+            assert 0.9 < e.changed <= 1.0, loads
+        else:
+            assert e.changed == 0.0 and e.bytes < 0.01 * whole, loads
     (hello,) = [e for e in events if isinstance(e, ev.Hello)]
     assert len(hello.addresses) == 2
-    steps = [e for e in events if isinstance(e, ev.Step)]
-    assert [s.version for s in steps] == [1, 2]
     for s in steps:
         assert set(s.engine_calls) == set(hello.addresses) and min(s.engine_calls.values()) > 0, (
             s.engine_calls
@@ -488,7 +496,8 @@ def test_a_cell_of_two_ranks_serves_with_two_sglang_replicas(tmp_path: Path) -> 
         text = log.read_text()
         assert "/pause_generation" in text and "/continue_generation" in text, log
     calls, worst = served_against_checkpoint(run, 2)
-    assert {c.meta.engine for c in calls} == set(hello.addresses) and {c.policy_version for c in calls} == {1}
+    assert {c.meta.engine for c in calls} == set(hello.addresses)
+    assert {c.policy_version for c in calls} == {steps[0].version}
     assert worst <= 1e-4, worst
 
 
@@ -519,8 +528,15 @@ def test_a_cell_across_two_slurm_nodes_serves_with_one_replica_spanning_both(tmp
     assert parts.keys() == {"unit-0", "unit-0-part-1"}, parts.keys()
     for rank, (name, text) in enumerate(parts.items()):
         assert f"'nnodes': 2, 'node_rank': {rank}, 'tp_size': 2" in text, name
+    steps = [e for e in read_events(run.events) if isinstance(e, ev.Step)]
     calls, worst = served_against_checkpoint(run, 2)
-    assert calls and {c.policy_version for c in calls} == {1} and worst <= 1e-4, worst
+    assert calls and {c.policy_version for c in calls} == {steps[0].version} and worst <= 1e-4, worst
+
+
+def published(steps: list[ev.Step]) -> list[int]:
+    """The versions the steps should have published: one more for each step that trained (the
+    tiny model sometimes fails or passes every run of a step, which then has nothing to learn)."""
+    return list(itertools.accumulate(int(not s.skipped) for s in steps))
 
 
 def served_against_checkpoint(run: RunDir, step: int) -> tuple[list, float]:

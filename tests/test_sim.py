@@ -185,3 +185,29 @@ def test_in_flight_closes_steps_before_their_longest_execution() -> None:
     a, b = barrier.run(), inflight.run()
     assert b.total_s < a.total_s
     assert max(lag for _, lag in inflight.stale_trained) > 0
+
+
+def test_a_replay_charges_no_execution_the_wait_for_a_slot_as_overhead() -> None:
+    """Async with one of two cells sampling, 2 slots: of four executions dispatched at once, two
+    wait for a slot. Their wait is the queue the simulator models; the overhead comes only from
+    the two that were served at once (0.1 s each beyond their tokens)."""
+    from gyre_hpc.observability import events as ev
+    from gyre_hpc.recipe.schema import CellsConfig
+    from gyre_hpc.sim.trace import measured_costs, slotted_dispatches
+
+    cells = CellsConfig(count=2, capacity=2)
+    runs = [f"s0001-emulated-1-0-g{i}" for i in range(4)]
+    events: list[ev.Event] = [
+        ev.SwitchRole(cell=0, role="training", seq=1, t=0.0),
+        ev.RoleSwitched(cell=0, role="training", seq=1, seconds=0.1, t=0.1),
+        *(ev.Dispatched(run=r, d=i + 1, p=0, f=0, t=1.0) for i, r in enumerate(runs)),
+        # 10 tokens at 0.1 s each: 1.0 s served, then 0.1 s of overhead; the last two waited 1.1 s
+        *(ev.Finished(run=r, d=4, p=4, f=i + 1, t=2.1 + 1.1 * (i // 2)) for i, r in enumerate(runs)),
+        ev.Step(step=1, version=1, seconds=2.0, sample_seconds=1.5, roles={"0": "training", "1": "sampling"},
+                groups=[{"task": "emulated-1-0", "run_tokens": [10] * 4, "sequence_tokens": [10] * 4}],
+                apply_seconds=0.5, t=3.0),  # fmt: skip
+    ]
+    assert set(slotted_dispatches(events, cells)) == set(runs[:2])
+    assert measured_costs(events, cells, 0.1)["exec_overhead_s"] == pytest.approx(0.1)
+    # Both cells sampling: all four had a slot.
+    assert set(slotted_dispatches(events[2:], cells)) == set(runs)

@@ -284,7 +284,8 @@ def _replay_all(runs: dict[str, RunDir]) -> dict[str, SimResult]:
     """Each run's recorded workload, simulated with the costs measured in one elastic run (the
     one with switch events), so a single calibration predicts every mode."""
     calibration = runs.get("elastic") or next(iter(runs.values()))
-    costs = measured_costs(calibration.read_events(), calibration.read_recipe().engine.emulated_decode_s)
+    recipe = calibration.read_recipe()
+    costs = measured_costs(calibration.read_events(), recipe.cells, recipe.engine.emulated_decode_s)
     out = {}
     for name, run_dir in runs.items():
         cfg, workload = replay(run_dir.path, costs)

@@ -20,7 +20,7 @@ from statistics import median
 
 from gyre_hpc.errors import GyreError
 from gyre_hpc.observability import events as ev
-from gyre_hpc.recipe.schema import Recipe
+from gyre_hpc.recipe.schema import CellsConfig, Recipe
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.sim.config import SimConfig
 from gyre_hpc.sim.simulate import CellTime, Group, SimResult, Workload, packed
@@ -68,15 +68,19 @@ def workload(
     return groups
 
 
-def measured_costs(events: list[ev.Event], decode_s: float) -> dict[str, float]:
-    """The runtime's own costs: switches, version publication, and per-execution overhead."""
+def measured_costs(events: list[ev.Event], cells: CellsConfig, decode_s: float) -> dict[str, float]:
+    """The runtime's own costs: switches, version publication, and per-execution overhead.
+
+    The overhead is what an execution took beyond its tokens' decode time, measured only on
+    executions that had a slot when dispatched: one that waited for a slot spent that wait in
+    the queue the simulator models itself, and counting it here would charge it twice."""
     steps = [e for e in events if isinstance(e, ev.Step)]
     tokens = run_tokens(steps)
-    start = {e.run: e.t for e in events if isinstance(e, ev.Dispatched)}
+    start = {run: t for run, t in slotted_dispatches(events, cells).items() if run in tokens}
     overhead = [
         e.t - start[e.run] - tokens[e.run] * decode_s
         for e in events
-        if isinstance(e, ev.Finished) and e.run in start and e.run in tokens
+        if isinstance(e, ev.Finished) and e.run in start
     ]
     switches = [e for e in events if isinstance(e, ev.Switch)]
     to_train = [e.seconds for e in switches if e.direction == "sampling→training"]
@@ -87,6 +91,24 @@ def measured_costs(events: list[ev.Event], decode_s: float) -> dict[str, float]:
     if steps:
         costs["publish_s"] = median(e.apply_seconds for e in steps)
     return costs
+
+
+def slotted_dispatches(events: list[ev.Event], cells: CellsConfig) -> dict[str, float]:
+    """Run id → when it was dispatched, for the executions that found a free slot then: the
+    water level after their dispatch (``d − f``) within the slots of the cells sampling at that
+    moment and of the pool. A cell stops counting when told to train, and counts again once it
+    samples."""
+    sampling = set(range(cells.count))
+    out = {}
+    for e in events:
+        if isinstance(e, ev.SwitchRole) and e.role != "sampling":
+            sampling.discard(e.cell)
+        elif isinstance(e, ev.RoleSwitched) and e.role == "sampling":
+            sampling.add(e.cell)
+        elif isinstance(e, ev.Dispatched):
+            if e.d - e.f <= (len(sampling) + cells.rollout_pool) * cells.capacity:
+                out[e.run] = e.t
+    return out
 
 
 def replay(run_dir: Path, costs: dict[str, float] | None = None) -> tuple[SimConfig, Workload]:
@@ -103,7 +125,8 @@ def replay(run_dir: Path, costs: dict[str, float] | None = None) -> tuple[SimCon
         )
     events = rd.read_events()
     steps = [e for e in events if isinstance(e, ev.Step)]
-    cfg = config_of(r, len(steps)).with_(**(costs or measured_costs(events, r.engine.emulated_decode_s)))
+    costs = costs or measured_costs(events, r.cells, r.engine.emulated_decode_s)
+    cfg = config_of(r, len(steps)).with_(**costs)
     order = lambda step: [t.id for t in step_tasks(r.tasks, r.run.seed, step)]  # noqa: E731
     return cfg, workload(cfg, steps, r.engine.emulated_decode_s, order)
 

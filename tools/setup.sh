@@ -50,10 +50,12 @@ pip_install "$venv" -e ".$extras"
 "$venv/bin/python" -c "import gyre_hpc, mpi4py, torch, pytest" || { echo "setup: the install failed" >&2; exit 1; }
 echo "setup: ready ($("$venv/bin/gyre-hpc" --version), torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)'))"
 
-if [ -n "$extras" ]; then
+# The three parts below are independent (mostly downloads and unpacking): they run side by side,
+# each with its own log, and setup fails if any of them does.
+test_image() {
   # The tests' task image: Debian's essential packages and one tool the host lacks (tree), from
   # Debian's archive, kept in the image cache across runs (tests/test_task_formats.py).
-  image="${GYRE_IMAGE_CACHE:-$HOME/.cache/gyre-hpc/images}/test-bookworm-tree"
+  local image="${GYRE_IMAGE_CACHE:-$HOME/.cache/gyre-hpc/images}/test-bookworm-tree"
   if [ ! -x "$image/usr/bin/tree" ]; then
     mkdir -p "$(dirname "$image")"; rm -rf "$image.tmp"
     mmdebstrap --quiet --variant=essential --include=tree bookworm "$image.tmp" >"$venv/image.log" 2>&1 \
@@ -61,9 +63,9 @@ if [ -n "$extras" ]; then
     rm -rf "$image" && mv "$image.tmp" "$image"
   fi
   echo "setup: test image ready ($image)"
-fi
+}
 
-if [ -n "$sglang" ]; then
+sglang_venv() {
   # SGLang pins a CUDA torch and CUDA-only kernels: take its requirements without those
   # (tools/sglang/requirements-cpu.txt), hold torch at the CPU build, then SGLang without deps.
   [ -x .venv-sglang/bin/python ] || python3 -m venv .venv-sglang
@@ -71,6 +73,7 @@ if [ -n "$sglang" ]; then
   pip_install .venv-sglang -r tools/sglang/requirements-cpu.txt -c tools/sglang/constraints.txt
   pip_install .venv-sglang --no-deps sglang==0.5.23
   pip_install .venv-sglang -e ".[megatron]" -c tools/sglang/constraints.txt
+  local site
   site=$(.venv-sglang/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   if .venv-sglang/bin/python -c 'import sys, torch; sys.exit(torch.cuda.is_available())'; then
     cp tools/sglang/cpu_placeholders.py "$site/gyre_sglang_cpu_placeholders.py"
@@ -79,13 +82,22 @@ if [ -n "$sglang" ]; then
   .venv-sglang/bin/python -c "import gyre_hpc, sglang.launch_server" \
     || { echo "setup: the SGLang install failed" >&2; exit 1; }
   echo "setup: .venv-sglang ready (sglang $(.venv-sglang/bin/python -c 'import sglang; print(sglang.__version__)'))"
-fi
+}
 
-if [ -n "$agents" ]; then
+agents_venv() {
   # Its own environment: an agent program is a black box to us, with dependencies of its own.
   [ -x .venv-agents/bin/python ] || python3 -m venv .venv-agents
   pip_install .venv-agents "mini-swe-agent==2.4.6"
+  local version
   version=$(MSWEA_SILENT_STARTUP=1 .venv-agents/bin/python -c 'import minisweagent; print(minisweagent.__version__)') \
     && [ -x .venv-agents/bin/mini ] || { echo "setup: the mini-swe-agent install failed" >&2; exit 1; }
   echo "setup: .venv-agents ready (mini-swe-agent $version)"
-fi
+}
+
+parts=()
+[ -z "$extras" ] || { test_image & parts+=($!); }
+[ -z "$sglang" ] || { sglang_venv & parts+=($!); }
+[ -z "$agents" ] || { agents_venv & parts+=($!); }
+failed=0
+for pid in "${parts[@]}"; do wait "$pid" || failed=1; done
+[ "$failed" -eq 0 ] || { echo "setup: a part failed (above)" >&2; exit 1; }

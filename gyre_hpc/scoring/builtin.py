@@ -13,7 +13,6 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
-import secrets
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -23,6 +22,7 @@ from gyre_hpc.recipe.schema import ScoringConfig
 from gyre_hpc.sandbox import untrusted
 from gyre_hpc.scoring import checks as hidden_checks
 from gyre_hpc.scoring.contract import EvaluationError, RunArtifacts, Scorer, WorkspaceFault
+from gyre_hpc.scoring.pytest_run import passed, run_tests
 from gyre_hpc.scoring.session import Session, bench, command
 
 READ_BYTES = 64 << 20
@@ -91,31 +91,10 @@ class HiddenTestsScorer:
         work = session.copy()
         tests = session.inputs / "tests"
         shutil.copytree(hidden, tests, symlinks=False)  # the task's own files, read-only to the bench
-        nonce = secrets.token_hex(8)
-        canary = session.input(
-            f"canary/test_{nonce}.py", f"def test_{nonce}():\n    assert False, 'must fail'\n"
-        )
-        ini = session.input("pytest.ini", "[pytest]\naddopts =\n")
-        argv = bench(
-            "pytest", "--workspace", str(work), "--tests", str(tests), str(canary), "--ini", str(ini),
-            "--canary", nonce, "--timeout", f"{self.test_timeout_s:g}",
-        )  # fmt: skip
-        b = session.ready(session.run(work, argv, self.timeout_s, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1"))
-        phases: dict[str, dict[str, str]] = {}
-        for line in b.lines:
-            test, when, outcome = line.get("test"), line.get("when"), line.get("outcome")
-            if all(isinstance(v, str) for v in (test, when, outcome)):
-                phases.setdefault(test, {}).setdefault(when, outcome)  # type: ignore[arg-type]
-        mine = [t for t in phases if nonce in t]
-        if not mine or "call" not in phases[mine[0]]:
-            raise WorkspaceFault(f"the hidden tests did not run to the end ({b.why()})")
-        if phases[mine[0]]["call"] == "passed":
-            raise WorkspaceFault("a test that must fail passed: the test runner's results were changed")
-        real = {t: p for t, p in phases.items() if t.startswith("tests/") and nonce not in t}
-        passed = sum(
-            p.get("call") == "passed" and all(o == "passed" for o in p.values()) for p in real.values()
-        )
-        return passed, max(len(real), count_tests(hidden), count)
+        phases = run_tests(session, work, [str(tests)], self.timeout_s, self.test_timeout_s)
+        real = [t for t in phases if t.startswith("tests/")]
+        done = sum(passed(phases, t) for t in real)
+        return done, max(len(real), count_tests(hidden), count)
 
 
 def count_tests(root: Path) -> int:

@@ -15,12 +15,11 @@ nothing scores 0: its FAIL_TO_PASS tests fail.
 
 from __future__ import annotations
 
-import secrets
-
 from gyre_hpc.recipe.schema import ScoringConfig
 from gyre_hpc.sandbox import untrusted
 from gyre_hpc.scoring.contract import EvaluationError, RunArtifacts, WorkspaceFault
-from gyre_hpc.scoring.session import Session, bench
+from gyre_hpc.scoring.pytest_run import passed, run_tests
+from gyre_hpc.scoring.session import Session
 
 
 class SweScorer:
@@ -41,31 +40,7 @@ class SweScorer:
                     untrusted.place(work, e.rel, None)
             for rel, text in {**parts["conftests"], **parts["tests"]}.items():
                 untrusted.place(work, rel, None if text is None else text.encode(), owner)
-            nonce = secrets.token_hex(8)
-            canary = session.input(
-                f"canary/test_{nonce}.py", f"def test_{nonce}():\n    assert False, 'must fail'\n"
-            )
-            ini = session.input("pytest.ini", "[pytest]\naddopts =\n")
-            argv = bench(
-                "pytest", "--workspace", str(work), "--tests", *f2p, *p2p, str(canary), "--ini", str(ini),
-                "--rootdir", str(work), "--canary", nonce, "--timeout", f"{self.test_timeout_s:g}",
-            )  # fmt: skip
-            b = session.ready(session.run(work, argv, self.timeout_s, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1"))
-        phases: dict[str, dict[str, str]] = {}
-        for line in b.lines:
-            test, when, outcome = line.get("test"), line.get("when"), line.get("outcome")
-            if all(isinstance(v, str) for v in (test, when, outcome)):
-                phases.setdefault(test, {}).setdefault(when, outcome)  # type: ignore[arg-type]
-        mine = [t for t in phases if nonce in t]
-        if not mine or "call" not in phases[mine[0]]:
-            raise WorkspaceFault(f"the tests did not run to the end ({b.why()})")
-        if phases[mine[0]]["call"] == "passed":
-            raise WorkspaceFault("a test that must fail passed: the test runner's results were changed")
-
-        def passed(test: str) -> bool:
-            p = phases.get(test, {})
-            return p.get("call") == "passed" and all(o == "passed" for o in p.values())
-
-        if broken := [t for t in p2p if not passed(t)]:
+            phases = run_tests(session, work, [*f2p, *p2p], self.timeout_s, self.test_timeout_s, rootdir=work)
+        if broken := [t for t in p2p if not passed(phases, t)]:
             raise WorkspaceFault(f"{len(broken)} of {len(p2p)} PASS_TO_PASS tests fail, {broken[0]} first")
-        return sum(map(passed, f2p)) / len(f2p)
+        return sum(passed(phases, t) for t in f2p) / len(f2p)

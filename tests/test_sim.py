@@ -203,9 +203,16 @@ def test_a_replay_charges_no_execution_the_wait_for_a_slot_as_overhead() -> None
         *(ev.Dispatched(run=r, d=i + 1, p=0, f=0, t=1.0) for i, r in enumerate(runs)),
         # 10 tokens at 0.1 s each: 1.0 s served, then 0.1 s of overhead; the last two waited 1.1 s
         *(ev.Finished(run=r, d=4, p=4, f=i + 1, t=2.1 + 1.1 * (i // 2)) for i, r in enumerate(runs)),
-        ev.Step(step=1, version=1, seconds=2.0, sample_seconds=1.5, roles={"0": "training", "1": "sampling"},
-                groups=[{"task": "emulated-1-0", "run_tokens": [10] * 4, "sequence_tokens": [10] * 4}],
-                apply_seconds=0.5, t=3.0),  # fmt: skip
+        ev.Step(
+            step=1,
+            version=1,
+            seconds=2.0,
+            sample_seconds=1.5,
+            roles={"0": "training", "1": "sampling"},
+            groups=[{"task": "emulated-1-0", "run_tokens": [10] * 4, "sequence_tokens": [10] * 4}],
+            apply_seconds=0.5,
+            t=3.0,
+        ),
     ]
     assert set(slotted_dispatches(events, cells)) == set(runs[:2])
     assert measured_costs(events, cells, 0.1)["exec_overhead_s"] == pytest.approx(0.1)

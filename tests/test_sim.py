@@ -9,10 +9,13 @@ from conftest import gyre
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gyre_hpc.observability import events as ev
+from gyre_hpc.recipe.schema import CellsConfig
 from gyre_hpc.scheduler.policy import Role
 from gyre_hpc.sim.bound import step_bound
 from gyre_hpc.sim.config import CONFIGS, SimConfig, ablations, variants
 from gyre_hpc.sim.simulate import Simulation, simulate
+from gyre_hpc.sim.trace import measured_costs, slotted_dispatches
 
 LONG_TAIL = SimConfig(cells=4, capacity=8, prompts=8, group_size=4, steps=5, duration_sigma=1.0)
 
@@ -191,10 +194,6 @@ def test_a_replay_charges_no_execution_the_wait_for_a_slot_as_overhead() -> None
     """Async with one of two cells sampling, 2 slots: of four executions dispatched at once, two
     wait for a slot. Their wait is the queue the simulator models; the overhead comes only from
     the two that were served at once (0.1 s each beyond their tokens)."""
-    from gyre_hpc.observability import events as ev
-    from gyre_hpc.recipe.schema import CellsConfig
-    from gyre_hpc.sim.trace import measured_costs, slotted_dispatches
-
     cells = CellsConfig(count=2, capacity=2)
     runs = [f"s0001-emulated-1-0-g{i}" for i in range(4)]
     events: list[ev.Event] = [

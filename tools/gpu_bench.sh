@@ -19,7 +19,7 @@ prepare)
     grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 \
-        -d .whl "$MEGATRON" tomli_w pytest pluggy iniconfig hypothesis attrs sortedcontainers
+        -d .whl "$MEGATRON" tomli_w zstandard pytest pluggy iniconfig hypothesis attrs sortedcontainers
     ls .whl
     ;;
 run)

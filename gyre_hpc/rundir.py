@@ -15,6 +15,7 @@ runs/<name>-<YYYYmmdd-HHMMSS>/
   workspaces/     step-NNNN/<run>/: each execution's working directory
   tasks/          files the tasks' verifiers use
   engines/        unit-<n>/: an SGLang server's log (and weights it loads from disk)
+  executors/      hub.json: where executor nodes find the controller (executors.job.HubAddress)
   job.json        how it was launched: local mpirun or the Slurm job id
   logs/           mpirun.log or slurm-<job>.out, rank-<N>.log
   ranks/          rank-<N>.json: pid, host, role of every rank (written when it starts);
@@ -115,6 +116,11 @@ class RunDir:
     def engines(self) -> Path:
         """Engine processes' files (an SGLang server's log, weights it loads from disk)."""
         return self.path / "engines"
+
+    @property
+    def executor_hub(self) -> Path:
+        """Where executor nodes find the controller's hub (``executors.job.HubAddress``)."""
+        return self.path / "executors" / "hub.json"
 
     @property
     def task_files(self) -> Path:

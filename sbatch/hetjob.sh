@@ -19,6 +19,7 @@ MAX_RESTARTS=@{max_restarts}
 # checkpoints the step under way, stops, and leaves $RUN_DIR/requeue (requeued below).
 interrupted="" srun_pid=""
 trap 'interrupted=interrupted; [ -z "$srun_pid" ] || kill -TERM "$srun_pid" 2>/dev/null' TERM INT
+executors_pid=""
 trap '[ -z "$srun_pid" ] || kill -USR2 "$srun_pid" 2>/dev/null' USR2
 
 # One MPI world over every component; leaves its exit code in rc.
@@ -48,7 +49,8 @@ run_world() {
       kill -KILL "$srun_pid"; wait "$srun_pid" 2>/dev/null
       rc=$(cat "$RUN_DIR"/ranks/*.exit | sort -n | tail -n 1); break
     fi
-    steps=$(squeue -h --steps -j "$SLURM_JOB_ID" -o %i 2>/dev/null | grep -cv -E '[.](batch|extern)$')
+    steps=$(squeue -h --steps -j "$SLURM_JOB_ID" -O StepId:64,StepName:64 2>/dev/null |
+      awk '$1 !~ /[.](batch|extern)$/ && $2 != "@{executors_step}"' | wc -l)
     if [ "$steps" -gt 0 ]; then stepped=1 stepless=0
     elif [ -n "$stepped" ] && [ $((stepless += 1)) -ge @{srun_grace_s} ]; then
       echo "gyre-hpc: srun outlived its job steps by ${stepless}s; stopping it" >&2
@@ -67,6 +69,9 @@ run_world() {
   fi
 }
 
+# Executor nodes run the executions, outside the MPI world; they serve every world of this job.
+@{executors_start}
+
 # A world that failed (a rank died: node loss, OOM) starts again from the newest checkpoint and
 # the executions journalled after it, up to run.max_restarts times.
 restarts=0
@@ -77,6 +82,12 @@ while :; do
   restarts=$((restarts + 1))
   "$PYTHON" -m gyre_hpc.launch.outcome "$RUN_DIR" "$rc" restarting "$RUN_DIR/logs/slurm.out"
 done
+# The executor nodes end their executions (and their processes) on SIGTERM; KILL after a grace.
+if [ -n "$executors_pid" ]; then
+  kill -TERM "$executors_pid" 2>/dev/null
+  for _ in $(seq @{srun_grace_s}); do kill -0 "$executors_pid" 2>/dev/null || break; sleep 1; done
+  kill -KILL "$executors_pid" 2>/dev/null; wait "$executors_pid" 2>/dev/null
+fi
 "$PYTHON" -m gyre_hpc.launch.outcome "$RUN_DIR" "$rc" "${interrupted:-ended}" "$RUN_DIR/logs/slurm.out"
 if [ -e "$RUN_DIR/requeue" ] && [ -z "$interrupted" ]; then
   rm -f "$RUN_DIR/requeue"

@@ -60,6 +60,7 @@ def test_every_section_is_in_the_schema() -> None:
         "tasks",
         "trajectory",
         "scoring",
+        "executors",
         "slurm",
         "bench",
     }

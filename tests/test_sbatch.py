@@ -29,12 +29,22 @@ SPANNING = [
 ]
 """Cells of two 4-GPU nodes, each served by one replica across both."""
 
+EXECUTORS = [
+    "executors.nodes=4",
+    "executors.cpus_per_node=32",
+    "executors.partition=cpu",
+    "executors.mem=128G",
+    "proxy.host=0.0.0.0",
+]
+"""Executions on four CPU nodes of their own partition, outside the MPI world."""
+
 
 @pytest.mark.parametrize(
     ("recipe", "sets", "golden"),
     [("smoke", [], "smoke"), ("qwen3-8b-8cells", [], "qwen3-8b-8cells"),
      ("qwen3-8b-8cells", PER_TASK, "qwen3-8b-8cells-gpu-per-task"),
-     ("qwen3-8b-8cells", SPANNING, "qwen3-8b-8cells-engines-across-nodes")],
+     ("qwen3-8b-8cells", SPANNING, "qwen3-8b-8cells-engines-across-nodes"),
+     ("qwen3-8b-8cells", EXECUTORS, "qwen3-8b-8cells-executors")],
 )  # fmt: skip
 def test_dry_run_matches_golden(recipe: str, sets: list[str], golden: str) -> None:
     extra = [arg for s in sets for arg in ("--set", s)]
@@ -52,6 +62,12 @@ def test_gpus_asked_two_ways_or_hidden_from_the_server_are_one_line(sets: list[s
     extra = [arg for s in sets for arg in ("--set", s)]
     proc = gyre("submit", "recipes/qwen3-8b-8cells.toml", "--dry-run", *FIXED, *extra)
     assert proc.returncode == 2 and says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_executor_nodes_with_a_proxy_on_loopback_are_one_line() -> None:
+    proc = gyre("submit", "recipes/smoke.toml", "--dry-run", *FIXED, "--set", "executors.nodes=2")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert 'cannot reach a proxy on loopback; set proxy.host = "0.0.0.0"' in proc.stderr
 
 
 def test_components_follow_the_rank_order() -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -97,4 +99,51 @@ def test_a_megatron_cell_spans_the_ranks_of_its_node(tmp_path: Path) -> None:
     assert [e.version for e in events if e.kind == "step"] == [1, 2]
     hosts = {r["rank"]: r["host"] for r in run.read_ranks()}
     assert hosts[1] == hosts[2] != hosts[3] == hosts[4] != hosts[0]
+    wait_for_state(job_id, "COMPLETED")
+
+
+def test_executor_nodes_run_the_executions_as_the_controller_would_and_outlive_one_killed(
+    tmp_path: Path,
+) -> None:
+    """A seeded colocate run, once with its executions on the controller (mpirun) and once on two
+    executor nodes of its het job: the same rewards; then one executor is SIGKILLed mid-burst."""
+    same = [
+        "run.model=tiny-warm",
+        "agent.max_calls=6",
+        "run.steps=2",
+        "tasks.eval_every=0",
+        "tasks.prompts_per_step=6",
+    ]
+    local = gyre(
+        "run", SMOKE, *(a for s in [f"run.runs_dir={tmp_path / 'local'}", *same] for a in ("--set", s))
+    )
+    assert local.returncode == 0, local.stderr[-2000:]
+    alone = [
+        e for e in read_events(next((tmp_path / "local").iterdir()) / "events.jsonl") if e.kind == "step"
+    ]
+    job_id, run = submit(
+        tmp_path / "slurm", *same,
+        *("executors.nodes=2", "executors.cpus_per_node=1", "executors.lease_s=2", "proxy.host=0.0.0.0"),
+    )  # fmt: skip
+    first = wait_for_event(run, "step", timeout=240)
+    # Step 2's burst is placed: the executor on node4 is killed while it runs its share.
+    deadline = time.monotonic() + 120
+    while not [e for e in read_events(run.events) if e.kind == "placed" and e.t > first.t]:
+        assert time.monotonic() < deadline, "step 2 was never placed"
+        time.sleep(0.1)
+    up = {e.node: e for e in read_events(run.events) if e.kind == "executor_up"}
+    os.kill(up["node4"].pid, signal.SIGKILL)
+    end = wait_for_event(run, "run_end", timeout=240)
+    assert end.status == "completed", end
+    events = read_events(run.events)
+    steps = [e for e in events if e.kind == "step"]
+    assert (first.reward_mean, first.calls) == (alone[0].reward_mean, alone[0].calls)  # as on the controller
+    placed = [e for e in events if e.kind == "placed"]
+    assert {e.node for e in placed if e.t <= first.t} == {"node4", "node5"}  # spread over both
+    assert sorted(up) == ["node4", "node5"] and len({e.host for e in up.values()}) == 1  # emulated nodes
+    (lost,) = [e for e in events if e.kind == "executor_lost"]
+    assert lost.node == "node4" and lost.runs  # it held executions when it died
+    again = {e.run: e for e in placed if e.attempt == 2}
+    assert sorted(again) == lost.runs and {e.node for e in again.values()} == {"node5"}
+    assert [s.executions for s in steps] == [24, 24] and steps[1].statuses == {"finished": 24}
     wait_for_state(job_id, "COMPLETED")

@@ -13,7 +13,7 @@
 # It writes /etc/slurm/slurm.conf only when there is none or the one there is ours.
 set -euo pipefail
 
-NODES=${GYRE_SLURM_NODES:-3}
+NODES=${GYRE_SLURM_NODES:-5}
 CPUS=${GYRE_SLURM_CPUS:-8}
 CLUSTER=gyre
 MARK="# written by gyre-hpc tools/local_slurm.sh"

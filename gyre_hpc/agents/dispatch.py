@@ -136,6 +136,14 @@ class Dispatcher:
             self.on_event("dispatched", run_id)
         return list(await asyncio.gather(*(self._one(run_id, task) for run_id, task in jobs)))
 
+    async def run_one(self, run_id: str, task: Task, stopped: bool = False) -> Outcome:
+        """One execution the controller placed here (``executors.node``): it counted the
+        dispatch; this reports started and finished. ``stopped``: stopped before it started."""
+        stop = self.stops.setdefault(run_id, asyncio.Event())
+        if stopped:
+            stop.set()
+        return await self._one(run_id, task)
+
     async def _one(self, run_id: str, task: Task) -> Outcome:
         entry = self.journal.load(run_id) if self.journal is not None else None
         if entry is not None and entry.outcome is not None:  # finished before a restart: kept as it was

@@ -96,7 +96,9 @@ def run(
                         f"  v{e.version}  {e.seconds:.1f} s"
                     )
 
-        end = LocalRun(run_dir, layout, max_restarts=r.run.max_restarts).launch(show)
+        end = LocalRun(run_dir, layout, max_restarts=r.run.max_restarts, executors=r.executors.nodes).launch(
+            show
+        )
     style = {"completed": "green", "failed": "bold red"}.get(end.status, "yellow")
     reason = f": {end.reason}" if end.reason else ""
     console.print(f"[{style}]run {end.status}[/]{reason}\nrun directory: {run_dir.path}")

@@ -20,6 +20,8 @@ from gyre_hpc.observability import events as ev
 from gyre_hpc.placement import engine_plan
 from gyre_hpc.rundir import RunDir
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
 
 def submit(
     recipe: Annotated[Path | None, typer.Argument(help="Recipe TOML file.", show_default=False)] = None,
@@ -48,6 +50,11 @@ def submit(
     run_dir, r = load_resumed(resume, set_) if resume is not None else (None, load(recipe, set_))  # type: ignore[arg-type]
     layout = Layout.from_config(r.cells)
     python = r.slurm.python or sys.executable
+    if r.executors.nodes and r.proxy.host in LOOPBACK:
+        raise GyreError(
+            f"executors.nodes = {r.executors.nodes} with proxy.host = {r.proxy.host!r}: executor nodes "
+            'cannot reach a proxy on loopback; set proxy.host = "0.0.0.0" (or the controller\'s address)'
+        )
 
     def script(where: Path) -> str:
         return render_sbatch(
@@ -58,6 +65,7 @@ def submit(
             python=python,
             max_restarts=r.run.max_restarts,
             engines=engine_plan(r.cells.ranks_per_cell, r.slurm.nodes_per_cell, r.engine.tp_size).describe(),
+            executors=r.executors,
         )
 
     if dry_run:

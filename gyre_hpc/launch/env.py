@@ -52,8 +52,8 @@ class JobEnvironment:
             het_sizes = ()  # mpirun inside an allocation numbers its own world
         elif "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
             rank, ntasks, launcher = env["SLURM_PROCID"], env.get("SLURM_NTASKS", "1"), "slurm"
-            if het_sizes:
-                ntasks = str(sum(het_sizes))
+            if het_sizes:  # the step's own size: the executor nodes' component is not in the world
+                ntasks = env.get("SLURM_STEP_NUM_TASKS") or str(sum(het_sizes))
         else:
             rank, ntasks, launcher = "0", "1", "none"
         local_key = "OMPI_COMM_WORLD_LOCAL_RANK" if launcher == "mpirun" else "SLURM_LOCALID"

@@ -8,6 +8,10 @@ kernel send mpirun SIGTERM should the launcher itself die. No rank outlives a la
 SIGUSR2 is passed on to every rank (the controller checkpoints the step under way and stops:
 ``preempted``). With ``run.max_restarts`` a world that failed (a rank died) is started again,
 from the newest checkpoint and the executions journalled after it (``runtime.resume``).
+
+With ``executors.nodes`` the launcher also starts that many executor processes
+(``executors.node``, named ``local-1`` …), outside the MPI world as on a cluster: they serve
+every world of the run, and one that dies leaves the run going. None outlives the launch.
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ class LocalRun:
     grace_s: float = 5.0
     python: str = sys.executable
     max_restarts: int = 0
+    executors: int = 0
+    """Local executor processes to start (``executors.nodes``)."""
 
     def launch(self, on_events: Callable[[list[ev.Event]], None] = lambda _: None) -> ev.RunEnd:
         """Run to the end, restarting the world up to ``max_restarts`` times after a failure;
@@ -76,19 +82,23 @@ class LocalRun:
         self.run_dir.write_job(launcher="mpirun", pid=os.getpid(), command=cmd)
         tail = ev.EventTail(self.run_dir.events)
         attempt = 1
-        while True:
-            returncode, interrupted, output = self._attempt(cmd, log_path, tail, on_events)
-            end = diagnose(self.run_dir, returncode, interrupted, log_path, output)
-            if end.status != "failed" or attempt > self.max_restarts:
-                break
-            attempt += 1  # the world starts again from the newest checkpoint (runtime.resume)
-            restart = ev.Restarting(attempt=attempt, reason=end.reason)
-            try:
-                with ev.EventLog(self.run_dir.events) as events:
-                    events.emit(restart)
-            except OSError:
-                pass
-            on_events(tail.new())
+        executors = [self._start_executor(f"local-{i + 1}") for i in range(self.executors)]
+        try:
+            while True:
+                returncode, interrupted, output = self._attempt(cmd, log_path, tail, on_events)
+                end = diagnose(self.run_dir, returncode, interrupted, log_path, output)
+                if end.status != "failed" or attempt > self.max_restarts:
+                    break
+                attempt += 1  # the world starts again from the newest checkpoint (runtime.resume)
+                restart = ev.Restarting(attempt=attempt, reason=end.reason)
+                try:
+                    with ev.EventLog(self.run_dir.events) as events:
+                        events.emit(restart)
+                except OSError:
+                    pass
+                on_events(tail.new())
+        finally:
+            _stop_all(executors, self.grace_s)
         self.run_dir.requeue_flag.unlink(missing_ok=True)  # nothing requeues a local run: --resume does
         end = record(self.run_dir, end)
         on_events([end])
@@ -129,6 +139,19 @@ class LocalRun:
             pump.join(5)
             self._kill_leftover_ranks()
         return proc.returncode, bool(interrupted_at), output.tail()
+
+    def _start_executor(self, name: str) -> subprocess.Popen[bytes]:
+        """One executor process, its output in ``logs/executor-<name>.log`` beside its own log."""
+        with (self.run_dir.logs / f"executor-{name}.log").open("ab") as out:
+            return subprocess.Popen(
+                [self.python, "-m", "gyre_hpc.executors", str(self.run_dir.path), "--node", name],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
 
     def _kill_leftover_ranks(self) -> None:
         """SIGKILL any rank of this run still alive (checked by its command line, not just its pid)."""
@@ -177,6 +200,19 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
     except (OSError, AttributeError):
         pass
+
+
+def _stop_all(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
+    """SIGTERM (each ends its executions and their processes), then SIGKILL after ``grace_s``."""
+    for proc in procs:
+        _signal_group(proc)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(max(deadline - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
 
 
 def _signal_group(proc: subprocess.Popen[bytes], signum: int = signal.SIGTERM) -> None:

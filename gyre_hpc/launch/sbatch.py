@@ -5,11 +5,14 @@
  component 1   cells           cells × nodes_per_cell nodes,  (ranks 1 … cells·ranks_per_cell)
                                ranks_per_cell / nodes_per_cell tasks per node
  component 2   rollout pool    one node and one task per standalone engine (only if any)
+ last          executor nodes  executors.nodes nodes, one executor task each (only if any)
 ```
 
 One ``srun --mpi=pmix`` of ``:``-separated parts, ``--het-group=0 … : --het-group=1 …``, then
 starts one MPI world across the components, in that order, which is exactly the rank order
-``layout.Layout`` expects. Output goes to
+``layout.Layout`` expects. Executor nodes are not in that world: a second ``srun`` of their
+component starts one ``executors.node`` per node, so a lost executor node leaves the world (and
+its step) going; they serve every world of the job and stop when the script ends. Output goes to
 ``<run_dir>/logs/slurm.out``: never ``%j`` in a path shared by components, it expands per component.
 """
 
@@ -21,10 +24,12 @@ from pathlib import Path
 
 from gyre_hpc.errors import LaunchError
 from gyre_hpc.layout import Layout
-from gyre_hpc.recipe.schema import SlurmConfig
+from gyre_hpc.recipe.schema import ExecutorsConfig, SlurmConfig
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "sbatch" / "hetjob.sh"
 SRUN_GRACE_S = 10  # how long srun may outlive every rank before the script stops it
+EXECUTORS_STEP = "gyre-executors"
+"""The executor nodes' job step: not one of the world's (the script's hang watch skips it)."""
 
 
 class _Template(string.Template):
@@ -41,12 +46,16 @@ def render_sbatch(
     max_restarts: int = 0,
     template: Path = TEMPLATE,
     engines: str = "",
+    executors: ExecutorsConfig | None = None,
 ) -> str:
     """The complete sbatch script for ``layout``; no I/O but reading the template. ``engines``:
     each cell's engine plan (``placement``), written into the script as comments."""
     components = [_controller(slurm), _cells(slurm, layout)]
     if layout.pool:
         components.append(_pool(slurm, layout))
+    world = len(components)
+    if executors is not None and executors.nodes:
+        components.append(_executors(slurm, executors))
     common = [
         f"--job-name={job_name}",
         f"--output={run_dir}/logs/slurm.out",
@@ -74,7 +83,9 @@ def render_sbatch(
         run_dir=shlex.quote(str(run_dir)),
         python=shlex.quote(python),
         mpi=slurm.mpi,
-        srun_components=_srun_components(components),
+        srun_components=_srun_components(components[:world]),
+        executors_start=_executors_start(components, world),
+        executors_step=EXECUTORS_STEP,
         srun_grace_s=SRUN_GRACE_S,
         world_size=layout.world_size,
         max_restarts=max_restarts,
@@ -91,6 +102,30 @@ def _srun_components(components: list[list[str]]) -> str:
     asked = [" ".join(o for o in opts if o.startswith(per_task)) for opts in components]
     parts = [f"    --het-group={i} {a} {run}" for i, a in enumerate(asked)]
     return " : \\\n".join(parts)
+
+
+def _executors_start(components: list[list[str]], world: int) -> str:
+    """The executor nodes' own srun, in the background (or a comment: none asked for)."""
+    if len(components) == world:
+        return "# (no executor nodes: executions run on the controller's node)"
+    cpus = next(o for o in components[world] if o.startswith("--cpus-per-task="))
+    return (
+        f"srun --het-group={world} --job-name={EXECUTORS_STEP} --mpi=none --kill-on-bad-exit=0 {cpus} \\\n"
+        '    "$PYTHON" -m gyre_hpc.executors "$RUN_DIR" &\nexecutors_pid=$!'
+    )
+
+
+def _executors(slurm: SlurmConfig, executors: ExecutorsConfig) -> list[str]:
+    partition = executors.partition or slurm.controller_partition or slurm.partition
+    return [
+        f"--nodes={executors.nodes}",
+        f"--ntasks={executors.nodes}",
+        "--ntasks-per-node=1",
+        f"--cpus-per-task={executors.cpus_per_node}",
+        *_opt("partition", partition),
+        *_opt("mem", executors.mem),
+        *_opt("constraint", executors.constraint),
+    ]
 
 
 def _controller(slurm: SlurmConfig) -> list[str]:

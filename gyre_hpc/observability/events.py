@@ -168,6 +168,38 @@ class Finished(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ExecutorUp(Event):
+    """An executor node registered with the controller (``executors.hub``)."""
+
+    kind: ClassVar[str] = "executor_up"
+    node: str
+    host: str
+    pid: int
+    slots: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placed(Event):
+    """An execution was handed to an executor node (``attempt`` 2 and up: placed again after
+    the node it ran on was lost)."""
+
+    kind: ClassVar[str] = "placed"
+    run: str
+    node: str
+    attempt: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExecutorLost(Event):
+    """An executor node was silent past ``executors.lease_s``: its executions are placed again."""
+
+    kind: ClassVar[str] = "executor_lost"
+    node: str
+    runs: list[str]
+    silent_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class BurstEnd(Event):
     """The step's queue is complete: its last execution ended, or in-flight its quota of groups is
     in (``stop``: applied now, carry_tail)."""
@@ -353,6 +385,7 @@ KINDS: dict[str, type[Event]] = {
         RunStart,
         WorldUp,
         ProxyUp,
+        SandboxUp,
         Hello,
         Resumed,
         SwitchRole,
@@ -360,6 +393,9 @@ KINDS: dict[str, type[Event]] = {
         WeightsLoaded,
         Dispatched,
         Finished,
+        ExecutorUp,
+        Placed,
+        ExecutorLost,
         BurstEnd,
         StaleStopped,
         Switch,

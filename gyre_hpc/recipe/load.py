@@ -178,7 +178,8 @@ def to_toml(recipe: Recipe, docs: bool = True) -> str:
     lines: list[str] = []
     for section in SECTIONS:
         config = getattr(recipe, section)
-        lines.append(f"[{section}]" + (f"  # {type(config).__doc__}" if docs else ""))
+        doc = " ".join((type(config).__doc__ or "").split())  # one comment line, however it wraps
+        lines.append(f"[{section}]" + (f"  # {doc}" if docs else ""))
         for f in dataclasses.fields(config):
             if docs:
                 lines.append(f"# {f.metadata['doc']}{_range(f).replace('  [', '  Range: [')}")

@@ -391,6 +391,29 @@ class ScoringConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ExecutorsConfig:
+    """CPU nodes that run executions (harness, tool commands, scorers) instead of the controller's
+    node: a het component of their own under ``gyre-hpc submit``, local processes under
+    ``gyre-hpc run``. Each pulls work from the controller and reaches the proxy over the network."""
+
+    nodes: int = knob(0, "Executor nodes; 0 runs every execution on the controller's node.", min=0, max=4096)
+    slots_per_node: int = knob(
+        64, "Executions one executor node runs at once; more wait for a free slot.", min=1, max=100_000
+    )
+    lease_s: float = knob(
+        10.0,
+        "An executor silent this long is dead: its executions are placed again (the built-in "
+        "harness's continue from their journal, black-box ones start again).",
+        min=1,
+        max=3600,
+    )
+    partition: str = knob("", "Partition of the executor nodes; empty: slurm.controller_partition's.")
+    cpus_per_node: int = knob(16, "CPUs per executor node (its one task's --cpus-per-task).", min=1, max=4096)
+    mem: str = knob("", "Memory per executor node (e.g. 64G); empty: the partition default.")
+    constraint: str = knob("", "Node feature constraint for executor nodes; empty: none.")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class SlurmConfig:
     """The heterogeneous sbatch job `gyre-hpc submit` renders."""
 
@@ -462,6 +485,7 @@ class Recipe:
     tasks: TasksConfig = field(default_factory=TasksConfig)
     trajectory: TrajectoryConfig = field(default_factory=TrajectoryConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    executors: ExecutorsConfig = field(default_factory=ExecutorsConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
 

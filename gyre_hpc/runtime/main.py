@@ -198,6 +198,8 @@ def controller(
             seed=recipe.run.seed,
             on_event=on_event,
             sandbox=sandbox,
+            executors=recipe.executors,
+            emit=events.emit,
         )
 
     waits = Waits.of(recipe.cells, recipe.engine)

@@ -9,13 +9,18 @@
 ```
 
 MPI stays on the main thread; everything HTTP stays on the loop. The counters d/p/f are
-reported through ``on_event`` from the loop thread.
+reported through ``on_event`` from the loop thread. With executor nodes (``executors.nodes``),
+``dispatch`` queues executions on the hub (``executors.hub``) instead of running them here; the
+hub listens beside the proxy and its address goes to ``executors/hub.json`` in the run directory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
+import secrets
+import socket
 import threading
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -26,8 +31,11 @@ from aiohttp import web
 from gyre_hpc.agents.dispatch import Dispatcher, Outcome, make_harness
 from gyre_hpc.agents.external import Endpoint
 from gyre_hpc.agents.journal import Journal
+from gyre_hpc.executors.hub import Hub
+from gyre_hpc.executors.job import HubAddress
+from gyre_hpc.observability import events as ev
 from gyre_hpc.proxy.server import Proxy
-from gyre_hpc.recipe.schema import AgentConfig, EngineConfig, ProxyConfig, ScoringConfig
+from gyre_hpc.recipe.schema import AgentConfig, EngineConfig, ExecutorsConfig, ProxyConfig, ScoringConfig
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.sandbox.confine import UNCONFINED, Sandbox
 from gyre_hpc.scoring import ScoringRunners
@@ -35,7 +43,10 @@ from gyre_hpc.tasks.task import Task
 from gyre_hpc.trajectory.tree import TrajectoryTree
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 STOP_S = 5.0
+EXECUTORS_UP_S = 120.0
+"""How long the first burst waits for every executor node to register."""
 
 
 class Serving:
@@ -53,6 +64,8 @@ class Serving:
         seed: int,
         on_event: Callable[[str, str], None],
         sandbox: Sandbox = UNCONFINED,
+        executors: ExecutorsConfig | None = None,
+        emit: Callable[[ev.Event], None] = lambda event: None,
     ) -> None:
         self.run_dir, self.model_dir = run_dir, model_dir
         self.engine_urls, self.limits = list(engines), engines
@@ -60,6 +73,9 @@ class Serving:
         self.proxy_cfg, self.agent_cfg, self.engine_cfg = proxy, agent, engine
         self.capacity, self.seed, self.on_event = capacity, seed, on_event
         self.sandbox = sandbox
+        self.executors, self.emit = executors or ExecutorsConfig(), emit
+        self.hub: Hub | None = None
+        """Executions go to executor nodes through it (``executors.nodes`` > 0), else run here."""
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="serving", daemon=True)
         self.scoring = ScoringRunners(scoring)
@@ -67,9 +83,16 @@ class Serving:
         """Run id → its stop, for every execution dispatched and not ended (loop thread only)."""
 
     def start(self) -> str:
-        """Start the loop and the proxy; returns the proxy's base URL."""
+        """Start the loop and the proxy (and the executors' hub, and wait for the executor nodes
+        so the first burst spreads over them all); returns the proxy's base URL."""
         self._thread.start()
-        return self.call(self._start())
+        url = self.call(self._start())
+        if self.hub is not None:
+            wanted = self.executors.nodes
+            up = self.call(self.hub.wait_for_nodes(wanted, EXECUTORS_UP_S), timeout=EXECUTORS_UP_S + 10)
+            if up < wanted:  # they may still come; the work waits for the first
+                log.warning("%d of %d executor nodes up after %g s", up, wanted, EXECUTORS_UP_S)
+        return url
 
     async def _start(self) -> str:
         self.proxy = Proxy(
@@ -81,14 +104,29 @@ class Serving:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.proxy_cfg.host, self.proxy_cfg.port)
         await site.start()
-        port = self._runner.addresses[0][1]
-        self.url = f"http://{self.proxy_cfg.host}:{port}"
+        self.url = _url(self.proxy_cfg.host, self._runner.addresses[0][1])
+        self._runners = [self._runner]
+        if self.executors.nodes:
+            await self._start_hub()
         e = self.engine_cfg
         sampling = {"temperature": e.temperature, "top_p": e.top_p, "max_tokens": e.max_new_tokens}
         endpoint = Endpoint(self.url, self.proxy.keys.mint, self.model_dir.name, self.proxy.usage)
         logs = self.run_dir.logs / "executions"
         self.harness = make_harness(self.agent_cfg, endpoint, sampling, self.seed, logs, self.sandbox)
         return self.url
+
+    async def _start_hub(self) -> None:
+        """The executors' hub beside the proxy, on the same address; written where they look."""
+        token = HubAddress.new_token()
+        usage = self.proxy.usage if self.agent_cfg.kind != "builtin" else None
+        self.hub = Hub(self.executors, token, self.on_event, self.emit, usage)
+        runner = web.AppRunner(self.hub.app(), handler_cancellation=True, shutdown_timeout=1.0)
+        await runner.setup()
+        await web.TCPSite(runner, self.proxy_cfg.host, 0).start()
+        self._runners.append(runner)
+        hub_url = _url(self.proxy_cfg.host, runner.addresses[0][1])
+        address = HubAddress(hub_url, token, self.url, self.model_dir.name, secrets.token_hex(8))
+        await asyncio.to_thread(address.write, self.run_dir.executor_hub)
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = 60) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -100,6 +138,11 @@ class Serving:
         on_outcome: Callable[[Outcome], None] = lambda outcome: None,
         journal: Path | None = None,
     ) -> concurrent.futures.Future[list[Outcome]]:
+        if self.hub is not None:
+            journal = journal if self.agent_cfg.journal else None
+            return asyncio.run_coroutine_threadsafe(
+                self.hub.run_all(jobs, workspaces, journal, on_outcome), self.loop
+            )
         dispatcher = Dispatcher(
             self.harness,
             lambda task: self.scoring.get(task.scorer),
@@ -126,6 +169,8 @@ class Serving:
             for run in run_ids:
                 if run in self.stops:
                     self.stops[run].set()
+            if self.hub is not None:
+                self.hub.stop(run_ids)
 
         self.call(stop())
 
@@ -161,7 +206,17 @@ class Serving:
     def stop(self) -> None:
         if self._thread.is_alive():
             try:
-                self.call(self._runner.cleanup(), timeout=STOP_S + 10)
+                if self.hub is not None:
+                    self.run_dir.executor_hub.unlink(missing_ok=True)  # executors wait for the next
+                for runner in reversed(self._runners):
+                    self.call(runner.cleanup(), timeout=STOP_S + 10)
             finally:
                 self.loop.call_soon_threadsafe(self.loop.stop)
                 self._thread.join(timeout=10)
+
+
+def _url(host: str, port: int) -> str:
+    """The URL others reach a server bound to ``host`` at: this host's name for a wildcard."""
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    return f"http://{host}:{port}"

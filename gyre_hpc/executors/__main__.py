@@ -1,0 +1,5 @@
+import sys
+
+from gyre_hpc.executors.node import main
+
+sys.exit(main())

@@ -120,8 +120,17 @@ def records_by_run(run: RunDir) -> dict[str, list[TitoRecord]]:
     return {r: list(t.records()) for r, t in trees.items()}
 
 
-def test_a_restart_continues_the_steps_executions_from_their_last_call(tmp_path: Path) -> None:
-    sets = ["run.steps=1", "agent.max_calls=6", "cells.heartbeat_timeout_s=10"]
+@pytest.mark.parametrize("executors", [0, 2])
+def test_a_restart_continues_the_steps_executions_from_their_last_call(
+    tmp_path: Path, executors: int
+) -> None:
+    """With ``executors`` executor processes, the executions ran on them, and run there again."""
+    sets = [
+        "run.steps=1",
+        "agent.max_calls=6",
+        "cells.heartbeat_timeout_s=10",
+        f"executors.nodes={executors}",
+    ]
     proc = start(tmp_path, *sets)
     run = the_run(tmp_path)
     # ~80 % of step 1's 32 executions have ended: the controller's rank dies (mpirun ends the rest).
@@ -153,6 +162,8 @@ def test_a_restart_continues_the_steps_executions_from_their_last_call(tmp_path:
     assert any(len(after[r]) > calls for r, calls in running.items())  # some did call again
     step = next(e for e in run.read_events() if isinstance(e, ev.Step))
     assert step.executions == 32
+    placed = [e for e in run.read_events() if isinstance(e, ev.Placed)]
+    assert {e.node for e in placed} == {f"local-{i + 1}" for i in range(executors)}
 
 
 def test_a_rank_that_dies_is_restarted_by_itself_and_resume_overrides_are_kept_apart(tmp_path: Path) -> None:

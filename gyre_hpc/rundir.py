@@ -5,9 +5,12 @@ runs/<name>-<YYYYmmdd-HHMMSS>/
   recipe.toml     the resolved recipe as created (every key, documented; never rewritten)
   resumes.jsonl   each resume: when, by which launcher, the overrides it gave (applied in order)
   events.jsonl    what happened, one JSON record per line (observability.events)
-  tito.bin        every model call's exact token ids, delta-encoded (trajectory.codec)
+  tito.bin        every model call's exact token ids, delta-encoded (trajectory.codec);
+                  tito-<n>.bin: proxy worker n's runs, when proxy.workers > 1
   proxy.secret    signs the per-execution API keys (proxy.keys)
-  chats.jsonl     the proxy's chat index: served transcripts by digest (proxy.server.ChatIndex)
+  chats.jsonl     the proxy's chat index: served transcripts by digest (proxy.server.ChatIndex);
+                  chats-<n>.jsonl: proxy worker n's
+  proxy/          spec.json, worker-<n>.json: the proxy workers' brief and addresses (proxy.worker)
   checkpoints/    step-NNNNNN/: a Hugging Face model directory + optimizer state + state.json
   journal/        step-NNNN/<run>.jsonl: each execution after every call (agents.journal)
   requeue         left by a preempted run under Slurm: the batch script requeues the job
@@ -70,17 +73,36 @@ class RunDir:
 
     @property
     def tito_log(self) -> Path:
-        """Every model call of every execution, as checksummed encoded records (trajectory.codec)."""
+        """Every model call of every execution, as checksummed encoded records (trajectory.codec);
+        with ``proxy.workers`` > 1, worker 0's segment (``tito_segment``)."""
         return self.path / "tito.bin"
 
-    def tito_bytes(self) -> int:
-        """Size of the TITO log: every call answered so far is in it (written before the reply)."""
-        return self.tito_log.stat().st_size if self.tito_log.exists() else 0
+    def tito_segment(self, worker: int) -> Path:
+        """Proxy worker ``worker``'s part of the TITO log: the records of the runs it owns."""
+        return self.tito_log if worker == 0 else self.path / f"tito-{worker}.bin"
+
+    def tito_segments(self) -> list[Path]:
+        """Every segment of the TITO log there is, worker 0's first: together, one log."""
+        more = sorted(self.path.glob("tito-*.bin"), key=lambda p: int(p.stem.split("-")[1]))
+        return [self.tito_log, *more] if self.tito_log.exists() else more
+
+    def tito_bytes(self) -> dict[str, int]:
+        """Each segment's size: every call answered so far is in them (written before the reply)."""
+        return {p.name: p.stat().st_size for p in self.tito_segments()}
 
     @property
     def chat_index(self) -> Path:
         """Per served chat call, what the proxy needs to extend its ids exactly after a restart."""
         return self.path / "chats.jsonl"
+
+    def chat_index_segment(self, worker: int) -> Path:
+        """Proxy worker ``worker``'s chat index."""
+        return self.chat_index if worker == 0 else self.path / f"chats-{worker}.jsonl"
+
+    @property
+    def proxy_workers(self) -> Path:
+        """``worker-<n>.json``: where each proxy worker listens; ``spec.json``: what they serve."""
+        return self.path / "proxy"
 
     @property
     def proxy_secret(self) -> Path:

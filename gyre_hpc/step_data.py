@@ -256,6 +256,7 @@ def step_stats(
         ),
         "loss_tokens": int(sum(s.loss_mask.sum() for s in sequences)),
         "calls": sum(o.execution.calls for o in outcomes),
+        "tool_calls": sum(o.execution.tool_calls for o in outcomes),
         "statuses": dict(sorted(Counter(o.execution.status for o in outcomes).items())),
         "groups": list(work),
         "engine_calls": engine_calls(trees),

@@ -82,7 +82,7 @@ def test_elastic_cells_join_by_the_water_level_and_leave_last_first(tmp_path: Pa
         assert s.roles == {"0": S, "1": S, "2": S}  # every step ends with every cell sampling
     assert [a[1] for a in fleet.applied] == [list(range(12))] * 2  # each micro-step trained once
     assert [s.version for s in steps] == [1, 2] and steps[1].staleness == {"0": 12}
-    assert [s["tito_bytes"] for s in fleet.states] == [12, 24]
+    assert [s["tito_bytes"] for s in fleet.states] == [{"tito.bin": 12}, {"tito.bin": 24}]
     assert time.monotonic() - started < 10
 
 
@@ -112,7 +112,7 @@ def test_async_keeps_its_split_and_samples_the_next_burst_while_it_trains(tmp_pa
     assert [set(s.staleness_tokens) for s in steps[1:]] == [{"1"}, {"1"}]
     # A checkpoint keeps the log up to its burst's end, though the next burst's first calls
     # (ending 1 s into it) were logged before the step was applied: a resumed run redoes them.
-    assert [s["tito_bytes"] for s in fleet.states] == [12, 24, 36]
+    assert [s["tito_bytes"]["tito.bin"] for s in fleet.states] == [12, 24, 36]
     # Training (3.1 s on one cell) hides behind the next burst: a step lasts one burst (9 s).
     assert steps[1].seconds == pytest.approx(9, abs=0.01) and steps[2].seconds == pytest.approx(9, abs=0.01)
 

@@ -12,8 +12,15 @@ the proxy's own time as it reports it (``X-Gyre-Proxy-Ms``: everything but waiti
 engine).
 
     python tools/bench_proxy.py [--runs 64 256] [--turns 8] [--engine-ms 20] [--think-ms 200]
+        [--workers 1 2 4]
 
-Goal: the proxy's own p99 ≤ 2 ms.
+``--workers``: the proxy as that many processes, each serving the runs of its shard
+(``run_shard``) into its own TITO segment, as ``proxy.workers`` runs it; one table row per
+worker count and number of runs, with the calls per second served through the proxy. The CPU
+each call costs (the proxies', and this process's: the runs' client side and the null engine)
+gives the bound no number of workers can pass on this machine: cores / CPU per call.
+
+Goal: the proxy's own p99 ≤ 2 ms at 64 runs and ≤ 5 ms at 256 runs.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from rich.table import Table
 from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.models.tokenizer import ChatTokenizer
 from gyre_hpc.proxy.keys import KeyRing
+from gyre_hpc.run_shard import shard_of
 from gyre_hpc.rundir import RunDir
 
 REPLY = "I will run the tests now.<|im_end|>"
@@ -79,6 +87,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_s(pids: list[int]) -> float:
+    """CPU seconds these processes have used (user + system), from /proc."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -114,39 +131,61 @@ async def bench(args: argparse.Namespace, model: Path, run_dir: Path) -> list[tu
     engine_port = free_port()
     await web.TCPSite(runner, "127.0.0.1", engine_port).start()
     engine_url = f"http://127.0.0.1:{engine_port}"
-    proxy_port = free_port()
-    proxy = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gyre_hpc",
-            "proxy",
-            "serve",
-            "--engine",
-            engine_url,
-            "--run-dir",
-            str(run_dir),
-            "--model",
-            str(model),
-            "--port",
-            str(proxy_port),
-            "--capacity",
-            "4096",  # as many calls in flight as the direct side has: only the proxy differs
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    proxy_url = f"http://127.0.0.1:{proxy_port}"
-    keys = KeyRing.load(RunDir(run_dir).proxy_secret)
+    rows = []
+    try:
+        for workers in args.workers:
+            rows += await bench_workers(args, model, run_dir / f"w{workers}", tok, engine_url, workers)
+    finally:
+        await runner.cleanup()
+    return rows
+
+
+async def bench_workers(
+    args: argparse.Namespace, model: Path, run_dir: Path, tok: ChatTokenizer, engine_url: str, workers: int
+) -> list[tuple]:
+    run_dir.mkdir()
+    keys = KeyRing.load(RunDir(run_dir).proxy_secret)  # before the workers: one secret for all
+    ports = [free_port() for _ in range(workers)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gyre_hpc",
+                "proxy",
+                "serve",
+                "--engine",
+                engine_url,
+                "--run-dir",
+                str(run_dir),
+                "--model",
+                str(model),
+                "--port",
+                str(port),
+                # as many calls in flight as the direct side has: only the proxy differs
+                "--capacity",
+                str(-(-4096 // workers)),
+                "--worker",
+                str(i),
+                "--workers",
+                str(workers),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        for i, port in enumerate(ports)
+    ]
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
     rows = []
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            for _ in range(300):
-                try:
-                    async with session.get(proxy_url + "/health"):
-                        break
-                except aiohttp.ClientError:
-                    await asyncio.sleep(0.1)
+            for proxy_url in urls:
+                for _ in range(300):
+                    try:
+                        async with session.get(proxy_url + "/health"):
+                            break
+                    except aiohttp.ClientError:
+                        await asyncio.sleep(0.1)
             overheads: list[float] = []
 
             async def direct(r: int, messages: list[dict]) -> dict:
@@ -163,9 +202,10 @@ async def bench(args: argparse.Namespace, model: Path, run_dir: Path) -> list[tu
                 return {"role": "assistant", "content": "I will run the tests now."}
 
             async def via_proxy(r: int, messages: list[dict]) -> dict:
-                headers = {"Authorization": f"Bearer {keys.mint(f'{label}-{r}', 'main')}"}
+                run_id = f"{label}-{r}"
+                headers = {"Authorization": f"Bearer {keys.mint(run_id, 'main')}"}
                 async with session.post(
-                    proxy_url + "/v1/chat/completions",
+                    urls[shard_of(run_id, workers)] + "/v1/chat/completions",
                     headers=headers,
                     json={"messages": messages, "max_tokens": 16},
                 ) as resp:
@@ -175,18 +215,23 @@ async def bench(args: argparse.Namespace, model: Path, run_dir: Path) -> list[tu
 
             label = "warm"
             await drive(8, 2, 0.01, via_proxy)
-            if args.hostile:
+            if args.hostile and workers == 1:
                 label = "alone"
                 alone = await drive(args.hostile_runs, args.turns, args.think_ms / 1000, via_proxy)
                 label = "attacked"
-                attacked, bad = await under_attack(session, proxy_url, keys, args, via_proxy)
+                attacked, bad = await under_attack(session, urls[0], keys, args, via_proxy)
                 rows.append(("hostile", alone, attacked, bad))
             for runs in args.runs:
                 label, overheads = f"r{runs}", []
                 d = await drive(runs, args.turns, args.think_ms / 1000, direct)
+                started, cpu = time.perf_counter(), (cpu_s([q.pid for q in procs]), time.process_time())
                 p = await drive(runs, args.turns, args.think_ms / 1000, via_proxy)
+                calls_per_s = len(p) / (time.perf_counter() - started)
+                proxy_ms = 1000 * (cpu_s([q.pid for q in procs]) - cpu[0]) / len(p)
+                here_ms = 1000 * (time.process_time() - cpu[1]) / len(p)  # the runs and the engine
                 rows.append(
                     (
+                        workers,
                         runs,
                         len(p),
                         pct(d, 0.5),
@@ -196,12 +241,17 @@ async def bench(args: argparse.Namespace, model: Path, run_dir: Path) -> list[tu
                         pct(p, 0.99) - pct(d, 0.99),
                         pct(overheads, 0.5),
                         pct(overheads, 0.99),
+                        proxy_ms,
+                        here_ms,
+                        calls_per_s,
+                        (os.cpu_count() or 1) * 1000 / (proxy_ms + here_ms),
                     )
                 )
     finally:
-        proxy.terminate()
-        proxy.wait(10)
-        await runner.cleanup()
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(10)
     return rows
 
 
@@ -270,6 +320,7 @@ def main() -> None:
     ap.add_argument("--hostile", action="store_true", help="Also: normal calls alone vs under bad requests.")
     ap.add_argument("--hostile-runs", type=int, default=16)
     ap.add_argument("--attackers", type=int, default=4, help="Clients sending only bad requests.")
+    ap.add_argument("--workers", type=int, nargs="+", default=[1], help="Proxy processes (one row set each).")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = init_tiny(Path(tmp) / "tiny")
@@ -281,6 +332,7 @@ def main() -> None:
         f"{os.cpu_count()} cores shared by load, proxy and engine"
     )
     for col in (
+        "workers",
         "runs",
         "calls",
         "direct p50",
@@ -290,12 +342,18 @@ def main() -> None:
         "Δ p99",
         "proxy's own p50",
         "proxy's own p99",
+        "proxy CPU ms/call",
+        "runs+engine CPU ms/call",
+        "calls/s",
+        "cores bound calls/s",
     ):
         table.add_column(col, justify="right")
-    console = Console(width=130)
+    console = Console(width=200)
     for row in rows:
         if row[0] != "hostile":
-            table.add_row(str(row[0]), str(row[1]), *(f"{v:.2f}" for v in row[2:]))
+            table.add_row(
+                *(str(v) for v in row[:3]), *(f"{v:.2f}" for v in row[3:-2]), *(f"{v:.0f}" for v in row[-2:])
+            )
     console.print(table)
     for _, alone, attacked, bad in (r for r in rows if r[0] == "hostile"):
         title = f"{args.hostile_runs} normal runs, alone and while {args.attackers} clients send bad requests"

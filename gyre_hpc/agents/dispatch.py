@@ -65,8 +65,9 @@ def make_harness(
     if config.kind == "python":
         return PythonHarness(config, endpoint, sandbox)
     return Harness(
-        endpoint.base_url + "/v1", endpoint.key_for, config, sampling, endpoint.model, seed, sandbox
-    )
+        endpoint.base_url + "/v1", endpoint.key_for, config, sampling, endpoint.model, seed, sandbox,
+        url_for=lambda run_id: endpoint.url_for(run_id) + "/v1",
+    )  # fmt: skip
 
 
 SETUP_TIMEOUT_S = 900.0

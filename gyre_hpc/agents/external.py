@@ -58,6 +58,7 @@ from gyre_hpc.agents.stops import REASON, Stopped, within
 from gyre_hpc.agents.workspace import CommandResult, Workspace
 from gyre_hpc.errors import GyreError
 from gyre_hpc.recipe.schema import AgentConfig
+from gyre_hpc.run_shard import shard_of
 from gyre_hpc.sandbox import relay, supervise
 from gyre_hpc.sandbox.confine import UNCONFINED, Launch, Sandbox
 from gyre_hpc.sandbox.limits import Group
@@ -81,6 +82,13 @@ class Endpoint:
     key_for: Callable[[str, str], str]
     model: str
     usage: Usage = lambda run_id: (0, 0)
+    workers: tuple[str, ...] = ()
+    """With several proxy workers (``proxy.workers``): each one's root URL, by worker index; a run
+    is told its own worker's (``run_shard``) instead of ``base_url``."""
+
+    def url_for(self, run_id: str) -> str:
+        """The proxy root this run's calls go to."""
+        return self.workers[shard_of(run_id, len(self.workers))] if self.workers else self.base_url
 
 
 @dataclass(frozen=True)
@@ -128,9 +136,9 @@ def fields(task: Task, workspace: Path, run_id: str, timeout_s: float) -> dict[s
 def environment(endpoint: Endpoint, run_id: str, task: Task, workspace: Path) -> dict[str, str]:
     keys = {role: endpoint.key_for(run_id, role) for role in ROLES}
     env = {
-        "OPENAI_BASE_URL": endpoint.base_url + "/v1",
+        "OPENAI_BASE_URL": endpoint.url_for(run_id) + "/v1",
         "OPENAI_API_KEY": keys["main"],
-        "ANTHROPIC_BASE_URL": endpoint.base_url,
+        "ANTHROPIC_BASE_URL": endpoint.url_for(run_id),
         "ANTHROPIC_API_KEY": keys["main"],
         "GYRE_MODEL": endpoint.model,
         "GYRE_RUN_ID": run_id,
@@ -185,12 +193,12 @@ class CommandHarness:
                 group = scope.enter_context(box.group(run_id))
             cpu_s = int(limit) + 1
             if box.confined:
-                url = urlsplit(self.endpoint.base_url)
+                url = urlsplit(self.endpoint.url_for(run_id))
                 port = url.port or 80
                 sock = await scope.enter_async_context(
                     relay.outside(url.hostname or "", port, box.owner_in(group))
                 )
-                inside = replace(self.endpoint, base_url=f"http://127.0.0.1:{port}")
+                inside = replace(self.endpoint, base_url=f"http://127.0.0.1:{port}", workers=())
                 env = _inherited() | {"HOME": str(workspace)} | environment(inside, run_id, task, workspace)
                 launch = box.launch(workspace, argv, env, ProxyReach(sock, port), group=group, cpu_s=cpu_s)
             else:
@@ -299,7 +307,7 @@ class PythonHarness:
         limit = task.timeout_s or self.config.timeout_s
         clients = {
             role: openai.AsyncOpenAI(
-                base_url=self.endpoint.base_url + "/v1",
+                base_url=self.endpoint.url_for(run_id) + "/v1",
                 api_key=self.endpoint.key_for(run_id, role),
                 max_retries=0,
                 timeout=limit,

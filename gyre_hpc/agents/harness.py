@@ -58,6 +58,8 @@ class Execution:
     compactions: int = 0
     sub_agents: int = 0
     tool_errors: int = 0
+    tool_calls: int = 0
+    """Tool calls the built-in harness carried out (a black-box harness's are not seen)."""
     summary: str = ""
     error: str = ""
     seconds: float = 0.0
@@ -77,8 +79,12 @@ class Harness:
         model: str = "policy",
         seed: int | None = None,
         sandbox: Sandbox = UNCONFINED,
+        url_for: Callable[[str], str] | None = None,
     ) -> None:
+        """``base_url``: the proxy's OpenAI API; ``url_for``: a run's own, where the proxy is several
+        workers (``run_shard``)."""
         self.base_url, self.key_for, self.config = base_url, key_for, config
+        self.url_for = url_for or (lambda run_id: base_url)
         self.sandbox = sandbox  # where run_shell and run_tests run
         self.sampling = sampling or {}
         self.model = model
@@ -111,7 +117,7 @@ class Harness:
         self._runs += 1
         clients = {
             role: openai.AsyncOpenAI(
-                base_url=self.base_url,
+                base_url=self.url_for(run_id),
                 api_key=self.key_for(run_id, role),
                 max_retries=0,
                 timeout=self.config.timeout_s,
@@ -232,6 +238,7 @@ class Harness:
             return None
         finished = None
         for tc in msg.tool_calls:
+            ex.tool_calls += 1
             try:
                 call = parse_call(tc.function.name, tc.function.arguments, allowed)
                 if call.name == "finish":
@@ -286,6 +293,7 @@ class _Log:
             "compactions": ex.compactions,
             "sub_agents": ex.sub_agents,
             "tool_errors": ex.tool_errors,
+            "tool_calls": ex.tool_calls,
         }
         keep = self.journalled
         self.journal.call(

@@ -29,6 +29,11 @@ def serve(
     capacity: Annotated[
         int, typer.Option(help="Calls in flight per engine; more wait in the proxy.", min=1)
     ] = 8,
+    worker: Annotated[int, typer.Option(help="As proxy worker N of --workers: its runs only.", min=0)] = 0,
+    workers: Annotated[
+        int,
+        typer.Option(help="Proxy processes sharing the runs by run id (each its own TITO segment).", min=1),
+    ] = 1,
 ) -> None:
     """Serve the OpenAI-compatible API for harnesses, backed by SGLang-native engines.
 
@@ -52,8 +57,13 @@ def serve(
             model = Path(asyncio.run(ask()))
         except Exception as err:
             raise GyreError(f"cannot ask {engine[0]} for its model ({err}); pass --model DIR") from None
-    proxy = Proxy(run_dir, model, engine, ProxyConfig(host=host, port=port), capacity)
-    typer.echo(f"proxy on http://{host}:{port}/v1 → {', '.join(engine)}; TITO log {RunDir(run_dir).tito_log}")
+    if worker >= workers:
+        raise GyreError(f"--worker {worker} with --workers {workers}: valid workers are 0 … {workers - 1}")
+    proxy = Proxy(
+        run_dir, model, engine, ProxyConfig(host=host, port=port), capacity, worker=worker, workers=workers
+    )
+    segment = RunDir(run_dir).tito_segment(worker)
+    typer.echo(f"proxy on http://{host}:{port}/v1 → {', '.join(engine)}; TITO log {segment}")
     try:  # a faster event loop where available: the proxy is on every model call's path
         import uvloop
 

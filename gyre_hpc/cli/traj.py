@@ -39,12 +39,14 @@ def show(
         raise GyreError(
             f"{run_dir} has no TITO log ({rd.tito_log.name}): not a run directory, or no calls yet"
         )
-    read = read_records(rd.tito_log)
+    reads = [read_records(segment) for segment in rd.tito_segments()]  # one log, however many segments
+    records = [r for read in reads for r in read.records]
+    torn = sum(read.torn_bytes for read in reads)
     traj, seed = (TrajectoryConfig(), RunConfig().seed)
     if rd.recipe_path.exists():
         recipe = rd.read_recipe()
         traj, seed = recipe.trajectory, recipe.run.seed
-    runs = dict(by_run(read.records))
+    runs = dict(by_run(records))
     if run is not None:
         if run not in runs:
             raise GyreError(f"no run {run!r} in {rd.tito_log}; runs: {', '.join(sorted(runs)[:20])}")
@@ -83,8 +85,8 @@ def show(
         for seg in segments:
             _add(root, seg)
         console.print(root)
-    if read.torn_bytes:
-        console.print(f"[yellow]{read.torn_bytes} bytes of a torn last record were ignored[/]")
+    if torn:
+        console.print(f"[yellow]{torn} bytes of a torn last record were ignored[/]")
 
 
 def _add(parent: Tree, seg: Segment) -> None:

@@ -63,6 +63,8 @@ class HubAddress:
     proxy_url: str
     model: str
     hub_id: str
+    proxy_workers: list[str] = dataclasses.field(default_factory=list)
+    """With ``proxy.workers`` > 1: each worker's URL, by index (a run goes to its own)."""
 
     @staticmethod
     def new_token() -> str:

@@ -157,7 +157,8 @@ class ExecutorNode:
         e = self.recipe.engine
         sampling = {"temperature": e.temperature, "top_p": e.top_p, "max_tokens": e.max_new_tokens}
         keys = KeyRing.load(self.run_dir.proxy_secret)
-        endpoint = Endpoint(hub.proxy_url, keys.mint, hub.model)  # the hub counts black-box usage
+        # The hub counts a black-box harness's usage; each run's calls go to its own proxy worker.
+        endpoint = Endpoint(hub.proxy_url, keys.mint, hub.model, workers=tuple(hub.proxy_workers))
         logs = self.run_dir.logs / "executions"
         return make_harness(self.recipe.agent, endpoint, sampling, self.recipe.run.seed, logs, self.sandbox)
 

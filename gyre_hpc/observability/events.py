@@ -273,6 +273,12 @@ class Step(Event):
     ``tokens`` where a run's paths share prefixes; a forest of runs shares their prompt too."""
     loss_tokens: int = 0
     calls: int = 0
+    tool_calls: int = 0
+    """Tool calls the step's executions carried out (built-in harness)."""
+    controller_cpu_s: float = 0.0
+    """CPU seconds the controller's process spent in the step: its own threads (schedule, proxy,
+    trajectories, and the harness when executions run there) and the processes it reaped
+    (sandboxed commands and scorers run on its node)."""
     statuses: dict[str, int] = field(default_factory=dict)
     groups: list[dict[str, Any]] = field(default_factory=list)
     """Each prompt group's work: ``task``, ``run_tokens`` (by sorted run id), ``sequence_tokens``

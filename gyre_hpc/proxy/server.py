@@ -47,6 +47,7 @@ from gyre_hpc.proxy.request import BadChat, bounded, chat_request, token_request
 from gyre_hpc.proxy.router import EngineSlot, NoEngine, Router
 from gyre_hpc.proxy.tito_log import TitoLog
 from gyre_hpc.recipe.schema import ProxyConfig
+from gyre_hpc.run_shard import shard_of
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.trajectory.records import CallMeta, TitoRecord
 
@@ -65,9 +66,12 @@ class Proxy:
         config: ProxyConfig,
         capacity: int = 8,
         limits: Mapping[str, int] | None = None,
+        worker: int = 0,
+        workers: int = 1,
     ) -> None:
         """``capacity``: calls in flight an engine admits, unless ``limits`` says per engine URL
-        (``proxy.admission_limit`` overrides both)."""
+        (``proxy.admission_limit`` overrides both). As ``worker`` of ``workers`` (``proxy.worker``)
+        it serves only the runs of its shard (``run_shard``), into its own TITO segment."""
         self.run_dir = Path(run_dir)
         self.config = config
         self.tokenizer = ChatTokenizer(model_dir)
@@ -78,8 +82,9 @@ class Proxy:
         """The most text a prompt that fits the context can hold: any more is refused unread."""
         files = RunDir(self.run_dir)
         self.keys = KeyRing.load(files.proxy_secret)
-        self.tito = TitoLog(files.tito_log)
-        self.index = ChatIndex(files.chat_index)
+        self.worker, self.workers = worker, workers
+        self.tito = TitoLog(files.tito_segment(worker))
+        self.index = ChatIndex(files.chat_index_segment(worker))
         limits = limits or {}
         self.router = Router(
             [
@@ -121,6 +126,12 @@ class Proxy:
                     "`gyre-hpc proxy key RUN_DIR --run ID --role ROLE`",
                     401,
                 ),
+                content_type="application/json",
+            )
+        owner = shard_of(who[0], self.workers)
+        if owner != self.worker:  # its records belong in its own worker's segment
+            raise web.HTTPMisdirectedRequest(
+                text=_error(f"run {who[0]!r} is served by proxy worker {owner}, not {self.worker}", 421),
                 content_type="application/json",
             )
         return who

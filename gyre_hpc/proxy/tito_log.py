@@ -9,6 +9,11 @@ event loop: handing them to a thread would cost more than they do. Slower storag
 file system) is written from a thread, so the loop keeps serving meanwhile; each write's time
 decides where the next one runs.
 Opening an existing log rebuilds the runs' trees and cuts off a torn tail.
+
+``TitoTail`` is the reading side, for a process that does not write the log: the controller
+when the proxy is several worker processes, each appending its own segment. It reads the
+complete frames each segment has grown by since it last looked; a frame still being written is
+read the next time.
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from gyre_hpc.trajectory.codec import by_run, encode_frame, read_records
+from gyre_hpc.trajectory.codec import by_run, encode_frame, read_frames, read_records
 from gyre_hpc.trajectory.records import TitoRecord
 from gyre_hpc.trajectory.tree import TrajectoryTree
 
@@ -87,3 +93,28 @@ class TitoLog:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+class TitoTail:
+    """The runs' trees, read from the segments ``segments()`` names as they grow."""
+
+    def __init__(self, segments: Callable[[], list[Path]]) -> None:
+        self.segments = segments
+        self.trees: dict[str, TrajectoryTree] = {}
+        self._read: dict[Path, int] = {}
+
+    def update(self) -> dict[str, TrajectoryTree]:
+        """Take in what the segments hold now; every call answered so far is in them."""
+        for path in self.segments():
+            at = self._read.get(path, 0)
+            try:
+                with path.open("rb") as fh:
+                    fh.seek(at)
+                    data = fh.read()
+            except FileNotFoundError:
+                continue
+            got = read_frames(data)
+            for enc in got.records:
+                self.trees.setdefault(enc.run_id, TrajectoryTree(enc.run_id)).add_encoded(enc)
+            self._read[path] = at + len(data) - got.torn_bytes
+        return self.trees

@@ -276,6 +276,13 @@ class ProxyConfig:
     admission_limit: int = knob(
         0, "Requests in flight per engine; 0 uses cells.capacity.", min=0, max=100_000
     )
+    workers: int = knob(
+        1,
+        "Proxy processes on the controller's node, each serving a shard of the runs (by run id) into "
+        "its own TITO segment, read as one log; an engine's admission limit is split among them.",
+        min=1,
+        max=64,
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -19,9 +19,12 @@ through ``Serving``, and records what happens only through the event log.
 from __future__ import annotations
 
 import logging
+import resource
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 
 from gyre_hpc.observability import events as ev
 from gyre_hpc.observability.plot import plot_run
@@ -91,8 +94,10 @@ class Controller:
             )  # fmt: skip
             kind = step_kind(self.scheduler)(ctx)
             for step in range(self.first_step, self.run_cfg.steps + 1):
+                cpu = cpu_seconds()
                 record = kind.run(step)
-                self.events.emit(step_event(record, ctx.clock(), f.roles))
+                event = step_event(record, ctx.clock(), f.roles)
+                self.events.emit(replace(event, controller_cpu_s=round(cpu_seconds() - cpu, 3)))
                 if self.tasks.eval_every and step % self.tasks.eval_every == 0:
                     self.evaluate(step)
                 try:
@@ -140,3 +145,9 @@ class Controller:
                 mean_score=sum(rewards) / max(len(rewards), 1),
             )
         )
+
+
+def cpu_seconds() -> float:
+    """This process's CPU time, all threads, plus that of the children it has reaped."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime

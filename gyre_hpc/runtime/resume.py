@@ -2,10 +2,10 @@
 
 ```
  checkpoints/  newest intact step-N (digests checked; a damaged one is named and skipped)
-                 └─▶ step N, version v, tito_bytes b
+                 └─▶ step N, version v, tito_bytes b (per segment)
  tito.bin      [0, b) kept as is ─┬─ records after b: kept only as the first `calls` records of an
-                                  │  execution journalled in a step after N, all sampled at ≤ v
- chats.jsonl   entries of records no longer in the log dropped
+ (tito-<n>.bin alike)             │  execution journalled in a step after N, all sampled at ≤ v
+ chats.jsonl   entries of records no longer in the log dropped (chats-<n>.jsonl alike)
  journal/      step ≤ N: trained, removed; an execution not kept: forgotten (it starts afresh)
 ```
 
@@ -49,12 +49,21 @@ def prepare(run_dir: RunDir) -> ResumePoint:
     path, skipped = checkpoint.newest_intact(run_dir.checkpoints)
     state = checkpoint.read_state(path) if path is not None else {}
     step, version = int(state.get("step", 0)), int(state.get("version", 0))
-    tito_bytes = int(state.get("tito_bytes", 0))
+    sizes = state.get("tito_bytes", 0)
+    if not isinstance(sizes, dict):  # a checkpoint of before the log had segments
+        sizes = {run_dir.tito_log.name: int(sizes)}
     journals = _journals(run_dir, step)
     wanted = {run: (j, e.calls if e.outcome is None else int(e.outcome["calls"]), e.outcome is not None)
               for j in journals for run in j.run_ids() if (e := j.load(run)) is not None}  # fmt: skip
-    kept, dropped = _cut_log(run_dir.tito_log, tito_bytes, {r: w[1] for r, w in wanted.items()}, version)
-    _cut_chat_index(run_dir.chat_index, kept)
+    calls = {r: w[1] for r, w in wanted.items()}
+    kept: dict[str, int] = {}
+    dropped = 0
+    for segment in run_dir.tito_segments():  # each proxy worker's runs: cut alike, runs never shared
+        got, lost = _cut_log(segment, int(sizes.get(segment.name, 0)), calls, version)
+        kept.update(got)
+        dropped += lost
+    for index in [run_dir.chat_index, *run_dir.path.glob("chats-*.jsonl")]:
+        _cut_chat_index(index, kept)
     continued = finished = 0
     for run, (journal, calls, done) in wanted.items():
         if kept.get(run, 0) == calls:

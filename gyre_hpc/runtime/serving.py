@@ -12,6 +12,8 @@ MPI stays on the main thread; everything HTTP stays on the loop. The counters d/
 reported through ``on_event`` from the loop thread. With executor nodes (``executors.nodes``),
 ``dispatch`` queues executions on the hub (``executors.hub``) instead of running them here; the
 hub listens beside the proxy and its address goes to ``executors/hub.json`` in the run directory.
+With ``proxy.workers`` > 1 the proxy is that many processes (``proxy.workers``): the verbs go to
+all of them, the trees are read from their TITO segments, and each execution is told its own.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import asyncio
 import concurrent.futures
 import logging
 import secrets
-import socket
 import threading
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -34,7 +35,10 @@ from gyre_hpc.agents.journal import Journal
 from gyre_hpc.executors.hub import Hub
 from gyre_hpc.executors.job import HubAddress
 from gyre_hpc.observability import events as ev
+from gyre_hpc.proxy.address import reachable_url
+from gyre_hpc.proxy.keys import KeyRing
 from gyre_hpc.proxy.server import Proxy
+from gyre_hpc.proxy.workers import ProxyWorkers
 from gyre_hpc.recipe.schema import AgentConfig, EngineConfig, ExecutorsConfig, ProxyConfig, ScoringConfig
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.sandbox.confine import UNCONFINED, Sandbox
@@ -74,6 +78,9 @@ class Serving:
         self.capacity, self.seed, self.on_event = capacity, seed, on_event
         self.sandbox = sandbox
         self.executors, self.emit = executors or ExecutorsConfig(), emit
+        self.proxy: Proxy | None = None
+        self.workers: ProxyWorkers | None = None
+        """The proxy: in this process, or several worker processes (``proxy.workers``)."""
         self.hub: Hub | None = None
         """Executions go to executor nodes through it (``executors.nodes`` > 0), else run here."""
         self.loop = asyncio.new_event_loop()
@@ -95,37 +102,58 @@ class Serving:
         return url
 
     async def _start(self) -> str:
-        self.proxy = Proxy(
-            self.run_dir.path, self.model_dir, self.engine_urls, self.proxy_cfg, self.capacity, self.limits
-        )
-        # In-flight calls get a few seconds at shutdown, never longer: a run that ends (or fails)
-        # does not wait on executions it will not train.
-        self._runner = web.AppRunner(self.proxy.app(), handler_cancellation=True, shutdown_timeout=STOP_S)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.proxy_cfg.host, self.proxy_cfg.port)
-        await site.start()
-        self.url = _url(self.proxy_cfg.host, self._runner.addresses[0][1])
-        self._runners = [self._runner]
+        self._runners: list[web.AppRunner] = []
+        keys = KeyRing.load(self.run_dir.proxy_secret)  # made here, before any worker reads it
+        if self.proxy_cfg.workers > 1:
+            limits = {
+                u: self.proxy_cfg.admission_limit or self.limits.get(u, self.capacity)
+                for u in self.engine_urls
+            }
+            self.workers = ProxyWorkers(self.run_dir, self.model_dir, limits, self.proxy_cfg.workers)
+            urls = tuple(await self.workers.start())
+            self.url, self.usage = urls[0], self.workers.usage
+        else:
+            self.proxy = Proxy(
+                self.run_dir.path,
+                self.model_dir,
+                self.engine_urls,
+                self.proxy_cfg,
+                self.capacity,
+                self.limits,
+            )
+            # In-flight calls get a few seconds at shutdown, never longer: a run that ends (or
+            # fails) does not wait on executions it will not train.
+            runner = web.AppRunner(self.proxy.app(), handler_cancellation=True, shutdown_timeout=STOP_S)
+            await runner.setup()
+            await web.TCPSite(runner, self.proxy_cfg.host, self.proxy_cfg.port).start()
+            self.url, self.usage, urls = (
+                reachable_url(self.proxy_cfg.host, runner.addresses[0][1]),
+                self.proxy.usage,
+                (),
+            )
+            self._runners.append(runner)
         if self.executors.nodes:
-            await self._start_hub()
+            await self._start_hub(urls)
         e = self.engine_cfg
         sampling = {"temperature": e.temperature, "top_p": e.top_p, "max_tokens": e.max_new_tokens}
-        endpoint = Endpoint(self.url, self.proxy.keys.mint, self.model_dir.name, self.proxy.usage)
+        endpoint = Endpoint(self.url, keys.mint, self.model_dir.name, self.usage, workers=urls)
         logs = self.run_dir.logs / "executions"
         self.harness = make_harness(self.agent_cfg, endpoint, sampling, self.seed, logs, self.sandbox)
         return self.url
 
-    async def _start_hub(self) -> None:
+    async def _start_hub(self, workers: tuple[str, ...]) -> None:
         """The executors' hub beside the proxy, on the same address; written where they look."""
         token = HubAddress.new_token()
-        usage = self.proxy.usage if self.agent_cfg.kind != "builtin" else None
+        usage = self.usage if self.agent_cfg.kind != "builtin" else None
         self.hub = Hub(self.executors, token, self.on_event, self.emit, usage)
         runner = web.AppRunner(self.hub.app(), handler_cancellation=True, shutdown_timeout=1.0)
         await runner.setup()
         await web.TCPSite(runner, self.proxy_cfg.host, 0).start()
         self._runners.append(runner)
-        hub_url = _url(self.proxy_cfg.host, runner.addresses[0][1])
-        address = HubAddress(hub_url, token, self.url, self.model_dir.name, secrets.token_hex(8))
+        hub_url = reachable_url(self.proxy_cfg.host, runner.addresses[0][1])
+        address = HubAddress(
+            hub_url, token, self.url, self.model_dir.name, secrets.token_hex(8), list(workers)
+        )
         await asyncio.to_thread(address.write, self.run_dir.executor_hub)
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = 60) -> T:
@@ -158,6 +186,9 @@ class Serving:
 
     def trees(self, run_ids: list[str]) -> dict[str, TrajectoryTree]:
         async def get() -> dict[str, TrajectoryTree]:
+            if self.workers is not None:  # read from their segments, on this loop like every use
+                return self.workers.trees(run_ids)
+            assert self.proxy is not None
             return {r: self.proxy.tito.trees[r] for r in run_ids if r in self.proxy.tito.trees}
 
         return self.call(get())
@@ -178,6 +209,10 @@ class Serving:
         """Admit new calls only on ``urls``; the other engines are drained (their calls move)."""
 
         async def apply() -> None:
+            if self.workers is not None:
+                await self.workers.set_sampling(urls, self.proxy_cfg.drain_mode)
+                return
+            assert self.proxy is not None
             for url in self.engine_urls:
                 if url in urls:
                     await self.proxy.router.undrain(url)
@@ -191,6 +226,10 @@ class Serving:
         from its partial output once the engine holds the new version)."""
 
         async def apply() -> None:
+            if self.workers is not None:
+                await self.workers.hold(urls)
+                return
+            assert self.proxy is not None
             for url in urls:
                 await self.proxy.router.hold(url)
 
@@ -198,6 +237,10 @@ class Serving:
 
     def loaded(self, urls: set[str], version: int) -> None:
         async def apply() -> None:
+            if self.workers is not None:
+                await self.workers.loaded(urls, version)
+                return
+            assert self.proxy is not None
             for url in urls:
                 await self.proxy.router.loaded(url, version)
 
@@ -210,13 +253,8 @@ class Serving:
                     self.run_dir.executor_hub.unlink(missing_ok=True)  # executors wait for the next
                 for runner in reversed(self._runners):
                     self.call(runner.cleanup(), timeout=STOP_S + 10)
+                if self.workers is not None:
+                    self.call(self.workers.stop(STOP_S), timeout=STOP_S + 10)
             finally:
                 self.loop.call_soon_threadsafe(self.loop.stop)
                 self._thread.join(timeout=10)
-
-
-def _url(host: str, port: int) -> str:
-    """The URL others reach a server bound to ``host`` at: this host's name for a wildcard."""
-    if host in ("0.0.0.0", "::", ""):
-        host = socket.gethostname()
-    return f"http://{host}:{port}"

@@ -299,7 +299,9 @@ class StepKind:
                 done[msg.cell] = msg
         return done
 
-    def apply(self, step: int, done: dict[int, TrainDone], num_runs: int, tito_bytes: int) -> StepApplied:
+    def apply(
+        self, step: int, done: dict[int, TrainDone], num_runs: int, tito_bytes: dict[str, int]
+    ) -> StepApplied:
         c = self.ctx
         return c.fleet.apply(step, done, num_runs, self.checkpoint_due(step), {"tito_bytes": tito_bytes})
 
@@ -322,7 +324,7 @@ class StepKind:
         self.switches = []
         return self.ctx.clock()
 
-    def burst_ended(self) -> tuple[float, int]:
+    def burst_ended(self) -> tuple[float, dict[str, int]]:
         """When the step's burst ended, and how long the TITO log was then: a checkpoint of this
         step keeps the log up to there (a resumed run samples everything after it again)."""
         return self.ctx.clock(), self.ctx.run_dir.tito_bytes()

@@ -1,0 +1,131 @@
+"""One proxy worker process (``proxy.workers`` > 1): the proxy for the runs of one shard.
+
+```
+ controller (runtime.serving)                        worker n  (python -m gyre_hpc.proxy.worker RUN_DIR n)
+   proxy/spec.json (engines, limits, token) ──────▶  Proxy(worker=n): runs with shard_of(run) = n,
+   ◀── proxy/worker-n.json (its URL, once up)          TITO segment tito[-n].bin, chats[-n].jsonl
+   POST /gyre/admin/{sampling,hold,loaded} ──────▶   its router: the same verbs as in one process
+   harness ── /v1/… (run key) ───────────────────▶   serves it, or 421 when the run is another's
+```
+
+The worker is the same ``proxy.server.Proxy`` that serves a single-process run; what it adds is
+the control verbs over HTTP, behind the token the controller wrote in ``spec.json`` (mode 600,
+never shown to an execution). It knows nothing of steps or cells; it exits on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from gyre_hpc.proxy.address import reachable_url
+from gyre_hpc.proxy.server import Proxy
+from gyre_hpc.rundir import RunDir
+
+ADMIN = "/gyre/admin/"
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every worker serves: the controller writes it once before it starts them."""
+
+    model_dir: str
+    engines: list[str]
+    limits: dict[str, int]
+    """Calls in flight each engine admits from one worker: its share of the engine's limit."""
+    workers: int
+    token: str
+
+    def write(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_suffix(".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(dataclasses.asdict(self), fh)
+        os.replace(path.with_suffix(".tmp"), path)
+
+    @classmethod
+    def read(cls, path: Path) -> WorkerSpec:
+        return cls(**json.loads(path.read_text()))
+
+
+def share(limit: int, workers: int) -> int:
+    """One worker's share of an engine's admission limit: together they admit the limit, give or
+    take a worker's rounding, and each admits at least one call."""
+    return max(1, -(-limit // workers))
+
+
+def admin_routes(app: web.Application, proxy: Proxy, token: str) -> None:
+    """The controller's verbs on this worker's router, each a POST of JSON behind ``token``."""
+
+    async def verb(request: web.Request) -> web.Response:
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            raise web.HTTPUnauthorized(text="unknown admin token")
+        body: dict[str, Any] = await request.json()
+        urls = [u for u in body.get("urls", []) if u in proxy.router.engines]
+        name = request.match_info["verb"]
+        if name == "sampling":  # admit on these, drain the rest
+            for url in proxy.router.engines:
+                if url in urls:
+                    await proxy.router.undrain(url)
+                elif proxy.router.engines[url].admitting:
+                    await proxy.router.drain(url, body.get("drain_mode", proxy.config.drain_mode))
+        elif name == "hold":
+            for url in urls:
+                await proxy.router.hold(url)
+        elif name == "loaded":
+            for url in urls:
+                await proxy.router.loaded(url, int(body["version"]))
+        else:
+            raise web.HTTPNotFound(text=f"no verb {name!r}; valid: sampling, hold, loaded")
+        return web.json_response({})
+
+    app.router.add_post(ADMIN + "{verb}", verb)
+
+
+async def serve(run_dir: RunDir, index: int) -> None:
+    spec = WorkerSpec.read(run_dir.proxy_workers / "spec.json")
+    config = run_dir.read_recipe().proxy
+    config = dataclasses.replace(config, admission_limit=0)  # the spec's limits are this worker's share
+    proxy = Proxy(run_dir.path, spec.model_dir, spec.engines, config, 1, spec.limits, index, spec.workers)
+    app = proxy.app()
+    admin_routes(app, proxy, spec.token)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0)
+    await runner.setup()
+    port = config.port + index if config.port else 0
+    await web.TCPSite(runner, config.host, port).start()
+    url = reachable_url(config.host, runner.addresses[0][1])
+    where = run_dir.proxy_workers / f"worker-{index}.json"
+    where.with_suffix(".tmp").write_text(json.dumps({"url": url, "pid": os.getpid()}))
+    os.replace(where.with_suffix(".tmp"), where)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or not args[1].isdigit():
+        print("usage: python -m gyre_hpc.proxy.worker RUN_DIR INDEX", file=sys.stderr)
+        return 2
+    asyncio.run(serve(RunDir(Path(args[0])), int(args[1])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -17,6 +17,7 @@ from test_local_run import FAST, ROOT_OK, SMOKE, processes_of, wait_for
 
 from gyre_hpc.agents.journal import Journal
 from gyre_hpc.observability import events as ev
+from gyre_hpc.run_shard import shard_of
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.trajectory.codec import by_run, read_records
 from gyre_hpc.trajectory.records import TitoRecord
@@ -116,21 +117,19 @@ def test_a_hung_cell_is_reported_lost_and_the_run_ends_within_a_bound(tmp_path: 
 
 
 def records_by_run(run: RunDir) -> dict[str, list[TitoRecord]]:
-    trees = {r: TrajectoryTree.from_encoded(recs) for r, recs in by_run(read_records(run.tito_log).records)}
+    encoded = [r for segment in run.tito_segments() for r in read_records(segment).records]  # one log
+    trees = {r: TrajectoryTree.from_encoded(recs) for r, recs in by_run(encoded)}
     return {r: list(t.records()) for r, t in trees.items()}
 
 
-@pytest.mark.parametrize("executors", [0, 2])
+@pytest.mark.parametrize(("executors", "workers"), [(0, 1), (2, 2)])
 def test_a_restart_continues_the_steps_executions_from_their_last_call(
-    tmp_path: Path, executors: int
+    tmp_path: Path, executors: int, workers: int
 ) -> None:
-    """With ``executors`` executor processes, the executions ran on them, and run there again."""
-    sets = [
-        "run.steps=1",
-        "agent.max_calls=6",
-        "cells.heartbeat_timeout_s=10",
-        f"executors.nodes={executors}",
-    ]
+    """With executor processes, the executions ran on them and run there again; with proxy
+    workers, each run's calls are in its worker's TITO segment, cut and continued alike."""
+    sets = ["run.steps=1", "agent.max_calls=6", "cells.heartbeat_timeout_s=10"]
+    sets += [f"executors.nodes={executors}", f"proxy.workers={workers}"]
     proc = start(tmp_path, *sets)
     run = the_run(tmp_path)
     # ~80 % of step 1's 32 executions have ended: the controller's rank dies (mpirun ends the rest).
@@ -164,6 +163,10 @@ def test_a_restart_continues_the_steps_executions_from_their_last_call(
     assert step.executions == 32
     placed = [e for e in run.read_events() if isinstance(e, ev.Placed)]
     assert {e.node for e in placed} == {f"local-{i + 1}" for i in range(executors)}
+    assert len(run.tito_segments()) == workers
+    for n, segment in enumerate(run.tito_segments()):  # each run's calls in its own worker's segment
+        runs = {r.run_id for r in read_records(segment).records}
+        assert runs and all(shard_of(r, workers) == n for r in runs)
 
 
 def test_a_rank_that_dies_is_restarted_by_itself_and_resume_overrides_are_kept_apart(tmp_path: Path) -> None:

@@ -146,4 +146,5 @@ def test_executor_nodes_run_the_executions_as_the_controller_would_and_outlive_o
     again = {e.run: e for e in placed if e.attempt == 2}
     assert sorted(again) == lost.runs and {e.node for e in again.values()} == {"node5"}
     assert [s.executions for s in steps] == [24, 24] and steps[1].statuses == {"finished": 24}
+    assert all(s.tool_calls > 0 and s.controller_cpu_s > 0 for s in steps)  # what bench_executors reads
     wait_for_state(job_id, "COMPLETED")

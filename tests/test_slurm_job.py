@@ -112,7 +112,7 @@ def test_executor_nodes_run_the_executions_as_the_controller_would_and_outlive_o
         "agent.max_calls=6",
         "run.steps=2",
         "tasks.eval_every=0",
-        "tasks.prompts_per_step=6",
+        "tasks.prompts_per_step=4",
     ]
     local = gyre(
         "run", SMOKE, *(a for s in [f"run.runs_dir={tmp_path / 'local'}", *same] for a in ("--set", s))
@@ -145,6 +145,6 @@ def test_executor_nodes_run_the_executions_as_the_controller_would_and_outlive_o
     assert lost.node == "node4" and lost.runs  # it held executions when it died
     again = {e.run: e for e in placed if e.attempt == 2}
     assert sorted(again) == lost.runs and {e.node for e in again.values()} == {"node5"}
-    assert [s.executions for s in steps] == [24, 24] and steps[1].statuses == {"finished": 24}
+    assert [s.executions for s in steps] == [16, 16] and steps[1].statuses == {"finished": 16}
     assert all(s.tool_calls > 0 and s.controller_cpu_s > 0 for s in steps)  # what bench_executors reads
     wait_for_state(job_id, "COMPLETED")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up everything, start a local Slurm (munge, slurmdbd, slurmctld, 3 emulated nodes), and run
+# Set up everything, start a local Slurm (munge, slurmdbd, slurmctld, 5 emulated nodes), and run
 # the whole test suite. Idempotent. CI runs exactly this; extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -220,3 +220,38 @@ def test_the_hub_address_is_private_and_read_whole(tmp_path: Path) -> None:
     path.write_text('{"url": ')  # torn: not an address
     assert HubAddress.read(path) is None
     assert asdict(address)["token"] == address.token
+
+
+def test_an_execution_placed_again_continues_only_if_its_harness_journals(tmp_path: Path) -> None:
+    """What a node does with a job the hub placed again: a black-box program starts afresh in a
+    fresh workspace (what the lost attempt left is gone); the built-in harness's journalled
+    execution keeps its workspace and goes on (``test_faults`` checks its calls continue)."""
+    from gyre_hpc.agents.dispatch import Dispatcher, make_harness
+    from gyre_hpc.agents.external import Endpoint
+    from gyre_hpc.agents.journal import Journal
+    from gyre_hpc.recipe.schema import AgentConfig, ScoringConfig
+    from gyre_hpc.scoring import ScoringRunners
+
+    program = AgentConfig(
+        kind="command", command=["bash", "-c", "ls > seen.txt"], sandbox="none", timeout_s=30
+    )
+    never_called = Endpoint("http://127.0.0.1:9", lambda r, role: "k", "m")
+    harness = make_harness(program, never_called, {}, 0, tmp_path / "logs")
+    scoring = ScoringRunners(ScoringConfig(scorer="milestones"))
+    journal = Journal(tmp_path / "journal")
+    d = Dispatcher(
+        harness, lambda t: scoring.get(t.scorer), tmp_path / "ws", tmp_path / "tasks", 4, journal=journal
+    )
+    left = tmp_path / "ws" / "r1"
+    left.mkdir(parents=True)
+    (left / "half-done.txt").write_text("the lost node's attempt")
+    outcome = asyncio.run(d.run_one("r1", Task("t", "do it", seed={"a.txt": "1"})))
+    assert outcome.execution.status == "finished"
+    assert (left / "seen.txt").read_text().split() == ["a.txt", "seen.txt"]  # nothing of the first attempt
+    # A journalled execution under way (the built-in harness's) is not laid out again.
+    journal.call("r2", 0, [{"role": "user", "content": "x"}], 1, {}, 1.0)
+    kept = tmp_path / "ws" / "r2"
+    kept.mkdir()
+    (kept / "progress.txt").write_text("made before the node was lost")
+    asyncio.run(d.run_one("r2", Task("t", "do it", seed={"a.txt": "1"})))
+    assert (kept / "progress.txt").exists() and not (kept / "a.txt").exists()

@@ -102,3 +102,22 @@ def test_the_segments_are_read_as_one_log_as_they_grow(tmp_path: Path) -> None:
     assert [r.call_id for r in trees["a"].records()] == ["call_0", "call_1", "call_2"]
     assert np.array_equal(trees["a"].record(2).input_ids, record("a", 2).input_ids)  # exact, across reads
     assert [p.name for p in run_dir.tito_segments()] == ["tito.bin", "tito-1.bin"]
+
+
+def test_a_resumed_run_keeps_the_number_of_workers_that_wrote_its_log(tmp_path: Path) -> None:
+    from gyre_hpc.errors import GyreError
+    from gyre_hpc.proxy.worker import WorkerSpec
+    from gyre_hpc.proxy.workers import check_same_workers
+
+    run_dir = RunDir(tmp_path)
+    check_same_workers(run_dir, 4)  # a new run: any number
+    run_dir.tito_log.write_bytes(b"")
+    check_same_workers(run_dir, 1)
+    with pytest.raises(
+        GyreError, match=r"written by 1 proxy worker\(s\): resume it with --set proxy.workers=1"
+    ):
+        check_same_workers(run_dir, 2)
+    WorkerSpec("m", [], {}, 2, "t").write(run_dir.proxy_workers / "spec.json")
+    check_same_workers(run_dir, 2)
+    with pytest.raises(GyreError, match="proxy.workers=2"):
+        check_same_workers(run_dir, 3)

@@ -33,6 +33,21 @@ UP_S = 120.0
 """How long the workers may take to listen (each loads the tokenizer)."""
 
 
+def check_same_workers(run_dir: RunDir, workers: int) -> None:
+    """A resumed run keeps the number of proxy workers its TITO log was written by: a run's
+    records are in the segment of its shard, and another count would send it elsewhere."""
+    spec = run_dir.proxy_workers / "spec.json"
+    if spec.exists():
+        before: int | None = WorkerSpec.read(spec).workers
+    else:
+        before = 1 if run_dir.tito_log.exists() else None
+    if before is not None and before != workers:
+        raise GyreError(
+            f"proxy.workers = {workers}, but this run's TITO log was written by {before} proxy "
+            f"worker(s): resume it with --set proxy.workers={before}"
+        )
+
+
 class ProxyWorkers:
     def __init__(
         self,

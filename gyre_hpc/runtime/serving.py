@@ -38,7 +38,7 @@ from gyre_hpc.observability import events as ev
 from gyre_hpc.proxy.address import reachable_url
 from gyre_hpc.proxy.keys import KeyRing
 from gyre_hpc.proxy.server import Proxy
-from gyre_hpc.proxy.workers import ProxyWorkers
+from gyre_hpc.proxy.workers import ProxyWorkers, check_same_workers
 from gyre_hpc.recipe.schema import AgentConfig, EngineConfig, ExecutorsConfig, ProxyConfig, ScoringConfig
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.sandbox.confine import UNCONFINED, Sandbox
@@ -104,6 +104,7 @@ class Serving:
     async def _start(self) -> str:
         self._runners: list[web.AppRunner] = []
         keys = KeyRing.load(self.run_dir.proxy_secret)  # made here, before any worker reads it
+        check_same_workers(self.run_dir, self.proxy_cfg.workers)
         if self.proxy_cfg.workers > 1:
             limits = {
                 u: self.proxy_cfg.admission_limit or self.limits.get(u, self.capacity)

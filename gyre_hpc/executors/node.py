@@ -7,7 +7,7 @@ would (``python -m gyre_hpc.executors RUN_DIR``; ``gyre-hpc submit`` starts one 
    ┌─▶ claim (long poll; the heartbeat) ─▶ jobs ─▶ Dispatcher.run_one ─ harness ⇄ proxy (network)
    │                                     ─▶ stop / abandon                 └─ scored here, in the
    └── report: started, outcomes ◀────────────────────────────────────────    task's image
- the hub gone or changed (a new world) ─▶ abandon everything ─▶ find the hub again
+ lost (the hub says so) or the hub gone ─▶ abandon everything ─▶ find the hub (maybe a new one)
 ```
 
 Each execution runs through ``agents.dispatch.Dispatcher`` with the run's own sandbox, harness
@@ -71,25 +71,24 @@ class ExecutorNode:
         """Serve hub after hub (a restarted world writes a new one) until cancelled."""
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
             while True:
-                hub = await self.find_hub(None)
+                hub = await self.find_hub()
                 try:
                     await self.serve_hub(http, hub)
                 except (Lost, aiohttp.ClientError, TimeoutError) as err:
+                    # Lost (silent past its lease): the hub has placed its executions elsewhere, so
+                    # it drops them and registers again. Unreachable: the world may be restarting,
+                    # and the next hub continues them from their journals.
                     log.warning(
                         "hub %s: %s; abandoning %d executions", hub.url, err or "lost", len(self.running)
                     )
                     await self.abandon(list(self.running))
-                    await self.find_hub(hub.hub_id if isinstance(err, Lost) else None, after_error=True)
+                    await asyncio.sleep(FIND_EVERY_S)
 
-    async def find_hub(self, not_id: str | None, after_error: bool = False) -> HubAddress:
-        """The hub the run directory names (waiting for one that is not ``not_id``)."""
-        if after_error:
+    async def find_hub(self) -> HubAddress:
+        """The hub the run directory names now (a restarted world writes a new one)."""
+        while (hub := HubAddress.read(self.run_dir.executor_hub)) is None:
             await asyncio.sleep(FIND_EVERY_S)
-        while True:
-            hub = HubAddress.read(self.run_dir.executor_hub)
-            if hub is not None and hub.hub_id != not_id:
-                return hub
-            await asyncio.sleep(FIND_EVERY_S)
+        return hub
 
     async def serve_hub(self, http: aiohttp.ClientSession, hub: HubAddress) -> None:
         self.harness = self.make_harness(hub)

@@ -255,3 +255,50 @@ def test_an_execution_placed_again_continues_only_if_its_harness_journals(tmp_pa
     (kept / "progress.txt").write_text("made before the node was lost")
     asyncio.run(d.run_one("r2", Task("t", "do it", seed={"a.txt": "1"})))
     assert (kept / "progress.txt").exists() and not (kept / "a.txt").exists()
+
+
+def test_a_node_the_hub_lost_registers_again_and_one_whose_hub_moved_follows_it(tmp_path: Path) -> None:
+    """A real executor node (``executors.node``) against the hub: lost after a pause, it drops
+    what it held and registers with the same hub; a new world's hub (a new hub.json) it finds."""
+    from gyre_hpc.executors.node import ExecutorNode
+    from gyre_hpc.recipe import Recipe
+    from gyre_hpc.recipe.schema import AgentConfig
+    from gyre_hpc.rundir import RunDir
+
+    run_dir = RunDir.create(tmp_path, "r")
+    recipe = Recipe(agent=AgentConfig(sandbox="none"))
+    run_dir.write_recipe(recipe)
+
+    async def scenario() -> None:
+        clock, counters, events = Clock(), Counter[str](), []
+        s, runner = await serve(clock, counters, events)
+        HubAddress(s.url, "tok", "http://127.0.0.1:9", "m", "world-1").write(run_dir.executor_hub)
+        node = ExecutorNode(run_dir, recipe, "n1", "h", 4)
+        serving = asyncio.create_task(node.serve())
+
+        async def ups(n: int) -> None:
+            while sum(isinstance(e, ev.ExecutorUp) for e in events) < n:
+                await asyncio.sleep(0.02)
+
+        try:
+            await asyncio.wait_for(ups(1), 20)
+            clock.now += 60  # a pause longer than the lease
+            s.hub.reap()
+            await asyncio.wait_for(ups(2), 20)  # back, with the same hub
+            assert [e.node for e in events if isinstance(e, ev.ExecutorLost)] == ["n1"]
+            # The world restarts: its new hub is written where the node looks.
+            clock2, counters2, events2 = Clock(), Counter[str](), []
+            s2, runner2 = await serve(clock2, counters2, events2)
+            HubAddress(s2.url, "tok", "http://127.0.0.1:9", "m", "world-2").write(run_dir.executor_hub)
+            await runner.cleanup()
+            while not any(isinstance(e, ev.ExecutorUp) for e in events2):
+                await asyncio.sleep(0.02)
+            await s2.http.close()
+            await runner2.cleanup()
+        finally:
+            serving.cancel()
+            await asyncio.gather(serving, return_exceptions=True)
+            await s.http.close()
+            await runner.cleanup()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))

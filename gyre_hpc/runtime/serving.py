@@ -38,6 +38,7 @@ from gyre_hpc.observability import events as ev
 from gyre_hpc.proxy.address import reachable_url
 from gyre_hpc.proxy.keys import KeyRing
 from gyre_hpc.proxy.server import Proxy
+from gyre_hpc.proxy.workers import UP_S as WORKERS_UP_S
 from gyre_hpc.proxy.workers import ProxyWorkers, check_same_workers
 from gyre_hpc.recipe.schema import AgentConfig, EngineConfig, ExecutorsConfig, ProxyConfig, ScoringConfig
 from gyre_hpc.rundir import RunDir
@@ -93,7 +94,7 @@ class Serving:
         """Start the loop and the proxy (and the executors' hub, and wait for the executor nodes
         so the first burst spreads over them all); returns the proxy's base URL."""
         self._thread.start()
-        url = self.call(self._start())
+        url = self.call(self._start(), timeout=WORKERS_UP_S + 30)  # proxy workers may take a while
         if self.hub is not None:
             wanted = self.executors.nodes
             up = self.call(self.hub.wait_for_nodes(wanted, EXECUTORS_UP_S), timeout=EXECUTORS_UP_S + 10)

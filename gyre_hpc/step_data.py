@@ -28,7 +28,7 @@ from gyre_hpc.recipe.schema import TasksConfig, TrajectoryConfig
 from gyre_hpc.tasks.suites import SUITES, load_suite
 from gyre_hpc.tasks.task import Task
 from gyre_hpc.trajectory.batch import TrainSequence, build_batch, group_advantages, pack_micro_steps
-from gyre_hpc.trajectory.packing import forwarded_tokens, pack_tree_micro_steps, run_chunks
+from gyre_hpc.trajectory.packing import pack_tree_micro_steps, run_chunks
 from gyre_hpc.trajectory.select import select_paths
 from gyre_hpc.trajectory.tree import TrajectoryTree
 
@@ -132,7 +132,7 @@ def step_batch(
         runs += n
         work.append(group_work(group, trees, seqs, trajectory.packing, micro_step_tokens))
     queue = pack(sequences, micro_step_tokens, trajectory.packing)
-    stats = step_stats(outcomes, queue, runs, work, trajectory.packing, trees.values())
+    stats = step_stats(outcomes, queue, runs, work, trees.values())
     return StepBatch(queue, runs, stats, trees)
 
 
@@ -189,8 +189,7 @@ class StreamingBatch:
         return new
 
     def stats(self) -> dict[str, object]:
-        packing = self.trajectory.packing
-        return step_stats(self.outcomes, self.queue, self.num_runs, self.work, packing, self.trees.values())
+        return step_stats(self.outcomes, self.queue, self.num_runs, self.work, self.trees.values())
 
 
 def group_rng(seed: int, step: int, task_id: str) -> random.Random:
@@ -236,7 +235,6 @@ def step_stats(
     queue: list[list[TrainSequence]],
     runs: int,
     work: Sequence[dict[str, object]] = (),
-    packing: str = "paths",
     trees: Iterable[TrajectoryTree] = (),
 ) -> dict[str, object]:
     counted = [o for o in outcomes if o.score.counts_in_group]
@@ -251,9 +249,6 @@ def step_stats(
         "sequences": len(sequences),
         "micro_steps": len(queue),
         "tokens": sum(len(s) for s in sequences),
-        "forwarded_tokens": sum(
-            forwarded_tokens(mb) if packing == "tree" else sum(len(s) for s in mb) for mb in queue
-        ),
         "loss_tokens": int(sum(s.loss_mask.sum() for s in sequences)),
         "calls": sum(o.execution.calls for o in outcomes),
         "tool_calls": sum(o.execution.tool_calls for o in outcomes),

@@ -13,6 +13,7 @@ from gyre_hpc.scoring.runner import ScoreResult
 from gyre_hpc.step_data import step_batch, step_jobs, step_tasks
 from gyre_hpc.tasks.jsonl import write_jsonl
 from gyre_hpc.tasks.task import Task
+from gyre_hpc.trajectory.packing import forwarded_tokens
 from gyre_hpc.trajectory.records import TitoRecord
 from gyre_hpc.trajectory.tree import TrajectoryTree
 
@@ -81,5 +82,6 @@ def test_tree_packing_fills_micro_steps_by_unique_tokens() -> None:
         for packing in ("tree", "paths")
     }
     assert by["paths"].stats["tokens"] == by["tree"].stats["tokens"] == 160
-    assert by["paths"].stats["forwarded_tokens"] == 160 and len(by["paths"].queue) == 3
-    assert by["tree"].stats["forwarded_tokens"] == 70 + 10 and len(by["tree"].queue) == 1
+    assert len(by["paths"].queue) == 3  # 160 path tokens, 80 a micro-step
+    # one micro-step: 70 unique tokens of a0's tree and a1's 10 (what a trainer of one tree per run forwards)
+    assert [forwarded_tokens(mb) for mb in by["tree"].queue] == [70 + 10]

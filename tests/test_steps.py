@@ -177,3 +177,16 @@ def test_runs_plot_side_by_side_with_their_off_policy_share(tmp_path: Path) -> N
     assert bad.returncode != 0 and bad.stderr.strip() == (
         "error: nolabel: expected LABEL=RUN_DIR, a directory with events.jsonl"
     )
+
+
+def test_the_step_reports_the_tokens_its_trainers_forwarded() -> None:
+    """The trainers' own count (``TrainDone.tokens``): the torch trainer forwards a micro-step as
+    one forest, so two runs with the same 30-token path forward 30 tokens, not a tree each (60)."""
+    from gyre_hpc.runtime.protocol import StepApplied, TrainDone
+    from gyre_hpc.runtime.steps import StepRecord
+
+    done = {0: TrainDone(0, 1, [0], 0.0, 30, 0, 1.0), 1: TrainDone(1, 1, [], 0.0, 0, 0, 0.0)}
+    applied = StepApplied(1, 1, 0.0, 0.0, "")
+    record = StepRecord(1, 0.0, 1.0, {"executions": 2, "tokens": 60}, 2, done, applied, False, {}, [])
+    event = step_event(record, 2.0, {})
+    assert (event.tokens, event.forwarded_tokens) == (60, 30)

@@ -269,8 +269,10 @@ class Step(Event):
     tokens: int = 0
     """Tokens of the trained paths."""
     forwarded_tokens: int = 0
-    """Tokens the micro-steps forward as one tree per run (``trajectory.packing``): fewer than
-    ``tokens`` where a run's paths share prefixes; a forest of runs shares their prompt too."""
+    """Tokens the trainers forwarded in the step, as each counts them: with tree packing fewer
+    than ``tokens`` where a run's paths share prefixes, and fewer still where a micro-step is
+    forwarded as one forest (the torch trainer; megatron under block masks), whose runs share
+    their prompt; megatron on the CPU forwards one tree per run."""
     loss_tokens: int = 0
     calls: int = 0
     tool_calls: int = 0

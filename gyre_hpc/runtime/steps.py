@@ -168,6 +168,7 @@ def step_event(r: StepRecord, now: float, roles: dict[int, Role]) -> ev.Step:
         sample_seconds=round(r.sampled - r.started, 3),
         roles={str(c): str(role) for c, role in sorted(roles.items())},
         **r.stats,
+        forwarded_tokens=sum(d.tokens for d in done),  # as each trainer forwarded it (forest or trees)
         staleness=r.staleness,
         staleness_tokens=r.staleness_tokens,
         loss=sum(d.loss_sum for d in done) / max(r.loss_runs, 1),

@@ -23,7 +23,6 @@ harnesses, sandboxes or scoring: an outcome arrives scored.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections import deque
@@ -39,6 +38,7 @@ from gyre_hpc.errors import GyreError
 from gyre_hpc.executors.job import Job
 from gyre_hpc.executors.slots import place
 from gyre_hpc.observability import events as ev
+from gyre_hpc.proxy.keys import bearer_is
 from gyre_hpc.recipe.schema import ExecutorsConfig
 from gyre_hpc.tasks.task import Task
 
@@ -129,9 +129,8 @@ class Hub:
         on_outcome: Callable[[Outcome], None],
     ) -> list[Outcome]:
         """Queue ``jobs`` on the executor nodes; their outcomes, in order, once all are in."""
-        batch = []
+        batch, loop = [], asyncio.get_running_loop()
         for run_id, task in jobs:
-            loop = asyncio.get_running_loop()
             p = Pending(Job(run_id, task, workspaces, journal), loop.create_future(), on_outcome)
             self.pending[run_id] = p
             self.queue.append(p)
@@ -165,12 +164,8 @@ class Hub:
 
     # ---- HTTP: every handler checks the token before it reads anything else ----
 
-    def _authorized(self, request: web.Request) -> bool:
-        given = request.headers.get("Authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode())
-
     async def _body(self, request: web.Request) -> dict[str, Any]:
-        if not self._authorized(request):
+        if not bearer_is(request.headers.get("Authorization", ""), self.token):
             raise web.HTTPUnauthorized(text="unknown executor token")
         try:
             body = await request.json()

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gyre_hpc.proxy.keys import write_private_json
 from gyre_hpc.tasks.task import Task
 
 
@@ -71,12 +71,7 @@ class HubAddress:
         return secrets.token_urlsafe(24)
 
     def write(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(dataclasses.asdict(self), fh)
-        os.replace(tmp, path)  # readers never see half a file
+        write_private_json(path, dataclasses.asdict(self))
 
     @classmethod
     def read(cls, path: Path) -> HubAddress | None:

@@ -17,6 +17,7 @@ import os
 import re
 import secrets
 from pathlib import Path
+from typing import Any
 
 NAME = re.compile(r"[A-Za-z0-9_:-][A-Za-z0-9._:-]{0,127}")
 
@@ -71,3 +72,18 @@ class KeyRing:
 
     def _mac(self, payload: str) -> str:
         return _b64(hmac.new(self.secret, payload.encode(), hashlib.sha256).digest()[:18])
+
+
+def bearer_is(header: str, token: str) -> bool:
+    """``header`` (an ``Authorization`` value) presents ``token``; compared in constant time."""
+    return hmac.compare_digest(header.encode(), f"Bearer {token}".encode())
+
+
+def write_private_json(path: Path, data: Any) -> None:
+    """``data`` as JSON in ``path``, mode 600, replaced whole: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(data, fh)
+    os.replace(tmp, path)

@@ -85,12 +85,9 @@ class Proxy:
         self.worker, self.workers = worker, workers
         self.tito = TitoLog(files.tito_segment(worker))
         self.index = ChatIndex(files.chat_index_segment(worker))
-        limits = limits or {}
+        admits = admission_limits(config, engines, capacity, limits or {})
         self.router = Router(
-            [
-                EngineSlot(url, config.admission_limit or limits.get(url, capacity), rank=i)
-                for i, url in enumerate(engines)
-            ],
+            [EngineSlot(url, admits[url], rank=i) for i, url in enumerate(engines)],
             timeout_s=config.request_timeout_s,
         )
         self.runs: dict[str, RunChats] = {}
@@ -192,6 +189,14 @@ class Proxy:
         record = TitoRecord(run_id, call_id, role, input_ids, done.output_ids, done.logprobs, meta)
         index = await self.tito.append(record)
         return record, index, done.cached_tokens, engine_s
+
+
+def admission_limits(
+    config: ProxyConfig, engines: Iterable[str], capacity: int, limits: Mapping[str, int]
+) -> dict[str, int]:
+    """Calls in flight each engine admits: ``proxy.admission_limit`` if set, else its own limit,
+    else ``capacity``."""
+    return {url: config.admission_limit or limits.get(url, capacity) for url in engines}
 
 
 @web.middleware

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
 import os
 import signal
@@ -29,6 +28,7 @@ from typing import Any
 from aiohttp import web
 
 from gyre_hpc.proxy.address import reachable_url
+from gyre_hpc.proxy.keys import bearer_is, write_private_json
 from gyre_hpc.proxy.server import Proxy
 from gyre_hpc.rundir import RunDir
 
@@ -47,11 +47,7 @@ class WorkerSpec:
     token: str
 
     def write(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path.with_suffix(".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(dataclasses.asdict(self), fh)
-        os.replace(path.with_suffix(".tmp"), path)
+        write_private_json(path, dataclasses.asdict(self))
 
     @classmethod
     def read(cls, path: Path) -> WorkerSpec:
@@ -68,8 +64,7 @@ def admin_routes(app: web.Application, proxy: Proxy, token: str) -> None:
     """The controller's verbs on this worker's router, each a POST of JSON behind ``token``."""
 
     async def verb(request: web.Request) -> web.Response:
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        if not bearer_is(request.headers.get("Authorization", ""), token):
             raise web.HTTPUnauthorized(text="unknown admin token")
         body: dict[str, Any] = await request.json()
         urls = [u for u in body.get("urls", []) if u in proxy.router.engines]

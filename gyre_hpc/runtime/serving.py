@@ -37,7 +37,7 @@ from gyre_hpc.executors.job import HubAddress
 from gyre_hpc.observability import events as ev
 from gyre_hpc.proxy.address import reachable_url
 from gyre_hpc.proxy.keys import KeyRing
-from gyre_hpc.proxy.server import Proxy
+from gyre_hpc.proxy.server import Proxy, admission_limits
 from gyre_hpc.proxy.workers import UP_S as WORKERS_UP_S
 from gyre_hpc.proxy.workers import ProxyWorkers, check_same_workers
 from gyre_hpc.recipe.schema import AgentConfig, EngineConfig, ExecutorsConfig, ProxyConfig, ScoringConfig
@@ -107,10 +107,7 @@ class Serving:
         keys = KeyRing.load(self.run_dir.proxy_secret)  # made here, before any worker reads it
         check_same_workers(self.run_dir, self.proxy_cfg.workers)
         if self.proxy_cfg.workers > 1:
-            limits = {
-                u: self.proxy_cfg.admission_limit or self.limits.get(u, self.capacity)
-                for u in self.engine_urls
-            }
+            limits = admission_limits(self.proxy_cfg, self.engine_urls, self.capacity, self.limits)
             self.workers = ProxyWorkers(self.run_dir, self.model_dir, limits, self.proxy_cfg.workers)
             urls = tuple(await self.workers.start())
             self.url, self.usage = urls[0], self.workers.usage

@@ -11,22 +11,27 @@ runs/<name>-<YYYYmmdd-HHMMSS>/
   chats.jsonl     the proxy's chat index: served transcripts by digest (proxy.server.ChatIndex);
                   chats-<n>.jsonl: proxy worker n's
   proxy/          spec.json, worker-<n>.json: the proxy workers' brief and addresses (proxy.worker)
+  executions.jsonl, eval.json   ``gyre-hpc eval``: every execution and its score; the summary
   checkpoints/    step-NNNNNN/: a Hugging Face model directory + optimizer state + state.json
+                  (.tmp-step-NNNNNN/ while it is written)
   journal/        step-NNNN/<run>.jsonl: each execution after every call (agents.journal)
   requeue         left by a preempted run under Slurm: the batch script requeues the job
   metrics.png     reward and pass rate per step (observability.plot)
   workspaces/     step-NNNN/<run>/: each execution's working directory
   tasks/          files the tasks' verifiers use
-  engines/        unit-<n>/: an SGLang server's log (and weights it loads from disk)
+  engines/        unit-<n>[-replica-<r>][-part-<p>]/: an SGLang server's log (and weights it
+                  loads from disk)
   executors/      hub.json: where executor nodes find the controller (executors.job.HubAddress)
   job.json        how it was launched: local mpirun or the Slurm job id
-  logs/           mpirun.log or slurm-<job>.out, rank-<N>.log
+  logs/           mpirun.log or slurm.out (the launcher's), rank-<N>.log, executor-<node>.log,
+                  proxy-worker-<n>.log, executions/ (a black-box harness's output per run)
   ranks/          rank-<N>.json: pid, host, role of every rank (written when it starts);
                   rank-<N>.exit: its exit code (written as it ends)
 ```
 
 ``status``, ``bench`` and plots read only this directory, never a live process; every module
-reaches these files through ``RunDir``, so their names are written once, here.
+reaches these files through ``RunDir`` (and a checkpoint's through ``checkpoint_dir``), so their
+names are written once, here (``tests/test_rundir.py`` greps the package for them).
 """
 
 from __future__ import annotations
@@ -62,6 +67,20 @@ class RunDir:
         run.logs.mkdir()
         run.ranks.mkdir()
         return run
+
+    @classmethod
+    def under(cls, runs_dir: Path) -> list[RunDir]:
+        """The run directories directly under ``runs_dir`` that have an event log or a launch
+        record, oldest (by their event log, else their record) first."""
+        found = {p.parent for name in ("events.jsonl", "job.json") for p in runs_dir.glob(f"*/{name}")}
+        runs = [cls(p) for p in found]
+        return sorted(runs, key=lambda r: (r.events if r.events.exists() else r.job_path).stat().st_mtime)
+
+    def missing(self) -> str | None:
+        """What makes this no run directory (one line), or None."""
+        if self.recipe_path.exists():
+            return None
+        return f"{self.path} is not a run directory (no {self.recipe_path.name})"
 
     @property
     def recipe_path(self) -> Path:
@@ -99,10 +118,31 @@ class RunDir:
         """Proxy worker ``worker``'s chat index."""
         return self.chat_index if worker == 0 else self.path / f"chats-{worker}.jsonl"
 
+    def chat_index_segments(self) -> list[Path]:
+        """Every chat index there may be, worker 0's first."""
+        more = sorted(self.path.glob("chats-*.jsonl"), key=lambda p: int(p.stem.split("-")[1]))
+        return [self.chat_index, *more]
+
     @property
     def proxy_workers(self) -> Path:
         """``worker-<n>.json``: where each proxy worker listens; ``spec.json``: what they serve."""
         return self.path / "proxy"
+
+    @property
+    def proxy_spec(self) -> Path:
+        """What every proxy worker serves (``proxy.worker.WorkerSpec``)."""
+        return self.proxy_workers / "spec.json"
+
+    def proxy_worker(self, index: int) -> Path:
+        """Where proxy worker ``index`` says it listens, once it does."""
+        return self.proxy_workers / f"worker-{index}.json"
+
+    def proxy_worker_files(self) -> list[Path]:
+        """Every proxy worker's address file there is (a previous world's, before a start)."""
+        return sorted(self.proxy_workers.glob("worker-*.json"))
+
+    def proxy_worker_log(self, index: int) -> Path:
+        return self.logs / f"proxy-worker-{index}.log"
 
     @property
     def proxy_secret(self) -> Path:
@@ -134,6 +174,10 @@ class RunDir:
         """The execution journal of one step (``agents.journal``): what a restart continues."""
         return self.journals / f"step-{step:04d}"
 
+    def journalled_steps(self) -> dict[int, Path]:
+        """Step → its journal, for every step that has one."""
+        return {int(d.name.removeprefix("step-")): d for d in sorted(self.journals.glob("step-*"))}
+
     @property
     def engines(self) -> Path:
         """Engine processes' files (an SGLang server's log, weights it loads from disk)."""
@@ -161,6 +205,28 @@ class RunDir:
     @property
     def logs(self) -> Path:
         return self.path / "logs"
+
+    @property
+    def launcher_log(self) -> Path:
+        """What ``mpirun`` printed (a local run)."""
+        return self.logs / "mpirun.log"
+
+    @property
+    def slurm_out(self) -> Path:
+        """The batch script's output (``--output``; never ``%j``: it expands per het component)."""
+        return self.logs / "slurm.out"
+
+    def rank_log(self, rank: int) -> Path:
+        return self.logs / f"rank-{rank}.log"
+
+    def executor_log(self, node: str) -> Path:
+        """An executor node's log, and a local executor process's output."""
+        return self.logs / f"executor-{node}.log"
+
+    @property
+    def execution_logs(self) -> Path:
+        """A black-box harness's output, one file per execution."""
+        return self.logs / "executions"
 
     @property
     def ranks(self) -> Path:
@@ -220,8 +286,8 @@ class RunDir:
         (self.ranks / f"rank-{rank}.json").write_text(json.dumps({"rank": rank, **info}) + "\n")
 
     def write_exit(self, rank: int, code: int) -> None:
-        """A rank's exit code, left as it ends (the sbatch script watches for these)."""
-        (self.ranks / f"rank-{rank}.exit").write_text(f"{code}\n")
+        """A rank's exit code, left as it ends (the sbatch script watches for ``*.exit``)."""
+        (self.ranks / f"rank-{rank}{EXIT}").write_text(f"{code}\n")
 
     def read_ranks(self) -> list[dict[str, Any]]:
         out = []
@@ -231,3 +297,30 @@ class RunDir:
             except json.JSONDecodeError:  # a rank killed while writing
                 continue
         return sorted(out, key=lambda r: r["rank"])
+
+
+EXIT = ".exit"
+"""The suffix of a rank's exit-code file in ``ranks/``."""
+
+
+def checkpoint_dir(root: Path, step: int, writing: bool = False) -> Path:
+    """Checkpoint ``step`` under ``root`` (``RunDir.checkpoints``); ``writing``: where it is
+    written first, renamed into place once whole (``newest_intact`` never sees it)."""
+    return root / f"{'.tmp-' if writing else ''}step-{step:06d}"
+
+
+def checkpoint_dirs(root: Path) -> list[Path]:
+    """Every whole checkpoint under ``root``, newest first (the ones with their state)."""
+    return sorted((p for p in root.glob("step-*") if checkpoint_state(p).exists()), reverse=True)
+
+
+def checkpoint_state(path: Path) -> Path:
+    """A checkpoint's ``state.json``: step, version and what the run stored with it."""
+    return path / "state.json"
+
+
+def engine_part_dir(engines: Path, unit: int, replica: int, node_rank: int) -> Path:
+    """Where an engine part keeps its log: ``unit-0``, ``unit-0-replica-1``, ``unit-0-part-1`` (a
+    part across nodes that is not its replica's head: emulated nodes share one file system)."""
+    name = f"unit-{unit}" if replica == 0 else f"unit-{unit}-replica-{replica}"
+    return engines / (name if node_rank == 0 else f"{name}-part-{node_rank}")

@@ -16,7 +16,7 @@ MAX_RESTARTS=@{max_restarts}
 
 # scancel or preemption: SIGTERM reaches this script and every task; remember it for the record.
 # Near the time limit Slurm sends SIGUSR2 (--signal=B:): pass it to the tasks; the controller
-# checkpoints the step under way, stops, and leaves $RUN_DIR/requeue (requeued below).
+# checkpoints the step under way, stops, and leaves $RUN_DIR/@{requeue} (requeued below).
 interrupted="" srun_pid=""
 trap 'interrupted=interrupted; [ -z "$srun_pid" ] || kill -TERM "$srun_pid" 2>/dev/null' TERM INT
 executors_pid=""
@@ -24,7 +24,7 @@ trap '[ -z "$srun_pid" ] || kill -USR2 "$srun_pid" 2>/dev/null' USR2
 
 # One MPI world over every component; leaves its exit code in rc.
 run_world() {
-  rm -f "$RUN_DIR"/ranks/*.exit   # each rank leaves its exit code here
+  rm -f "$RUN_DIR"/@{ranks}/*@{exit}   # each rank leaves its exit code here
   # Each component's tasks get its CPUs: srun no longer takes --cpus-per-task from sbatch.
   srun --mpi=@{mpi} --kill-on-bad-exit=1 \
 @{srun_components} &
@@ -43,11 +43,11 @@ run_world() {
       [ $((waited += 1)) -lt 3 ] || { kill -KILL "$srun_pid"; break; }
       continue
     fi
-    exited=$(find "$RUN_DIR/ranks" -name '*.exit' 2>/dev/null | wc -l)
+    exited=$(find "$RUN_DIR/@{ranks}" -name '*@{exit}' 2>/dev/null | wc -l)
     if [ "$exited" -ge @{world_size} ] && [ $((overdue += 1)) -ge @{srun_grace_s} ]; then
       echo "gyre-hpc: srun outlived every rank by ${overdue}s; stopping it" >&2
       kill -KILL "$srun_pid"; wait "$srun_pid" 2>/dev/null
-      rc=$(cat "$RUN_DIR"/ranks/*.exit | sort -n | tail -n 1); break
+      rc=$(cat "$RUN_DIR"/@{ranks}/*@{exit} | sort -n | tail -n 1); break
     fi
     steps=$(squeue -h --steps -j "$SLURM_JOB_ID" -O StepId:64,StepName:64 2>/dev/null |
       awk '$1 !~ /[.](batch|extern)$/ && $2 != "@{executors_step}"' | wc -l)
@@ -62,8 +62,8 @@ run_world() {
   srun_pid=""
   # The same plugin can also crash srun itself at teardown ("double free", SIGABRT) after every
   # rank ended: when each rank left its code, those codes are the truth.
-  if [ -z "$interrupted" ] && [ "$(find "$RUN_DIR/ranks" -name '*.exit' | wc -l)" -ge @{world_size} ]; then
-    ranks_rc=$(cat "$RUN_DIR"/ranks/*.exit | sort -n | tail -n 1)
+  if [ -z "$interrupted" ] && [ "$(find "$RUN_DIR/@{ranks}" -name '*@{exit}' | wc -l)" -ge @{world_size} ]; then
+    ranks_rc=$(cat "$RUN_DIR"/@{ranks}/*@{exit} | sort -n | tail -n 1)
     [ "$ranks_rc" = "$rc" ] || echo "gyre-hpc: srun exited $rc after every rank had ended ($ranks_rc)" >&2
     rc=$ranks_rc
   fi
@@ -75,12 +75,12 @@ run_world() {
 # A world that failed (a rank died: node loss, OOM) starts again from the newest checkpoint and
 # the executions journalled after it, up to run.max_restarts times.
 restarts=0
-rm -f "$RUN_DIR/requeue"   # left only by a preemption of this job
+rm -f "$RUN_DIR/@{requeue}"   # left only by a preemption of this job
 while :; do
   run_world
   if [ "$rc" = 0 ] || [ -n "$interrupted" ] || [ "$restarts" -ge "$MAX_RESTARTS" ]; then break; fi
   restarts=$((restarts + 1))
-  "$PYTHON" -m gyre_hpc.launch.outcome "$RUN_DIR" "$rc" restarting "$RUN_DIR/logs/slurm.out"
+  "$PYTHON" -m gyre_hpc.launch.outcome "$RUN_DIR" "$rc" restarting "$RUN_DIR/@{slurm_out}"
 done
 # The executor nodes end their executions (and their processes) on SIGTERM; KILL after a grace.
 if [ -n "$executors_pid" ]; then
@@ -88,9 +88,9 @@ if [ -n "$executors_pid" ]; then
   for _ in $(seq @{srun_grace_s}); do kill -0 "$executors_pid" 2>/dev/null || break; sleep 1; done
   kill -KILL "$executors_pid" 2>/dev/null; wait "$executors_pid" 2>/dev/null
 fi
-"$PYTHON" -m gyre_hpc.launch.outcome "$RUN_DIR" "$rc" "${interrupted:-ended}" "$RUN_DIR/logs/slurm.out"
-if [ -e "$RUN_DIR/requeue" ] && [ -z "$interrupted" ]; then
-  rm -f "$RUN_DIR/requeue"
+"$PYTHON" -m gyre_hpc.launch.outcome "$RUN_DIR" "$rc" "${interrupted:-ended}" "$RUN_DIR/@{slurm_out}"
+if [ -e "$RUN_DIR/@{requeue}" ] && [ -z "$interrupted" ]; then
+  rm -f "$RUN_DIR/@{requeue}"
   scontrol requeue "$SLURM_JOB_ID" && echo "gyre-hpc: job $SLURM_JOB_ID requeued; it resumes by itself"
 fi
 exit "$rc"

@@ -1,8 +1,8 @@
-"""Hardware, service and package needs are pytest markers (mpi, slurm, gpu, rdma, megatron).
+"""Hardware, service and package needs are pytest markers (``CAPABILITIES``, in setup.cfg).
 
 Plain ``pytest`` runs everything this machine can run and skips the rest, saying why. Where a
-capability must be there (CI sets ``GYRE_REQUIRE=mpi,slurm,megatron``), its absence fails the run instead
-of hiding behind skips.
+capability must be there (``tools/test.sh``, which CI calls, sets ``GYRE_REQUIRE``), its absence
+fails the run instead of hiding behind skips.
 """
 
 from __future__ import annotations

@@ -24,11 +24,9 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from gyre_hpc.agents.dispatch import Outcome
-from gyre_hpc.agents.harness import Execution
+from gyre_hpc.outcome import Execution, Outcome, ScoreResult
 from gyre_hpc.runtime.protocol import Hello, StepApplied, TrainDone
 from gyre_hpc.scheduler.policy import Role
-from gyre_hpc.scoring.runner import ScoreResult
 from gyre_hpc.tasks.task import Task
 from gyre_hpc.trainer.base import MicroStats, micro_stats
 from gyre_hpc.trainer.data_parallel import Claims, work_once

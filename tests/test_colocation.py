@@ -161,7 +161,7 @@ def test_the_gpus_change_hands_in_an_order_that_never_needs_both_at_once() -> No
     the forwarded switch only once released), the leader's, then the engine resumes. To train:
     the engine lets go first, then every trainer takes its memory back."""
     from gyre_hpc.recipe.schema import CellsConfig
-    from gyre_hpc.runtime.cell import Cell
+    from gyre_hpc.runtime.cell_leader import Leader
     from gyre_hpc.runtime.protocol import SwitchRole
     from gyre_hpc.scheduler.policy import Role
 
@@ -178,7 +178,7 @@ def test_the_gpus_change_hands_in_an_order_that_never_needs_both_at_once() -> No
             calls.append(f"member {source} done")
             return source, self.last
 
-    cell = Cell.__new__(Cell)  # the switch alone: no world, no ranks
+    cell = Leader.__new__(Leader)  # the switch alone: no world, no ranks
     cell.unit, cell.session, cell.role, cell.cells = 0, None, Role.IDLE, CellsConfig()
     cell.engine, cell.trainer = Recorder("engine", calls), Recorder("trainer", calls)
     cell._forward = lambda msg: calls.append(f"members told {msg.role}")

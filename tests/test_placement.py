@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from conftest import assert_golden
 
@@ -10,7 +12,7 @@ from gyre_hpc.errors import RecipeError
 from gyre_hpc.placement import EnginePart, check_engine_plan, engine_plan
 from gyre_hpc.recipe.load import load_recipe
 from gyre_hpc.recipe.schema import EngineConfig
-from gyre_hpc.runtime.cell import engine_dir
+from gyre_hpc.rundir import engine_part_dir
 
 
 def test_every_gpu_of_a_node_serves_one_replica_per_tensor_parallel_group() -> None:
@@ -79,6 +81,12 @@ def test_each_part_of_a_cell_logs_to_its_own_directory() -> None:
     """Emulated nodes share one file system: a replica's second part must not write over its
     head's log."""
     plan = engine_plan(ranks_per_cell=4, nodes_per_cell=2, tp_size=4)
-    assert [engine_dir(3, p) for p in plan.parts] == ["unit-3", "unit-3-part-1"]
+    assert [engine_part_dir(Path("e"), 3, p.replica, p.node_rank).name for p in plan.parts] == [
+        "unit-3",
+        "unit-3-part-1",
+    ]
     two = engine_plan(ranks_per_cell=2, nodes_per_cell=1, tp_size=1)
-    assert [engine_dir(0, p) for p in two.parts] == ["unit-0", "unit-0-replica-1"]
+    assert [engine_part_dir(Path("e"), 0, p.replica, p.node_rank).name for p in two.parts] == [
+        "unit-0",
+        "unit-0-replica-1",
+    ]

@@ -24,10 +24,11 @@ from gyre_hpc.agents.dispatch import Dispatcher, make_harness
 from gyre_hpc.agents.external import Endpoint
 from gyre_hpc.agents.workspace import Workspace
 from gyre_hpc.errors import GyreError
+from gyre_hpc.outcome import ScoreResult
 from gyre_hpc.recipe.schema import AgentConfig, ScoringConfig
 from gyre_hpc.sandbox import untrusted
 from gyre_hpc.sandbox.confine import Sandbox, for_run
-from gyre_hpc.scoring import RunArtifacts, ScoreResult, ScoringRunners
+from gyre_hpc.scoring import RunArtifacts, ScoringRunners
 from gyre_hpc.scoring.contract import WorkspaceFault
 from gyre_hpc.scoring.harbor import reward
 from gyre_hpc.tasks import harbor, swe, swe_repo

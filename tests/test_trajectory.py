@@ -11,7 +11,7 @@ import random
 import numpy as np
 import pytest
 
-from gyre_hpc.step_data import token_staleness
+from gyre_hpc.step_stats import token_staleness
 from gyre_hpc.trajectory import TitoRecord, TrajectoryTree, select_paths
 from gyre_hpc.trajectory.batch import build_batch, group_advantages, pack_micro_steps
 from gyre_hpc.trajectory.records import CallMeta

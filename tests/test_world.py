@@ -9,8 +9,8 @@ import pytest
 from gyre_hpc.errors import RecipeError
 from gyre_hpc.launch.env import JobEnvironment
 from gyre_hpc.layout import Layout
+from gyre_hpc.recipe.runnable import check_runnable
 from gyre_hpc.recipe.schema import EngineConfig, TrainerConfig
-from gyre_hpc.runtime.runnable import check_runnable
 from gyre_hpc.runtime.world import WorldError, check_world_size
 
 

@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 
 from gyre_hpc.models.qwen3 import Qwen3Config  # noqa: E402
-from gyre_hpc.step_data import pack  # noqa: E402
+from gyre_hpc.step_batch import pack  # noqa: E402
 from gyre_hpc.trajectory import TitoRecord, TrajectoryTree, select_paths  # noqa: E402
 from gyre_hpc.trajectory.batch import TrainSequence, build_batch  # noqa: E402
 from gyre_hpc.trajectory.codec import by_run as encoded_by_run  # noqa: E402
@@ -148,8 +148,8 @@ def measure(args: argparse.Namespace) -> None:
     """Child: forward-backward every micro-step of one side; time and peak memory as JSON."""
     import torch
 
+    from gyre_hpc.builtin_models import resolve_model
     from gyre_hpc.models.qwen3 import Qwen3Config
-    from gyre_hpc.models.registry import resolve_model
     from gyre_hpc.recipe.schema import TrainerConfig
     from gyre_hpc.trainer.torch_backend import TorchTrainer
 
@@ -221,8 +221,8 @@ def main() -> None:
     if args.child:
         return measure(args)
 
+    from gyre_hpc.builtin_models import resolve_model
     from gyre_hpc.models.qwen3 import Qwen3Config
-    from gyre_hpc.models.registry import resolve_model
 
     console = Console(width=140)
     vocab = Qwen3Config.load(resolve_model("tiny-warm")).vocab_size

@@ -13,39 +13,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from gyre_hpc.agents.external import CommandHarness, Endpoint, PythonHarness
-from gyre_hpc.agents.harness import Execution, Harness
+from gyre_hpc.agents.harness import Harness
 from gyre_hpc.agents.journal import Journal
 from gyre_hpc.errors import GyreError
+from gyre_hpc.outcome import Execution, Outcome
 from gyre_hpc.recipe.schema import AgentConfig
 from gyre_hpc.sandbox import supervise, untrusted
 from gyre_hpc.sandbox.confine import UNCONFINED, Sandbox
-from gyre_hpc.scoring import RunArtifacts, ScoreResult, ScoringRunner
+from gyre_hpc.scoring import RunArtifacts, ScoringRunner
 from gyre_hpc.tasks.task import Task
-
-
-@dataclass
-class Outcome:
-    execution: Execution
-    score: ScoreResult
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            **{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self.execution).items()},
-            "score": asdict(self.score),
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Outcome:
-        fields = {k: v for k, v in data.items() if k != "score"}
-        return cls(
-            Execution(**{**fields, "workspace": Path(fields["workspace"])}), ScoreResult(**data["score"])
-        )
-
 
 AnyHarness = Harness | CommandHarness | PythonHarness
 

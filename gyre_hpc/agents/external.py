@@ -52,11 +52,11 @@ from urllib.parse import urlsplit
 
 import openai
 
-from gyre_hpc.agents.harness import Execution
 from gyre_hpc.agents.journal import Entry, Journal
 from gyre_hpc.agents.stops import REASON, Stopped, within
 from gyre_hpc.agents.workspace import CommandResult, Workspace
 from gyre_hpc.errors import GyreError
+from gyre_hpc.outcome import Execution
 from gyre_hpc.recipe.schema import AgentConfig
 from gyre_hpc.run_shard import shard_of
 from gyre_hpc.sandbox import relay, supervise

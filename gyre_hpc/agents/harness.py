@@ -23,7 +23,6 @@ import asyncio
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from gyre_hpc.agents.journal import Entry, Journal
 from gyre_hpc.agents.stops import REASON, Stopped, within
 from gyre_hpc.agents.tools import MAIN_TOOLS, SPECS, SUB_AGENT_TOOLS, execute, parse_call
 from gyre_hpc.agents.workspace import ToolError, Workspace
+from gyre_hpc.outcome import Execution
 from gyre_hpc.recipe.schema import AgentConfig
 from gyre_hpc.sandbox import supervise
 from gyre_hpc.sandbox.confine import UNCONFINED, Sandbox
@@ -43,26 +43,6 @@ MAIN_SYSTEM = "You are a software agent working in a workspace. Use the tools; c
 SUB_SYSTEM = "You are a sub-agent. Do the sub-task with the tools, then call finish with a short summary."
 SUMMARIZE = "Summarize the progress so far: what exists, what works, what is left. Be brief."
 NUDGE = "Reply with a tool call. Call finish when the task is done."
-
-
-@dataclass
-class Execution:
-    run_id: str
-    task_id: str
-    workspace: Path
-    status: str = "running"  # finished | timed_out | stopped | crashed
-    calls: int = 0
-    calls_by_role: dict[str, int] = field(default_factory=dict)
-    tokens: int = 0
-    """Context processed: input + output tokens summed over every model call."""
-    compactions: int = 0
-    sub_agents: int = 0
-    tool_errors: int = 0
-    tool_calls: int = 0
-    """Tool calls the built-in harness carried out (a black-box harness's are not seen)."""
-    summary: str = ""
-    error: str = ""
-    seconds: float = 0.0
 
 
 class _OutOfCalls(Exception):

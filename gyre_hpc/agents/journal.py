@@ -46,7 +46,7 @@ class Entry:
     seconds: float = 0.0
     """Wall-clock time spent so far: a continued execution gets what is left of its limit."""
     outcome: dict[str, Any] | None = None
-    """Once finished: the scored outcome (``agents.dispatch.Outcome.to_json``)."""
+    """Once finished: the scored outcome (``outcome.Outcome.to_json``)."""
 
     @property
     def finished(self) -> bool:

@@ -21,6 +21,7 @@ from rich.table import Table
 from gyre_hpc.errors import GyreError
 from gyre_hpc.observability import events as ev
 from gyre_hpc.recipe.load import load_recipe
+from gyre_hpc.replay import measured_costs, observed, replay
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.sim.config import (
     CONFIGS,
@@ -35,7 +36,6 @@ from gyre_hpc.sim.config import (
 )
 from gyre_hpc.sim.plots import plot_all
 from gyre_hpc.sim.simulate import SimResult, simulate
-from gyre_hpc.sim.trace import measured_costs, observed, replay
 
 app = typer.Typer(help="Compare scheduling modes.", no_args_is_help=True)
 
@@ -105,8 +105,8 @@ def sim(
     best = best_async(times)
     shape = f"{cfg.cells} cells × {cfg.capacity}, {cfg.prompts}×{cfg.group_size} executions"
     table = Table(title=f"{config}: {shape}, {cfg.steps} steps")
-    columns = ("mode", "total h", "mean step h", "total / bound", "total / work", "sampling", "idle slots",
-               "training", "idle", "switching", "switches")  # fmt: skip
+    columns = ("mode", "total h", "mean step h", "total / bound", "total / on-policy bound", "sampling",
+               "idle slots", "training", "idle", "switching", "switches")  # fmt: skip
     for col in columns:
         table.add_column(col, justify="right")
     for name, r in results.items():
@@ -116,19 +116,19 @@ def sim(
             f"{r.total_s / 3600:.2f}",
             f"{r.total_s / 3600 / len(r.step_ends):.3f}",
             f"{r.total_s / r.bound_s:.3f}",
-            f"{r.total_s / r.work_bound_s:.3f}",
+            "—" if r.step_bound_s is None else f"{r.total_s / r.step_bound_s:.3f}",
             *(f"{share[k]:.0%}" for k in ("sampling", "idle slots", "training", "idle", "switching")),
             str(r.switches),
         )
     console = Console(width=max(Console().width, 160))
     console.print(table)
-    bound = next(iter(results.values())).bound_s
-    work = next(iter(results.values())).work_bound_s
+    elastic = results.get("elastic") or next(iter(results.values()))
     console.print(
-        f"bound {bound / 3600:.2f} h ({bound / 3600 / cfg.steps:.3f} h a step): each step's work spread "
-        "over every slot and cell, or its longest execution and the training that must follow it; "
-        f"work {work / 3600:.2f} h: the work alone, which executions crossing versions (in-flight) "
-        "may approach"
+        f"bound {elastic.bound_s / 3600:.2f} h ({elastic.bound_s / 3600 / cfg.steps:.3f} h a step, elastic's "
+        "work): the sampling each run was served and the training it did, spread over every slot and "
+        "cell, and the last publication; each mode is over its own served work. On-policy bound "
+        f"{(elastic.step_bound_s or 0.0) / 3600:.2f} h: steps in series, each its work or its longest "
+        "execution and the training that must follow it, and its publication (colocate and elastic only)"
     )
     for line in speedups(times):
         console.print(line)
@@ -215,13 +215,16 @@ def _report(console: Console, title: str, runs: dict[str, RunDir], simulated: di
     for col in ("mode", "step s", "sampling s", "training began before burst end (s)", "reward"):
         table.add_column(col, justify="right")
     if simulated:
-        for col in ("simulated step s", "simulated / real", "bound s", "real / bound", "real / work"):
+        cols = ("simulated step s", "simulated / real", "bound s", "real / bound", "real / on-policy bound")
+        for col in cols:
             table.add_column(col, justify="right")
     real = {name: _summarize(rd) for name, rd in runs.items()}
     sim = {name: mean(r.step_times[1:]) for name, r in simulated.items()}
-    # The bound of each run's own recorded work, with the calibrated costs (``sim.bound``).
-    bound = {name: mean(r.step_bounds[1:]) for name, r in simulated.items()}
-    work = {name: mean(r.work_bounds[1:]) for name, r in simulated.items()}
+    # The bounds of each run's own recorded work, with the calibrated costs (``sim.bound``): its
+    # served and trained work (a step's publication may overlap the next step's sampling), and
+    # the on-policy bound where steps run in series.
+    bound = {name: mean(r.work_bounds[1:]) for name, r in simulated.items()}
+    on_policy = {name: mean(r.step_bounds[1:]) if r.in_series else None for name, r in simulated.items()}
     step_s = {name: r["step_s"] for name, r in real.items()}
     best = best_async(step_s)
     for name, r in real.items():
@@ -233,13 +236,13 @@ def _report(console: Console, title: str, runs: dict[str, RunDir], simulated: di
             f"{r['reward']:.3f}",
         ]
         if simulated:
-            b = bound[name]
+            b, p = bound[name], on_policy[name]
             row += [
                 f"{sim[name]:.2f}",
                 f"{sim[name] / r['step_s']:.3f}",
                 f"{b:.2f}",
                 f"{r['step_s'] / b:.3f}",
-                f"{r['step_s'] / work[name]:.3f}",
+                "—" if p is None else f"{r['step_s'] / p:.3f}",
             ]
         table.add_row(*row)
     console.print(table)

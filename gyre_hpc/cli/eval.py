@@ -12,11 +12,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from gyre_hpc.agents.dispatch import Dispatcher, Outcome, make_harness
+from gyre_hpc.agents.dispatch import Dispatcher, make_harness
 from gyre_hpc.agents.external import Endpoint
+from gyre_hpc.builtin_models import resolve_model
 from gyre_hpc.cli.recipe import RecipeArg, SetOption, load
-from gyre_hpc.models.registry import resolve_model
 from gyre_hpc.observability import events as ev
+from gyre_hpc.outcome import Outcome
 from gyre_hpc.proxy.local import LocalServing
 from gyre_hpc.recipe.schema import Recipe
 from gyre_hpc.rundir import RunDir
@@ -100,7 +101,7 @@ async def _run(
                 lambda w: console.print(f"warning: {w}"),
                 scoring_binds=r.scoring.sandbox_binds,
             )
-            logs = run_dir.logs / "executions"
+            logs = run_dir.execution_logs
             harness = make_harness(r.agent, endpoint, sampling, r.run.seed, logs, sandbox)
             dispatcher = Dispatcher(
                 harness,

@@ -28,11 +28,12 @@ def init_tiny(
     Example: `gyre-hpc model init-tiny models/tiny --seed 0`
     """
     from gyre_hpc.models.tiny import init_tiny as build
-    from gyre_hpc.models.warmstart import warmstart as warm
+    from gyre_hpc.tasks.suites import WORDS
+    from gyre_hpc.warmstart import warmstart as warm
 
     if warmstart is not None and warmstart != "smoke":
         raise GyreError(f"--warmstart {warmstart!r}: only the smoke suite has demonstrations (valid: smoke)")
-    path = warm(model_dir, warmstart, seed=seed) if warmstart else build(model_dir, seed)
+    path = warm(model_dir, warmstart, seed=seed) if warmstart else build(model_dir, seed, WORDS)
     typer.echo(f"wrote {path} ({sum(f.stat().st_size for f in path.iterdir()) / 1e6:.1f} MB)")
 
 

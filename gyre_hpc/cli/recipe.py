@@ -15,8 +15,8 @@ from gyre_hpc.models.catalog import model_shape
 from gyre_hpc.placement import engine_plan
 from gyre_hpc.recipe import Recipe, load_recipe, to_toml
 from gyre_hpc.recipe.load import schema_lines
+from gyre_hpc.recipe.runnable import check_runnable
 from gyre_hpc.rundir import RunDir
-from gyre_hpc.runtime.runnable import check_runnable
 
 RecipeArg = Annotated[Path, typer.Argument(help="Recipe TOML file.", show_default=False)]
 SetOption = Annotated[
@@ -41,8 +41,8 @@ def check_launchable(r: Recipe) -> MemoryPlan | None:
 def load_resumed(path: Path, sets: list[str] | None) -> tuple[RunDir, Recipe]:
     """A run directory to continue, and its recipe in force with ``sets`` added."""
     run_dir = RunDir(path.resolve())
-    if not run_dir.recipe_path.exists():
-        raise GyreError(f"--resume {path}: not a run directory (no recipe.toml)")
+    if (missing := run_dir.missing()) is not None:
+        raise GyreError(f"--resume {missing}")
     return run_dir, load_recipe(run_dir.recipe_path, [*run_dir.overrides(), *(sets or [])])
 
 

@@ -16,11 +16,11 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from gyre_hpc.builtin_models import resolve_model
 from gyre_hpc.cli.recipe import SetOption, check_launchable, load, load_resumed
 from gyre_hpc.errors import GyreError
 from gyre_hpc.launch.local import LocalRun
 from gyre_hpc.layout import Layout
-from gyre_hpc.models.registry import resolve_model
 from gyre_hpc.observability import events as ev
 from gyre_hpc.rundir import RunDir
 

@@ -125,7 +125,7 @@ def _sandbox(r: Recipe, run: RunDir | None, console: Console) -> Sandbox:
 
 def _enclosing_run(workspace: Path) -> RunDir | None:
     for parent in workspace.parents:
-        if RunDir(parent).recipe_path.exists() and (parent / "workspaces").is_dir():
+        if RunDir(parent).recipe_path.exists() and RunDir(parent).workspaces.is_dir():
             return RunDir(parent)
     return None
 

@@ -9,13 +9,13 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from gyre_hpc.builtin_models import resolve_model
 from gyre_hpc.cli.recipe import SetOption, check_launchable, load, load_resumed
 from gyre_hpc.cli.status import TargetArg, resolve
 from gyre_hpc.errors import GyreError, LaunchError
 from gyre_hpc.launch import slurm
 from gyre_hpc.launch.sbatch import render_sbatch
 from gyre_hpc.layout import Layout
-from gyre_hpc.models.registry import resolve_model
 from gyre_hpc.observability import events as ev
 from gyre_hpc.placement import engine_plan
 from gyre_hpc.rundir import RunDir

@@ -25,19 +25,20 @@ TargetArg = Annotated[
 def resolve(target: str | None, runs_dir: Path) -> tuple[RunDir | None, str | None]:
     """(run directory, job id) for a run directory, a job id, or nothing (the newest run)."""
     if target is None:
-        runs = sorted((p for p in runs_dir.glob("*/events.jsonl")), key=lambda p: p.stat().st_mtime)
+        runs = [r for r in RunDir.under(runs_dir) if r.events.exists()]
         if not runs:
             raise GyreError(f"no runs in {runs_dir}/; give a run directory or a job id")
-        run_dir = RunDir(runs[-1].parent)
+        run_dir = runs[-1]
         return run_dir, run_dir.read_job().get("job_id")
     if Path(target).is_dir():
         run_dir = RunDir(Path(target))
         if not run_dir.events.exists() and not run_dir.recipe_path.exists():
-            raise GyreError(f"{target} is not a run directory (no events.jsonl or recipe.toml)")
+            raise GyreError(
+                f"{target} is not a run directory (no {run_dir.events.name} or {run_dir.recipe_path.name})"
+            )
         return run_dir, run_dir.read_job().get("job_id")
     if target.isdigit():
-        for job in runs_dir.glob("*/job.json"):
-            run_dir = RunDir(job.parent)
+        for run_dir in RunDir.under(runs_dir):
             if str(run_dir.read_job().get("job_id")) == target:
                 return run_dir, target
         return None, target

@@ -23,7 +23,7 @@ app = typer.Typer(help="Inspect trajectory trees.", no_args_is_help=True)
 
 @app.command()
 def show(
-    run_dir: Annotated[Path, typer.Argument(help="Run directory (holds tito.bin).", show_default=False)],
+    run_dir: Annotated[Path, typer.Argument(help="Run directory (holds the TITO log).", show_default=False)],
     run: Annotated[str | None, typer.Option("--run", help="Only this execution (run id).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a tree.")] = False,
 ) -> None:

@@ -1,9 +1,12 @@
 """Moving a request's keys/values between engines (KV migration during a drain).
 
 The source pins the KV of an in-flight request under a handle and keeps it until the
-destination acknowledges (``release``); the destination pulls the bytes. ``KVTransfer`` is the
-seam the runtime backs with its transport (MPI one-sided reads, RDMA READ); ``HttpKVTransfer``
-is the loopback implementation: a GET from the source engine's ``/kv/<handle>``.
+destination acknowledges (``release``); the destination pulls the bytes. ``HttpKVTransfer``, a
+GET from the source engine's ``/kv/<handle>``, is the only implementation: the embedded engines
+migrate KV over HTTP. ``KVTransfer`` is what an engine server is handed, so another way to
+move the bytes would plug in there; none exists (the weight transport's MPI windows and verbs
+do not carry KV), and SGLang engines move no KV at all: a drained call continues from its
+partial output on another engine, which recomputes the prefix.
 """
 
 from __future__ import annotations

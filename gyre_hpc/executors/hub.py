@@ -33,11 +33,11 @@ from typing import Any
 
 from aiohttp import web
 
-from gyre_hpc.agents.dispatch import Outcome
 from gyre_hpc.errors import GyreError
 from gyre_hpc.executors.job import Job
 from gyre_hpc.executors.slots import place
 from gyre_hpc.observability import events as ev
+from gyre_hpc.outcome import Outcome
 from gyre_hpc.proxy.keys import bearer_is
 from gyre_hpc.recipe.schema import ExecutorsConfig
 from gyre_hpc.tasks.task import Task
@@ -300,7 +300,7 @@ class Hub:
         elif now - self._idle_since > NO_NODE_S:
             err = GyreError(
                 f"no executor node has been up for {NO_NODE_S:g} s with {len(self.queue)} executions "
-                "queued (executors.nodes > 0): see logs/executor-*.log in the run directory"
+                "queued (executors.nodes > 0): see the executors' logs in the run directory"
             )
             while self.queue:
                 p = self.queue.popleft()

@@ -158,7 +158,7 @@ class ExecutorNode:
         keys = KeyRing.load(self.run_dir.proxy_secret)
         # The hub counts a black-box harness's usage; each run's calls go to its own proxy worker.
         endpoint = Endpoint(hub.proxy_url, keys.mint, hub.model, workers=tuple(hub.proxy_workers))
-        logs = self.run_dir.logs / "executions"
+        logs = self.run_dir.execution_logs
         return make_harness(self.recipe.agent, endpoint, sampling, self.recipe.run.seed, logs, self.sandbox)
 
     def dispatcher(self, job: Job) -> Dispatcher:
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     env = JobEnvironment.from_environ()
     name = args.node or env.node_name
     logging.basicConfig(
-        filename=run_dir.logs / f"executor-{name}.log",
+        filename=run_dir.executor_log(name),
         level=logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )

@@ -75,7 +75,7 @@ class LocalRun:
     def launch(self, on_events: Callable[[list[ev.Event]], None] = lambda _: None) -> ev.RunEnd:
         """Run to the end, restarting the world up to ``max_restarts`` times after a failure;
         ``on_events`` sees new events as they come. Returns ``run_end``."""
-        log_path = self.run_dir.logs / "mpirun.log"
+        log_path = self.run_dir.launcher_log
         cmd = mpirun_command(self.layout, self.python, self.run_dir.path, os.geteuid() == 0)
         with ev.EventLog(self.run_dir.events) as events:
             events.emit(ev.RunStart(launcher="mpirun", command=cmd, pid=os.getpid()))
@@ -142,7 +142,7 @@ class LocalRun:
 
     def _start_executor(self, name: str) -> subprocess.Popen[bytes]:
         """One executor process, its output in ``logs/executor-<name>.log`` beside its own log."""
-        with (self.run_dir.logs / f"executor-{name}.log").open("ab") as out:
+        with self.run_dir.executor_log(name).open("ab") as out:
             return subprocess.Popen(
                 [self.python, "-m", "gyre_hpc.executors", str(self.run_dir.path), "--node", name],
                 stdout=out,

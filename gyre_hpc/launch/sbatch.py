@@ -25,6 +25,7 @@ from pathlib import Path
 from gyre_hpc.errors import LaunchError
 from gyre_hpc.layout import Layout
 from gyre_hpc.recipe.schema import ExecutorsConfig, SlurmConfig
+from gyre_hpc.rundir import EXIT, RunDir
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "sbatch" / "hetjob.sh"
 SRUN_GRACE_S = 10  # how long srun may outlive every rank before the script stops it
@@ -58,7 +59,7 @@ def render_sbatch(
         components.append(_executors(slurm, executors))
     common = [
         f"--job-name={job_name}",
-        f"--output={run_dir}/logs/slurm.out",
+        f"--output={RunDir(run_dir).slurm_out}",
         "--open-mode=append",  # a requeued job adds to the first attempt's output
         f"--time={slurm.time}",
         f"--chdir={run_dir}",
@@ -89,7 +90,18 @@ def render_sbatch(
         srun_grace_s=SRUN_GRACE_S,
         world_size=layout.world_size,
         max_restarts=max_restarts,
+        **_run_dir_names(RunDir(run_dir)),
     )
+
+
+def _run_dir_names(rd: RunDir) -> dict[str, str]:
+    """The run directory's files the script reads, relative to ``$RUN_DIR`` (``rundir`` names them)."""
+    return {
+        "ranks": str(rd.ranks.relative_to(rd.path)),
+        "exit": EXIT,
+        "requeue": str(rd.requeue_flag.relative_to(rd.path)),
+        "slurm_out": str(rd.slurm_out.relative_to(rd.path)),
+    }
 
 
 def _srun_components(components: list[list[str]]) -> str:

@@ -1,6 +1,6 @@
 """The tiny offline model: a few-layer Qwen3 with random weights and a locally trained tokenizer.
 
-``init_tiny(dir, seed)`` writes a standard Hugging Face model directory — ``config.json``,
+``init_tiny(dir, seed, words)`` writes a standard Hugging Face model directory — ``config.json``,
 ``generation_config.json``, ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``,
 ``chat_template.jinja`` — in seconds on a CPU with no network, identical for a given seed.
 The byte-level BPE is trained on a small built-in corpus of code, prose and tool calls.
@@ -9,6 +9,7 @@ The byte-level BPE is trained on a small built-in corpus of code, prose and tool
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -16,7 +17,6 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from gyre_hpc.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
-from gyre_hpc.tasks.suites import WORDS
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -54,7 +54,9 @@ _CORPUS = [
 ]
 
 
-def train_tokenizer() -> Tokenizer:
+def train_tokenizer(words: Sequence[str] = ()) -> Tokenizer:
+    """A byte-level BPE of the built-in corpus; each of ``words`` (a suite's vocabulary) becomes
+    one token."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -64,8 +66,8 @@ def train_tokenizer() -> Tokenizer:
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    # The smoke suite's words become single tokens: copying one token is what the tiny model can learn.
-    corpus = _CORPUS * 8 + [TEMPLATE] + [" ".join(WORDS), " ".join(f'"{w}"' for w in WORDS)] * 64
+    # A suite's words become single tokens: copying one token is what the tiny model can learn.
+    corpus = _CORPUS * 8 + [TEMPLATE] + [" ".join(words), " ".join(f'"{w}"' for w in words)] * 64
     tok.train_from_iterator(corpus, trainer=trainer)
     return tok
 
@@ -86,10 +88,12 @@ def tiny_config(vocab_size: int, eos: list[int]) -> Qwen3Config:
     )
 
 
-def init_tiny(model_dir: str | Path, seed: int = 0) -> Path:
+def init_tiny(model_dir: str | Path, seed: int = 0, words: Sequence[str] = ()) -> Path:
+    """``words``: a task suite's vocabulary the tokenizer keeps whole (the built-ins pass the
+    smoke suite's; this module knows no suite)."""
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer()
+    tok = train_tokenizer(words)
     tok.save(str(model_dir / "tokenizer.json"))
     eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
     config = tiny_config(tok.get_vocab_size(), eos)

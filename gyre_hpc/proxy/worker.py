@@ -89,7 +89,7 @@ def admin_routes(app: web.Application, proxy: Proxy, token: str) -> None:
 
 
 async def serve(run_dir: RunDir, index: int) -> None:
-    spec = WorkerSpec.read(run_dir.proxy_workers / "spec.json")
+    spec = WorkerSpec.read(run_dir.proxy_spec)
     config = run_dir.read_recipe().proxy
     config = dataclasses.replace(config, admission_limit=0)  # the spec's limits are this worker's share
     proxy = Proxy(run_dir.path, spec.model_dir, spec.engines, config, 1, spec.limits, index, spec.workers)
@@ -100,7 +100,7 @@ async def serve(run_dir: RunDir, index: int) -> None:
     port = config.port + index if config.port else 0
     await web.TCPSite(runner, config.host, port).start()
     url = reachable_url(config.host, runner.addresses[0][1])
-    where = run_dir.proxy_workers / f"worker-{index}.json"
+    where = run_dir.proxy_worker(index)
     where.with_suffix(".tmp").write_text(json.dumps({"url": url, "pid": os.getpid()}))
     os.replace(where.with_suffix(".tmp"), where)
     stop = asyncio.Event()

@@ -36,7 +36,7 @@ UP_S = 120.0
 def check_same_workers(run_dir: RunDir, workers: int) -> None:
     """A resumed run keeps the number of proxy workers its TITO log was written by: a run's
     records are in the segment of its shard, and another count would send it elsewhere."""
-    spec = run_dir.proxy_workers / "spec.json"
+    spec = run_dir.proxy_spec
     if spec.exists():
         before: int | None = WorkerSpec.read(spec).workers
     else:
@@ -73,14 +73,15 @@ class ProxyWorkers:
 
     async def start(self) -> list[str]:
         """Start every worker; their URLs, by index, once all listen."""
-        folder = self.run_dir.proxy_workers
-        for old in folder.glob("worker-*.json"):
+        for old in self.run_dir.proxy_worker_files():
             old.unlink()  # a previous world's
         engines = list(self.limits)
         per_worker = {url: share(limit, self.n) for url, limit in self.limits.items()}
-        WorkerSpec(str(self.model_dir), engines, per_worker, self.n, self.token).write(folder / "spec.json")
+        WorkerSpec(str(self.model_dir), engines, per_worker, self.n, self.token).write(
+            self.run_dir.proxy_spec
+        )
         for i in range(self.n):
-            with (self.run_dir.logs / f"proxy-worker-{i}.log").open("ab") as log:
+            with self.run_dir.proxy_worker_log(i).open("ab") as log:
                 self.procs.append(
                     subprocess.Popen(
                         [self.python, "-m", "gyre_hpc.proxy.worker", str(self.run_dir.path), str(i)],
@@ -92,12 +93,11 @@ class ProxyWorkers:
                 )
         deadline = time.monotonic() + UP_S
         for i, proc in enumerate(self.procs):
-            where = folder / f"worker-{i}.json"
+            where = self.run_dir.proxy_worker(i)
             while not where.exists():
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise GyreError(
-                        f"proxy worker {i} did not start (exit {proc.poll()}); see logs/proxy-worker-{i}.log"
-                    )
+                    log_path = self.run_dir.proxy_worker_log(i)
+                    raise GyreError(f"proxy worker {i} did not start (exit {proc.poll()}); see {log_path}")
                 await asyncio.sleep(0.05)
             self.urls.append(json.loads(where.read_text())["url"])
         self._http = aiohttp.ClientSession(headers={"Authorization": f"Bearer {self.token}"})

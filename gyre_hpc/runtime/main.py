@@ -16,17 +16,18 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
+from gyre_hpc.builtin_models import resolve_model
 from gyre_hpc.launch.env import JobEnvironment
 from gyre_hpc.layout import CONTROLLER, Layout
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.qwen3 import Qwen3Config
-from gyre_hpc.models.registry import resolve_model
 from gyre_hpc.observability import events as ev
 from gyre_hpc.observability.events import EventLog
 from gyre_hpc.recipe.schema import Recipe
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.runtime import resume
-from gyre_hpc.runtime.cell import Cell, CellSetup
+from gyre_hpc.runtime.cell import run_cell
+from gyre_hpc.runtime.cell_host import CellSetup
 from gyre_hpc.runtime.controller import Controller
 from gyre_hpc.runtime.fleet import MpiFleet, Waits
 from gyre_hpc.runtime.serving import Serving
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     logging.basicConfig(
-        filename=run_dir.logs / f"rank-{env.rank}.log",
+        filename=run_dir.rank_log(env.rank),
         level=logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                 recipe.trajectory.packing,
                 recipe.slurm.nodes_per_cell,
             )
-            Cell(world, recipe.cells, recipe.engine, recipe.trainer, setup).run()
+            run_cell(world, recipe.cells, recipe.engine, recipe.trainer, setup)
         transport.close()  # collective: only on the way out of a run every rank completed
     except Interrupted as sig:
         log.warning("rank %d interrupted by %s", rank, sig)

@@ -62,7 +62,7 @@ def prepare(run_dir: RunDir) -> ResumePoint:
         got, lost = _cut_log(segment, int(sizes.get(segment.name, 0)), calls, version)
         kept.update(got)
         dropped += lost
-    for index in [run_dir.chat_index, *run_dir.path.glob("chats-*.jsonl")]:
+    for index in run_dir.chat_index_segments():
         _cut_chat_index(index, kept)
     continued = finished = 0
     for run, (journal, calls, done) in wanted.items():
@@ -79,8 +79,8 @@ def prepare(run_dir: RunDir) -> ResumePoint:
 def _journals(run_dir: RunDir, step: int) -> list[Journal]:
     """The journals of steps after ``step``; those of steps already trained are removed."""
     out = []
-    for d in sorted(run_dir.journals.glob("step-*")):
-        if int(d.name.removeprefix("step-")) <= step:
+    for s, d in run_dir.journalled_steps().items():
+        if s <= step:
             shutil.rmtree(d, ignore_errors=True)
         else:
             out.append(Journal(d))

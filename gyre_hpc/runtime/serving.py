@@ -29,12 +29,13 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from gyre_hpc.agents.dispatch import Dispatcher, Outcome, make_harness
+from gyre_hpc.agents.dispatch import Dispatcher, make_harness
 from gyre_hpc.agents.external import Endpoint
 from gyre_hpc.agents.journal import Journal
 from gyre_hpc.executors.hub import Hub
 from gyre_hpc.executors.job import HubAddress
 from gyre_hpc.observability import events as ev
+from gyre_hpc.outcome import Outcome
 from gyre_hpc.proxy.address import reachable_url
 from gyre_hpc.proxy.keys import KeyRing
 from gyre_hpc.proxy.server import Proxy, admission_limits
@@ -136,7 +137,7 @@ class Serving:
         e = self.engine_cfg
         sampling = {"temperature": e.temperature, "top_p": e.top_p, "max_tokens": e.max_new_tokens}
         endpoint = Endpoint(self.url, keys.mint, self.model_dir.name, self.usage, workers=urls)
-        logs = self.run_dir.logs / "executions"
+        logs = self.run_dir.execution_logs
         self.harness = make_harness(self.agent_cfg, endpoint, sampling, self.seed, logs, self.sandbox)
         return self.url
 

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from gyre_hpc.agents.dispatch import Outcome
+from gyre_hpc.data_order import step_jobs, step_tasks
 from gyre_hpc.observability import events as ev
+from gyre_hpc.outcome import Outcome
 from gyre_hpc.placement import replica_capacity
 from gyre_hpc.recipe.schema import RunConfig, SchedulerConfig, TasksConfig, TrainerConfig, TrajectoryConfig
 from gyre_hpc.rundir import RunDir
@@ -46,15 +47,8 @@ from gyre_hpc.scheduler.policy import (
     sched_state,
     writes_checkpoint,
 )
-from gyre_hpc.step_data import (
-    StepBatch,
-    StreamingBatch,
-    staleness,
-    step_batch,
-    step_jobs,
-    step_tasks,
-    token_staleness,
-)
+from gyre_hpc.step_batch import StepBatch, StreamingBatch, step_batch
+from gyre_hpc.step_stats import staleness, token_staleness
 from gyre_hpc.tasks.task import Task
 from gyre_hpc.trajectory.batch import TrainSequence
 from gyre_hpc.trajectory.tree import TrajectoryTree
@@ -144,7 +138,7 @@ class StepRecord:
     sampled: float
     """When its burst ended."""
     stats: dict[str, Any]
-    """``step_data.step_stats`` of its batch."""
+    """``step_stats.step_stats`` of its batch."""
     loss_runs: int
     """The runs the loss is averaged over."""
     done: dict[int, TrainDone]

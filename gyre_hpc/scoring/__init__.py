@@ -1,13 +1,12 @@
 """Scoring finished, timed-out and crashed executions on the artifacts they left."""
 
 from gyre_hpc.scoring.contract import EvaluationError, NoArtifact, RunArtifacts, Scorer, WorkspaceFault
-from gyre_hpc.scoring.runner import ScoreResult, ScoringRunner, ScoringRunners, load_scorer
+from gyre_hpc.scoring.runner import ScoringRunner, ScoringRunners, load_scorer
 
 __all__ = [
     "EvaluationError",
     "NoArtifact",
     "RunArtifacts",
-    "ScoreResult",
     "Scorer",
     "ScoringRunner",
     "ScoringRunners",

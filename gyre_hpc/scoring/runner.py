@@ -16,35 +16,14 @@ then dropped, never allowed to stop the run.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Literal
 
 from gyre_hpc.errors import RecipeError
+from gyre_hpc.outcome import Kind, ScoreResult
 from gyre_hpc.recipe.schema import ScoringConfig
 from gyre_hpc.sandbox.confine import bind_paths
 from gyre_hpc.scoring.contract import EvaluationError, NoArtifact, RunArtifacts, Scorer, WorkspaceFault
-
-Kind = Literal["scored", "partial", "placeholder", "dropped"]
-
-
-@dataclass(frozen=True)
-class ScoreResult:
-    run_id: str
-    kind: Kind
-    reward: float | None
-    attempts: int
-    reason: str = ""
-
-    @property
-    def counts_in_group(self) -> bool:
-        """Dropped runs have no reward; every other run takes part in its group's statistics."""
-        return self.kind != "dropped"
-
-    @property
-    def trainable(self) -> bool:
-        """Only runs with a real evaluation contribute tokens."""
-        return self.kind in ("scored", "partial")
 
 
 class ScoringRunner:

@@ -13,11 +13,12 @@
 
 Nothing here decides a role: ``scheduler.policy.decide`` does, exactly as in the runtime, on a
 state built by the same ``sched_state``. Time only moves between events; there is no compute.
-Each completed step also gets its physical bound (``sim.bound``), from the work it was given.
+Each completed step also gets its bounds (``sim.bound``): the work it was served and trained,
+and, for steps in series, its on-policy bound from the work it was given.
 
 The workload is a function from a step to its prompt groups: each group's execution durations
 and the micro-steps it yields. ``sampled`` draws it from the config's distributions;
-``sim.trace`` replays the one a real run recorded.
+``replay`` replays the one a real run recorded.
 """
 
 from __future__ import annotations
@@ -111,9 +112,13 @@ class SimResult:
     timeline: list[tuple[int, float, float, str]] = field(default_factory=list)
     """(cell, start, end, what) for a Gantt chart."""
     step_bounds: list[float] = field(default_factory=list)
-    """Each completed step's physical bound (``sim.bound``), from the work it was given."""
+    """Each completed step's on-policy bound (``sim.bound.step_bound``), from the work it was
+    given: it holds only for steps in series (``in_series``)."""
     work_bounds: list[float] = field(default_factory=list)
-    """The same without the critical path: what no schedule beats, in-flight updates included."""
+    """Each completed step's work (``sim.bound.work_bound``): what it was served and trained."""
+    publish_s: float = 0.0
+    in_series: bool = True
+    """Colocate, or elastic without ``carry_tail`` or in-flight updates: no step overlaps another."""
 
     @property
     def switches(self) -> int:
@@ -121,11 +126,13 @@ class SimResult:
 
     @property
     def bound_s(self) -> float:
-        return sum(self.step_bounds)
+        """What no schedule of this run's work beats (``sim.bound.run_bound``)."""
+        return sum(self.work_bounds) + self.publish_s if self.work_bounds else 0.0
 
     @property
-    def work_bound_s(self) -> float:
-        return sum(self.work_bounds)
+    def step_bound_s(self) -> float | None:
+        """The on-policy bound, where it holds (steps in series); None elsewhere."""
+        return sum(self.step_bounds) if self.in_series else None
 
     def time_split(self) -> dict[str, float]:
         """Shares of cell time: ``sampling`` with its slots busy, ``idle slots`` the rest of the
@@ -154,6 +161,8 @@ class Simulation:
         )
         self.workload = workload or sampled(cfg)
         self.inflight = mode == "elastic" and cfg.max_staleness > 0
+        plain_elastic = mode == "elastic" and not self.inflight and not cfg.carry_tail
+        self.in_series = mode == "colocate" or plain_elastic
         streams = cfg.streaming == "all" or (cfg.streaming == "elastic" and mode == "elastic")
         self.streaming = streams or self.inflight  # a quota counts complete groups as they end
         self.now = 0.0
@@ -202,6 +211,9 @@ class Simulation:
         self.stale_trained: list[tuple[int, int]] = []  # (step, versions behind) of each group trained
         self.started_at: dict[int, float] = {}
         self.served: dict[int, float] = {}  # execution -> the time it was served, once it ended
+        self.exec_step: dict[int, int] = {}  # execution -> the step it was dispatched for
+        self.trained_s: dict[int, float] = {}  # step -> cell-seconds of the micro-steps it trained
+        self.in_hand: dict[int, tuple[int, float]] = {}  # cell -> (step, seconds) of its micro-step
         # slot occupancy: ∫ (occupied slots / slots) dt, so sampling time splits into busy and idle
         self.occupied = 0.0
         self.occupancy = 0.0
@@ -229,21 +241,30 @@ class Simulation:
             self.mark(c, self.state_of[c])
         return SimResult(
             self.mode, self.step_ends, self.now, self.cells, self.switch_log, self.timeline,
-            self.bounds(step_bound), self.bounds(work_bound),
+            self.bounds(), self.works(), self.cfg.publish_s, self.in_series,
         )  # fmt: skip
 
     def slot_occupancy(self) -> float:
         slots = self.slots()
         return min(self.running, slots) / slots if slots else 1.0
 
-    def bounds(self, bound: Callable[..., float]) -> list[float]:
+    def bounds(self) -> list[float]:
         by_step: dict[int, list[Group]] = {}
         for gid, group in sorted(self.groups.items()):
             by_step.setdefault(gid // 10_000, []).append(group)
         return [
-            bound([g.durations for g in by_step[s]], [g.micro_steps for g in by_step[s]], self.cfg)
+            step_bound([g.durations for g in by_step[s]], [g.micro_steps for g in by_step[s]], self.cfg)
             for s in range(1, len(self.step_ends) + 1)
         ]
+
+    def works(self) -> list[float]:
+        """Each step's served and trained work: an execution's served time goes to its step, a
+        micro-step's to the step that trained it."""
+        served: dict[int, float] = {}
+        for e, seconds in self.served.items():
+            served[self.exec_step[e]] = served.get(self.exec_step[e], 0.0) + seconds
+        steps = range(1, len(self.step_ends) + 1)
+        return [work_bound(served.get(s, 0.0), self.trained_s.get(s, 0.0), self.cfg) for s in steps]
 
     def mark(self, cell: int, what: str) -> None:
         """Close the cell's current segment and open ``what``."""
@@ -297,6 +318,7 @@ class Simulation:
             self.next_exec += 1
             self.remaining[e] = duration + self.cfg.exec_overhead_s
             self.exec_group[e] = gid
+            self.exec_step[e] = gid // 10_000
             self.first_version[e] = self.version
             self.waiting.append(e)
 
@@ -387,6 +409,8 @@ class Simulation:
 
     def on_micro_end(self, cell: int) -> None:
         self.busy[cell] = False
+        step, seconds = self.in_hand.pop(cell)
+        self.trained_s[step] = self.trained_s.get(step, 0.0) + seconds
         self.step_work[self.training_step] -= 1
         self.mark(cell, "training")
 
@@ -403,6 +427,7 @@ class Simulation:
                     seconds = self.queue.pop(0)
                     self.started[step] = self.started.get(step, 0) + 1
                     self.busy[c] = True
+                    self.in_hand[c] = (step, seconds)
                     if self.state_of[c] != "training":
                         self.mark(c, "training")
                     self.at(self.now + seconds, "micro_end", c)

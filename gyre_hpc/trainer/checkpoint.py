@@ -29,24 +29,20 @@ from safetensors.torch import load_file
 
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.qwen3 import Qwen3Config
+from gyre_hpc.rundir import checkpoint_dir, checkpoint_dirs, checkpoint_state
 from gyre_hpc.trainer.base import Trainer
 
 log = logging.getLogger(__name__)
 
 
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step:06d}"
-
-
 def save(root: Path, step: int, trainer: Trainer, model_dir: Path, **state: Any) -> Path:
-    final = step_dir(root, step)
-    tmp = root / f".tmp-step-{step:06d}"
+    final, tmp = checkpoint_dir(root, step), checkpoint_dir(root, step, writing=True)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         FlatLayout.of(Qwen3Config.load(model_dir)).save(trainer.weights(), model_dir, tmp)  # any backend
         torch.save(trainer.optimizer_state(), tmp / "optimizer.pt")
         digests = {name: sha256(tmp / name) for name in CHECKED}
-        (tmp / "state.json").write_text(
+        checkpoint_state(tmp).write_text(
             json.dumps({"step": step, "version": trainer.version, "sha256": digests, **state}) + "\n"
         )
     except BaseException:
@@ -73,21 +69,22 @@ def damage(path: Path) -> str | None:
     try:
         state = read_state(path)
     except (OSError, ValueError) as err:
-        return f"{path / 'state.json'}: unreadable ({err})"
+        return f"{checkpoint_state(path)}: unreadable ({err})"
     for name, want in state.get("sha256", {}).items():  # checkpoints written before digests: trusted
         try:
             got = sha256(path / name)
         except OSError as err:
             return f"{path / name}: unreadable ({err.strerror or err})"
         if got != want:
-            return f"{path / name}: damaged (sha256 {got[:12]}…, state.json says {want[:12]}…)"
+            state_name = checkpoint_state(path).name
+            return f"{path / name}: damaged (sha256 {got[:12]}…, {state_name} says {want[:12]}…)"
     return None
 
 
 def newest_intact(root: Path) -> tuple[Path | None, list[str]]:
     """The newest checkpoint whose files match their digests, and what was wrong with each newer one."""
     skipped: list[str] = []
-    for path in sorted((p for p in root.glob("step-*") if (p / "state.json").exists()), reverse=True):
+    for path in checkpoint_dirs(root):
         problem = damage(path)
         if problem is None:
             return path, skipped
@@ -97,7 +94,7 @@ def newest_intact(root: Path) -> tuple[Path | None, list[str]]:
 
 
 def read_state(path: Path) -> dict[str, Any]:
-    return json.loads((path / "state.json").read_text())
+    return json.loads(checkpoint_state(path).read_text())
 
 
 def read_weights(path: Path) -> np.ndarray:

@@ -222,7 +222,7 @@ class MegatronWorld:
     port: int = 0
     gpu: int | None = None
     timeout_s: float = 1800.0
-    """How long a rank waits at the rendezvous for the others (``runtime.cell.rendezvous_timeout_s``)."""
+    """How long a rank waits at the rendezvous for the others (``runtime.cell_host.rendezvous_timeout_s``)."""
 
     @classmethod
     def alone(cls) -> MegatronWorld:

@@ -11,7 +11,7 @@ import warnings
 warnings.filterwarnings("ignore")
 
 from gyre_hpc.recipe.schema import CellsConfig, EngineConfig  # noqa: E402
-from gyre_hpc.runtime.cell import rendezvous_timeout_s  # noqa: E402
+from gyre_hpc.runtime.cell_host import rendezvous_timeout_s  # noqa: E402
 from gyre_hpc.trainer.megatron_backend import MegatronWorld, RendezvousTimeout, init_megatron  # noqa: E402
 
 rank, port, delay = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])

@@ -1,11 +1,10 @@
-"""What one optimizer step trains on: its prompts, its executions, and the batch made of them.
+"""What one optimizer step trains on: the batch made of its finished executions.
 
-Pure and deterministic for (seed, step), so a resumed run takes the same data order, and the
-same functions serve the runtime, the simulator's replay (``run_id``) and tests. It knows
-nothing about cells, MPI or the schedule.
+Pure and deterministic for (seed, step) and whatever order the groups finish in, so the
+runtime, a resumed run and tests build the same micro-steps. It knows nothing about cells, MPI,
+the schedule or where the executions ran.
 
 ```
- step k ─▶ step_tasks: prompts_per_step tasks ─▶ step_jobs: × group_size executions (run ids)
  finished executions + their TITO trees ─▶ per prompt group (group_sequences):
      group advantages (dropped runs left out, placeholders count as reward 0)
      ─▶ Jmax path selection per trainable run ─▶ weighted sequences ─▶ micro-steps
@@ -16,53 +15,17 @@ nothing about cells, MPI or the schedule.
 from __future__ import annotations
 
 import random
-import re
-from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from gyre_hpc.agents.dispatch import Outcome
-from gyre_hpc.recipe.schema import TasksConfig, TrajectoryConfig
-from gyre_hpc.tasks.suites import SUITES, load_suite
-from gyre_hpc.tasks.task import Task
+from gyre_hpc.outcome import Outcome
+from gyre_hpc.recipe.schema import TrajectoryConfig
+from gyre_hpc.run_id import dispatched_step
+from gyre_hpc.step_stats import step_stats
 from gyre_hpc.trajectory.batch import TrainSequence, build_batch, group_advantages, pack_micro_steps
 from gyre_hpc.trajectory.packing import pack_tree_micro_steps, run_chunks
 from gyre_hpc.trajectory.select import select_paths
 from gyre_hpc.trajectory.tree import TrajectoryTree
-
-
-def step_tasks(tasks: TasksConfig, seed: int, step: int) -> list[Task]:
-    """The prompts of ``step`` (1-based): new built-in tasks per step, or a seeded walk of a JSONL suite."""
-    n = tasks.prompts_per_step
-    if tasks.suite in SUITES:
-        return load_suite(tasks.suite, n, seed=seed * 10_007 + step, split="train")
-    pool = load_suite(tasks.suite, 0, seed=seed)
-    out: list[Task] = []
-    at = (step - 1) * n
-    while len(out) < n:
-        epoch, i = divmod(at, len(pool))
-        order = list(range(len(pool)))
-        random.Random(f"{seed}-epoch-{epoch}").shuffle(order)
-        out.append(pool[order[i]])
-        at += 1
-    return out
-
-
-def step_jobs(tasks: Sequence[Task], group_size: int, step: int) -> list[tuple[str, Task]]:
-    return [(run_id(step, t.id, g), t) for t in tasks for g in range(group_size)]
-
-
-def run_id(step: int, task_id: str, g: int) -> str:
-    """The run of the ``g``-th execution of a task's group in ``step``."""
-    return f"s{step:04d}-{task_id}-g{g}"
-
-
-def dispatched_step(run: str) -> int:
-    """The step a ``run_id`` was dispatched for (0 for a run named otherwise, e.g. an evaluation's)."""
-    m = re.match(r"s(\d+)-", run)
-    return int(m.group(1)) if m else 0
 
 
 def group_of(outcome: Outcome) -> tuple[int, str]:
@@ -228,70 +191,3 @@ def group_work(
             else [len(s) for s in sequences]
         ),
     }
-
-
-def step_stats(
-    outcomes: Sequence[Outcome],
-    queue: list[list[TrainSequence]],
-    runs: int,
-    work: Sequence[dict[str, object]] = (),
-    trees: Iterable[TrajectoryTree] = (),
-) -> dict[str, object]:
-    counted = [o for o in outcomes if o.score.counts_in_group]
-    rewards = [o.score.reward or 0.0 for o in counted]
-    sequences = [s for mb in queue for s in mb]
-    return {
-        "executions": len(outcomes),
-        "reward_mean": sum(rewards) / max(len(rewards), 1),
-        "pass_rate": sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
-        "dropped": len(outcomes) - len(counted),
-        "trained_runs": runs,
-        "sequences": len(sequences),
-        "micro_steps": len(queue),
-        "tokens": sum(len(s) for s in sequences),
-        "loss_tokens": int(sum(s.loss_mask.sum() for s in sequences)),
-        "calls": sum(o.execution.calls for o in outcomes),
-        "tool_calls": sum(o.execution.tool_calls for o in outcomes),
-        "statuses": dict(sorted(Counter(o.execution.status for o in outcomes).items())),
-        "groups": list(work),
-        "engine_calls": engine_calls(trees),
-        **prefix_reuse(trees),
-    }
-
-
-def engine_calls(trees: Iterable[TrajectoryTree]) -> dict[str, int]:
-    """The runs' calls by the engine replica that served them (its URL; the last for a call
-    that moved)."""
-    return dict(sorted(Counter(r.meta.engine for tree in trees for r in tree.records()).items()))
-
-
-def prefix_reuse(trees: Iterable[TrajectoryTree]) -> dict[str, int]:
-    """The runs' input tokens, and those their engines took from a prefix cache."""
-    records = [r for tree in trees for r in tree.records()]
-    return {
-        "input_tokens": sum(len(r.input_ids) for r in records),
-        "cached_tokens": sum(r.meta.cached_tokens for r in records),
-    }
-
-
-def token_staleness(micro_steps: Iterable[list[TrainSequence]], trained_from: int) -> dict[str, int]:
-    """Trained tokens by how many versions lie between the one that generated them and the one
-    the update trains from (0: on-policy): the micro-steps an update actually trained."""
-    count: Counter[int] = Counter()
-    for mb in micro_steps:
-        for s in mb:
-            if s.versions is not None:
-                lags, n = np.unique(
-                    trained_from - s.versions[np.asarray(s.loss_mask) > 0], return_counts=True
-                )
-                count.update(dict(zip(lags.tolist(), n.tolist(), strict=True)))
-    return {str(k): v for k, v in sorted(count.items())}
-
-
-def staleness(trees: Iterable[TrajectoryTree], trained_from: int) -> dict[str, int]:
-    """Calls by how many versions lie between the one a step trains from and the one that
-    served them (0: on-policy); a call that spanned a load counts once for each version of
-    its parts."""
-    parts = ({v for _, v in r.meta.versions()} for tree in trees for r in tree.records())
-    count = Counter(trained_from - v for versions in parts for v in versions)
-    return {str(k): v for k, v in sorted(count.items())}

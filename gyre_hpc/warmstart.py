@@ -22,7 +22,7 @@ from gyre_hpc.agents.tools import MAIN_TOOLS, SPECS, SUB_AGENT_TOOLS
 from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 from gyre_hpc.models.tiny import init_tiny, save_weights
 from gyre_hpc.models.tokenizer import ChatTokenizer
-from gyre_hpc.tasks.suites import smoke
+from gyre_hpc.tasks.suites import WORDS, smoke
 
 RIGHT_FILE = 0.4  # share of demonstrations that write to answer.txt
 WRONG_FILES = ["answer.md", "answers.txt", "out.txt"]
@@ -132,7 +132,7 @@ def warmstart(
 ) -> Path:
     if suite != "smoke":
         raise ValueError(f"no warm start for suite {suite!r} (only smoke)")
-    model_dir = init_tiny(model_dir, seed)
+    model_dir = init_tiny(model_dir, seed, WORDS)
     tok = ChatTokenizer(model_dir)
     torch.manual_seed(seed)
     rng = random.Random(seed)

@@ -21,13 +21,14 @@ def cache_dir() -> Path:
 
 def builtins() -> dict[str, Callable[[Path], object]]:
     from gyre_hpc.models.tiny import init_tiny
-    from gyre_hpc.models.warmstart import warmstart
+    from gyre_hpc.tasks.suites import WORDS
+    from gyre_hpc.warmstart import warmstart
 
-    return {"tiny": lambda d: init_tiny(d, 0), "tiny-warm": lambda d: warmstart(d, "smoke", seed=0)}
+    return {"tiny": lambda d: init_tiny(d, 0, WORDS), "tiny-warm": lambda d: warmstart(d, "smoke", seed=0)}
 
 
 def _cache_name(name: str) -> str:
-    from gyre_hpc.models.warmstart import fingerprint
+    from gyre_hpc.warmstart import fingerprint
 
     return f"{name}-{fingerprint()}" if name == "tiny-warm" else name
 

@@ -18,13 +18,14 @@ from collections.abc import Callable
 from pathlib import Path
 from statistics import median
 
+from gyre_hpc.data_order import step_tasks
 from gyre_hpc.errors import GyreError
 from gyre_hpc.observability import events as ev
 from gyre_hpc.recipe.schema import CellsConfig, Recipe
+from gyre_hpc.run_id import run_id
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.sim.config import SimConfig
 from gyre_hpc.sim.simulate import CellTime, Group, SimResult, Workload, packed
-from gyre_hpc.step_data import run_id, step_tasks
 
 
 def run_tokens(steps: list[ev.Step]) -> dict[str, int]:
@@ -116,7 +117,7 @@ def replay(run_dir: Path, costs: dict[str, float] | None = None) -> tuple[SimCon
     in another mode's run) replace the ones measured in this run."""
     rd = RunDir(run_dir)
     if not rd.recipe_path.exists() or not rd.events.exists():
-        raise GyreError(f"{run_dir} is not a run directory (no recipe.toml or events.jsonl)")
+        raise GyreError(f"{run_dir} is not a run directory (no {rd.recipe_path.name} or {rd.events.name})")
     r = rd.read_recipe()
     if r.engine.backend != "emulated" or r.trainer.backend != "emulated":
         raise GyreError(

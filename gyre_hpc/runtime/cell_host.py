@@ -1,0 +1,228 @@
+"""How a cell hosts its engine part and its trainer: what every rank of a cell holds.
+
+```
+ rank ──▶ its engine part (placement: one replica per tensor-parallel group, hosted by the rank
+ │        at its first GPU; a replica across nodes spans ranks on several nodes)
+ └──────▶ its trainer (the leader's, or with megatron every rank's part of the replica)
+          core (cell 0): restores the newest intact checkpoint and publishes version 0 or it
+```
+
+A rank's GPU memory changes hands between the two on a role switch (``hand_over``). This module
+knows nothing of messages to the controller or to the other ranks (``runtime.cell_leader``,
+``runtime.cell_member``) or of the schedule.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gyre_hpc.engines.hosted import HostedEngine, host_engine, resolve_device
+from gyre_hpc.engines.sglang import Span, free_port
+from gyre_hpc.placement import EnginePart, EnginePlan, engine_plan, replica_capacity
+from gyre_hpc.pushed import Pushed
+from gyre_hpc.recipe.schema import CellsConfig, EngineConfig, TrainerConfig
+from gyre_hpc.rundir import engine_part_dir
+from gyre_hpc.runtime.protocol import (
+    Channel,
+    ProtocolError,
+)
+from gyre_hpc.runtime.world import World
+from gyre_hpc.scheduler.policy import Role
+from gyre_hpc.trainer import checkpoint
+from gyre_hpc.trainer.base import Trainer
+from gyre_hpc.trainer.emulated import EmulatedTrainer
+from gyre_hpc.trainer.torch_backend import TorchTrainer
+from gyre_hpc.transport.base import Transport
+
+log = logging.getLogger(__name__)
+
+
+def hand_over(trainer: Trainer | None, role: Role) -> None:
+    """A rank's trainer's part of a role switch: its GPU memory handed back to sample, taken
+    back to train (nothing for a rank without a trainer, or for another role)."""
+    if trainer is None:
+        return
+    if role == Role.SAMPLING:
+        trainer.release_memory()
+    elif role == Role.TRAINING:
+        trainer.resume_memory()
+
+
+def rendezvous_timeout_s(engine: EngineConfig, cells: CellsConfig) -> float:
+    """How long a replica's ranks wait for each other when they build their trainer: the
+    members come at once, the leader only once its engine is up, which ``engine.start_timeout_s``
+    bounds (a real 8B server with graph capture can take longer than torch's 300 s default)."""
+    return engine.start_timeout_s + cells.heartbeat_timeout_s
+
+
+@dataclass(frozen=True)
+class CellSetup:
+    """What a cell needs besides its own config sections."""
+
+    model_dir: Path
+    checkpoints: Path
+    transport: Transport
+    engines: Path
+    """Where engine processes keep their logs and weights on disk (``unit-<n>/``)."""
+    packing: str = "tree"
+    """How the trainer forwards a micro-step (``trajectory.packing``)."""
+    nodes_per_cell: int = 1
+    """The nodes a cell spans (``slurm.nodes_per_cell``): where its engine replicas go."""
+
+
+class CellHost:
+    """A rank of a cell with what it hosts; ``Leader`` and ``Member`` add their loops."""
+
+    def __init__(
+        self,
+        world: World,
+        cells: CellsConfig,
+        engine: EngineConfig,
+        trainer: TrainerConfig,
+        setup: CellSetup | None,
+    ) -> None:
+        assert world.unit is not None
+        self.world, self.cells, self.engine_cfg, self.trainer_cfg = world, cells, engine, trainer
+        self.setup = setup
+        self.unit: int = world.unit
+        self.role = Role.IDLE
+        self.to_controller = Channel(world.comm)
+        self.in_cell = Channel(world.cell_comm)
+        self.megatron = None  # a MegatronWorld: this rank's place in its replica's torch.distributed world
+        self.engine: HostedEngine | None = None
+        self.trainer: Trainer | None = None
+        self.scratch_version = 0
+
+    @property
+    def spread(self) -> bool:
+        """The replica spans every rank of the cell, so the members compute too."""
+        return self.megatron is not None and self.megatron.size > 1
+
+    @property
+    def is_core(self) -> bool:
+        return self.unit == 0
+
+    def place(self) -> None:
+        """Collective over the cell, on every rank at once: the megatron rendezvous, then this
+        rank's engine part."""
+        if self.trainer_cfg.backend == "megatron" and not self.world.layout.is_standalone(self.unit):
+            self.megatron = self._megatron_world()
+        self.part, self.span = self._engine_part()
+
+    def serve(self) -> None:
+        """This rank's loop (``Leader.lead``, ``Member.follow``) until Shutdown."""
+        raise NotImplementedError
+
+    def _engine_part(self) -> tuple[EnginePart | None, Span | None]:
+        """The engine part this rank hosts, if any, and its place in a replica across nodes
+        (``self.plan``: the cell's, the same on every rank). A replica across nodes takes one
+        collective here, while every rank is present: each rank's node and a port free there."""
+        comm, env, tp = self.world.cell_comm, self.world.env, self.engine_cfg.tp_size
+        if self.world.layout.is_standalone(self.unit):
+            self.plan = EnginePlan((EnginePart(0, 0, 0, env.gpu, tp),), 0)
+            return self.plan.parts[0], None
+        assert self.setup is not None
+        self.plan = plan = engine_plan(comm.Get_size(), self.setup.nodes_per_cell, tp)
+        mine = plan.hosted_by(comm.Get_rank())
+        if all(p.nnodes == 1 for p in plan.parts):
+            return (mine[0] if mine else None), None
+        offers = comm.allgather((env.hostname, free_port(env.hostname)))
+        if not mine:
+            return None, None
+        part = mine[0]
+        head = next(p for p in plan.parts if p.replica == part.replica and p.head)
+        host, port = offers[head.host_rank]
+        return part, Span(part.nnodes, part.node_rank, f"{host}:{port}")
+
+    def start_engine(self) -> str | None:
+        """Start the engine part this rank hosts; the URL it serves at (None: it hosts none, or
+        a part that serves no HTTP)."""
+        assert self.setup is not None
+        s, env, part = self.setup, self.world.env, self.part
+        self.scratch = np.empty(s.transport.plan.params, dtype=np.float32)  # pulled snapshots land here
+        if part is None:
+            return None
+        slurm = env.launcher == "slurm"
+        self.engine = host_engine(
+            self.engine_cfg,
+            s.model_dir,
+            replica_capacity(self.cells.capacity, self.plan.replicas),
+            "0.0.0.0" if slurm else "127.0.0.1",
+            engine_part_dir(s.engines, self.unit, part.replica, part.node_rank),
+            env.gpu,
+            self.newest_weights,
+            self.span,
+            env.hostname if self.span is not None else "127.0.0.1",
+        )
+        port = self.engine.start()
+        if self.span is not None and not self.span.head:
+            return None
+        return f"http://{env.hostname if slurm else '127.0.0.1'}:{port}"
+
+    def _torch_device(self) -> str:
+        """Where a torch trainer computes: ``trainer.device``, auto being this rank's GPU if any."""
+        device = resolve_device(self.trainer_cfg.device)
+        if device == "cuda":
+            return f"cuda:{self.world.env.gpu % torch.cuda.device_count()}"
+        return device
+
+    def _trainer_class(self) -> type:
+        backend = self.trainer_cfg.backend
+        if backend == "megatron":
+            from gyre_hpc.trainer.megatron_backend import MegatronTrainer  # needs megatron-core
+
+            return MegatronTrainer
+        return EmulatedTrainer if backend == "emulated" else TorchTrainer
+
+    def _megatron_world(self):  # noqa: ANN202 - a MegatronWorld (megatron-core is optional)
+        """Collective over the cell: the leader picks where the rendezvous store listens."""
+        from gyre_hpc.trainer.megatron_backend import MegatronWorld, free_port
+
+        comm, env = self.world.cell_comm, self.world.env
+        host = env.hostname if env.launcher == "slurm" else "127.0.0.1"
+        host, port = comm.bcast((host, free_port(host)) if comm.Get_rank() == 0 else None, root=0)
+        wait = rendezvous_timeout_s(self.engine_cfg, self.cells)
+        return MegatronWorld(comm.Get_rank(), comm.Get_size(), host, port, gpu=env.gpu, timeout_s=wait)
+
+    def build_trainer(self) -> Trainer:
+        """The leader's trainer (with megatron, its collective construction is every rank's)."""
+        assert self.setup is not None
+        s = self.setup
+        return self._trainer_class()(
+            s.model_dir,
+            self.trainer_cfg,
+            core=self.is_core,
+            grad_buffer=None if self.is_core else s.transport.gradient_buffer(),
+            packing=s.packing,
+            **({"world": self.megatron} if self.megatron is not None else {"device": self._torch_device()}),
+        )
+
+    def restore(self) -> None:
+        """The core's trainer from the newest intact checkpoint, and that version published."""
+        assert self.setup is not None and self.trainer is not None
+        s = self.setup
+        last, _ = checkpoint.newest_intact(s.checkpoints)  # the controller reports the skipped
+        if last is not None:
+            info = checkpoint.restore(last, self.trainer)
+            log.info("core: resumed from %s (step %s, version %s)", last, info["step"], info["version"])
+        s.transport.publish(self.trainer.weights(), self.trainer.version)
+
+    def load_pulled(self, version: int) -> Pushed:
+        """The core's snapshot ``version`` into this rank's engine part."""
+        got = self.setup.transport.pull_snapshot(self.scratch)
+        if got != version:
+            raise ProtocolError(f"cell {self.unit}: snapshot holds version {got}, expected {version}")
+        self.scratch_version = got
+        return self.engine.load(self.scratch, version)
+
+    def newest_weights(self) -> tuple[np.ndarray, int]:
+        """What a restarted engine loads: the newest weights this cell holds (a copy, taken when
+        the engine was found dead)."""
+        if self.trainer is not None and self.is_core:
+            return self.trainer.weights().copy(), self.trainer.version
+        return self.scratch.copy(), self.scratch_version

@@ -1,0 +1,293 @@
+"""A cell's leader: the rank that talks to the controller for its cell.
+
+```
+   IDLE ──SwitchRole──▶ SAMPLING ◀──SwitchRole──▶ TRAINING
+     │                   │ engine serves            │ engine paused; TrainStep → claim
+     │                   │ LoadWeights → pull v     │ micro-steps; core: ApplyStep → v+1
+     └──────── Shutdown ─┴──────── Shutdown ────────┘
+```
+
+It says Hello with every replica's URL, beats its heart, supervises its engine, and answers
+each controller verb with one handler (``handlers``); between messages it trains the open
+session one claim or micro-step at a time. It forwards role switches, engine verbs and weight
+loads to its members (``runtime.cell_member``) and waits for their acknowledgements, so the GPUs
+change hands in an order that never needs both at once. It knows nothing about the schedule.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gyre_hpc.layout import CONTROLLER
+from gyre_hpc.pushed import Pushed
+from gyre_hpc.runtime.cell_host import CellHost, hand_over
+from gyre_hpc.runtime.protocol import (
+    POLL_INTERVAL_S,
+    ApplyStep,
+    CloseQueue,
+    EnginesUp,
+    EngineVerb,
+    Heartbeat,
+    Hello,
+    LoadWeights,
+    Message,
+    MicroSteps,
+    ProtocolError,
+    RoleSwitched,
+    Shutdown,
+    StepApplied,
+    SwitchRole,
+    TrainDone,
+    TrainStep,
+    WeightsLoaded,
+)
+from gyre_hpc.runtime.replica import MirroredTrainer
+from gyre_hpc.scheduler.policy import Role
+from gyre_hpc.trainer import checkpoint
+from gyre_hpc.trainer.base import ApplyStats
+from gyre_hpc.trainer.data_parallel import Claims, apply_on_core, pull_snapshot, work_once
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Session:
+    """This cell's part in one step's training."""
+
+    step: int
+    claims: Claims
+    started: float
+
+
+class Leader(CellHost):
+    """Rank 0 of a cell."""
+
+    session: Session | None = None
+    trained_step = -1
+
+    @property
+    def handlers(self) -> dict[type, Callable[[Any, float], None]]:
+        """The controller's verbs (Shutdown ends ``lead`` itself)."""
+        return {
+            SwitchRole: self.on_switch,
+            LoadWeights: self.on_load,
+            TrainStep: self.on_train_step,
+            MicroSteps: self.on_micro_steps,
+            CloseQueue: self.on_close_queue,
+            ApplyStep: self.on_apply,
+        }
+
+    def start_replica(self) -> None:
+        """Its engine part up, every replica's URL gathered, then the trainer (the core's
+        restored and published)."""
+        self.addresses = self._gather_addresses(self.start_engine())
+        if self.world.layout.is_standalone(self.unit):
+            return
+        trainer = self.build_trainer()
+        self.trainer = (
+            MirroredTrainer(trainer, self.world.cell_comm, self.in_cell) if self.spread else trainer
+        )
+        if self.is_core:
+            self.restore()
+
+    def serve(self) -> None:
+        self.start_replica()
+        self.lead()
+
+    def _gather_addresses(self, own: str | None) -> tuple[str, ...]:
+        """Every replica's URL, in replica order: the leader's own, and each hosting member's
+        (its EnginesUp comes once its engine is healthy: up to engine.start_timeout_s)."""
+        assert own is not None, "the leader hosts replica 0's head"
+        urls = {0: own}
+        wait = self.engine_cfg.start_timeout_s + self.cells.heartbeat_timeout_s
+        for rank in self._hosting_members():
+            _, msg = self.in_cell.recv(wait, rank, f"EnginesUp from cell member {rank}")
+            if not isinstance(msg, EnginesUp):
+                raise ProtocolError(f"cell {self.unit}: member {rank} answered {msg!r}")
+            urls.update(msg.addresses)
+        return tuple(urls[r] for r in sorted(urls))
+
+    def lead(self) -> None:
+        layout = self.world.layout
+        self.to_controller.send(
+            Hello(
+                self.unit,
+                self.world.rank,
+                self.world.env.node_name,
+                os.getpid(),
+                self.addresses,
+                self.cells.capacity,
+                layout.is_standalone(self.unit),
+            ),
+            CONTROLLER,
+        )
+        next_beat = 0.0
+        deferred: list[Message] = []  # engine verbs that wait for a restarting engine
+        while True:
+            now = time.monotonic()
+            if now >= next_beat:
+                self.to_controller.send(Heartbeat(self.unit, self.role, time.time()), CONTROLLER)
+                next_beat = now + self.cells.heartbeat_s
+            self.engine.supervise()
+            if deferred and not self.engine.restarting:
+                got: tuple[int, Message] | None = (CONTROLLER, deferred.pop(0))
+            else:
+                got = self.to_controller.poll(CONTROLLER)
+            if got is None:
+                if self.session is None or not self.work_once():
+                    time.sleep(POLL_INTERVAL_S)
+                continue
+            msg = got[1]
+            if isinstance(msg, SwitchRole | LoadWeights) and (self.engine.restarting or deferred):
+                deferred.append(msg)  # in order, once the engine is back (heartbeats go on meanwhile)
+                continue
+            if isinstance(msg, Shutdown):
+                self._forward(msg)
+                log.info("cell %d: shutdown (%s)", self.unit, msg.reason)
+                return
+            handler = self.handlers.get(type(msg))
+            if handler is None:
+                raise ProtocolError(f"cell {self.unit}: unexpected {msg!r}")
+            handler(msg, time.monotonic())
+
+    # ---- the controller's verbs, one handler each ---------------------------------------------
+
+    def on_switch(self, msg: SwitchRole, started: float) -> None:
+        self.switch(msg)
+        seconds = time.monotonic() - started
+        self.to_controller.send(RoleSwitched(self.unit, msg.role, msg.seq, seconds), CONTROLLER)
+        log.info("cell %d: role %s (%.3f s)", self.unit, msg.role, seconds)
+
+    def on_load(self, msg: LoadWeights, started: float) -> None:
+        pushed = self.load_weights(msg.version)
+        seconds = time.monotonic() - started
+        self.to_controller.send(WeightsLoaded(self.unit, msg.version, seconds, pushed), CONTROLLER)
+
+    def on_train_step(self, msg: TrainStep, started: float) -> None:
+        self.session = self.open_session(msg)
+
+    def on_micro_steps(self, msg: MicroSteps, started: float) -> None:
+        assert self.session is not None, "micro-steps before their step"
+        self.session.claims.queue += msg.items
+
+    def on_close_queue(self, msg: CloseQueue, started: float) -> None:
+        assert self.session is not None, "a queue closed before its step"
+        self.session.claims.close(msg.total, msg.stop)
+
+    def on_apply(self, msg: ApplyStep, started: float) -> None:
+        self.to_controller.send(self.apply(msg, started), CONTROLLER)
+
+    def switch(self, msg: SwitchRole) -> None:
+        """The GPUs change hands in an order that never needs both at once: to sample, every
+        rank's trainer lets go before any engine replica resumes; to train, every replica lets
+        go before any trainer takes its memory back."""
+        if self.session is not None:
+            raise ProtocolError(f"cell {self.unit}: role switch while training step {self.session.step}")
+        if msg.role == Role.TRAINING:
+            self._engines("pause", msg.seq)  # the proxy drained them first: nothing is left in flight
+        elif msg.role == Role.SAMPLING and self.trainer is not None and self.is_core:
+            self.trainer.weights()  # gathered while resident: the engine loads them once released
+        self._forward(msg)
+        self._await_members(msg.seq)
+        hand_over(self.trainer, msg.role)
+        if msg.role == Role.SAMPLING:
+            self._engines("resume", msg.seq)
+        self.role = msg.role
+
+    def _engines(self, verb: str, seq: int) -> None:
+        """Every replica of the cell paused or resumed: the members' first, then the leader's."""
+        hosts = self._hosting_members()
+        for rank in hosts:
+            self.in_cell.send(EngineVerb(verb, seq), rank)
+        for rank in hosts:
+            _, ack = self.in_cell.recv(
+                self.cells.heartbeat_timeout_s, rank, f"{verb} from cell member {rank}"
+            )
+            if ack != EngineVerb(verb, seq):
+                raise ProtocolError(f"cell {self.unit}: member {rank} answered {ack!r}")
+        getattr(self.engine, verb)()
+
+    def load_weights(self, version: int) -> Pushed:
+        """Every replica of the cell loads ``version``: the members hosting one at once (each
+        pulls the snapshot itself), the leader's own meanwhile; what they moved, together."""
+        hosts = self._hosting_members()
+        for rank in hosts:
+            self.in_cell.send(LoadWeights(self.unit, version), rank)
+        if self.trainer is not None and self.is_core:
+            pushed = self.engine.load(self.trainer.weights(), version)
+        else:
+            pushed = self.load_pulled(version)
+        wait = self.engine_cfg.start_timeout_s + self.cells.heartbeat_timeout_s  # a restarting replica
+        for rank in hosts:
+            _, ack = self.in_cell.recv(wait, rank, f"WeightsLoaded from cell member {rank}")
+            if not (isinstance(ack, WeightsLoaded) and ack.version == version):
+                raise ProtocolError(f"cell {self.unit}: member {rank} answered {ack!r}")
+            pushed += ack.pushed
+        return pushed
+
+    def _hosting_members(self) -> list[int]:
+        """The members that host an engine part taking weights (heads: a part across nodes gets
+        them from its head's weight group)."""
+        return sorted({p.host_rank for p in self.plan.parts if p.head and p.host_rank != 0})
+
+    def open_session(self, msg: TrainStep) -> Session:
+        """Join a step: its snapshot, a zero gradient, then claim micro-steps (``work_once``)."""
+        assert self.trainer is not None, "a standalone engine never trains"
+        if self.trainer.version != msg.version:
+            if self.is_core:
+                raise ProtocolError(f"core holds version {self.trainer.version}, asked for {msg.version}")
+            pull_snapshot(self.trainer, self.setup.transport, msg.version, self.scratch)
+            self.scratch_version = msg.version
+        self.trainer.zero_grad()
+        self.trained_step = msg.step
+        return Session(msg.step, Claims.of(msg.queue, msg.closed), time.monotonic())
+
+    def work_once(self) -> bool:
+        """One claim or one micro-step of the open session; False while waiting for data."""
+        s = self.session
+        assert s is not None and self.trainer is not None
+        state = work_once(s.claims, self.trainer, self.setup.transport)
+        if state == "done":
+            c = s.claims
+            clipped = sum(x.clipped for x in c.stats)
+            seconds = time.monotonic() - s.started
+            done = TrainDone(self.unit, s.step, c.claimed, c.loss_sum, c.tokens, clipped, seconds)
+            self.to_controller.send(done, CONTROLLER)
+            self.session = None
+        return state != "waiting"
+
+    def apply(self, msg: ApplyStep, started: float) -> StepApplied:
+        assert self.is_core and self.trainer is not None
+        if self.trained_step != msg.step:  # the core took no part in this step: no own gradient
+            self.trainer.zero_grad()
+        if msg.num_runs == 0:  # nothing to learn from this step: same version, still checkpointed
+            stats = ApplyStats(self.trainer.version, 0.0)
+        else:
+            stats = apply_on_core(
+                self.trainer, self.setup.transport, msg.contributors, msg.num_runs, self.scratch
+            )
+        saved = ""
+        if msg.checkpoint:
+            saved = str(
+                checkpoint.save(
+                    self.setup.checkpoints, msg.step, self.trainer, self.setup.model_dir, **msg.state
+                )
+            )
+        return StepApplied(msg.step, stats.version, stats.grad_norm, time.monotonic() - started, saved)
+
+    def _forward(self, msg: SwitchRole | Shutdown) -> None:
+        for member in range(1, self.world.cell_comm.Get_size()):
+            self.in_cell.send(msg, member)
+
+    def _await_members(self, seq: int) -> None:
+        for member in range(1, self.world.cell_comm.Get_size()):
+            _, ack = self.in_cell.recv(
+                self.cells.heartbeat_timeout_s, member, f"ack from cell member {member}"
+            )
+            if not (isinstance(ack, RoleSwitched) and ack.seq == seq):
+                raise ProtocolError(f"cell {self.unit}: member {member} answered {ack!r}")

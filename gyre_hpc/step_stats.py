@@ -1,0 +1,82 @@
+"""What a step's event reports of its batch: rewards, counts, tokens, engines and staleness.
+
+Pure: it reads outcomes, micro-steps and trees and knows nothing of how they were made.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from gyre_hpc.outcome import Outcome
+from gyre_hpc.trajectory.batch import TrainSequence
+from gyre_hpc.trajectory.tree import TrajectoryTree
+
+
+def step_stats(
+    outcomes: Sequence[Outcome],
+    queue: list[list[TrainSequence]],
+    runs: int,
+    work: Sequence[dict[str, object]] = (),
+    trees: Iterable[TrajectoryTree] = (),
+) -> dict[str, object]:
+    counted = [o for o in outcomes if o.score.counts_in_group]
+    rewards = [o.score.reward or 0.0 for o in counted]
+    sequences = [s for mb in queue for s in mb]
+    return {
+        "executions": len(outcomes),
+        "reward_mean": sum(rewards) / max(len(rewards), 1),
+        "pass_rate": sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
+        "dropped": len(outcomes) - len(counted),
+        "trained_runs": runs,
+        "sequences": len(sequences),
+        "micro_steps": len(queue),
+        "tokens": sum(len(s) for s in sequences),
+        "loss_tokens": int(sum(s.loss_mask.sum() for s in sequences)),
+        "calls": sum(o.execution.calls for o in outcomes),
+        "tool_calls": sum(o.execution.tool_calls for o in outcomes),
+        "statuses": dict(sorted(Counter(o.execution.status for o in outcomes).items())),
+        "groups": list(work),
+        "engine_calls": engine_calls(trees),
+        **prefix_reuse(trees),
+    }
+
+
+def engine_calls(trees: Iterable[TrajectoryTree]) -> dict[str, int]:
+    """The runs' calls by the engine replica that served them (its URL; the last for a call
+    that moved)."""
+    return dict(sorted(Counter(r.meta.engine for tree in trees for r in tree.records()).items()))
+
+
+def prefix_reuse(trees: Iterable[TrajectoryTree]) -> dict[str, int]:
+    """The runs' input tokens, and those their engines took from a prefix cache."""
+    records = [r for tree in trees for r in tree.records()]
+    return {
+        "input_tokens": sum(len(r.input_ids) for r in records),
+        "cached_tokens": sum(r.meta.cached_tokens for r in records),
+    }
+
+
+def token_staleness(micro_steps: Iterable[list[TrainSequence]], trained_from: int) -> dict[str, int]:
+    """Trained tokens by how many versions lie between the one that generated them and the one
+    the update trains from (0: on-policy): the micro-steps an update actually trained."""
+    count: Counter[int] = Counter()
+    for mb in micro_steps:
+        for s in mb:
+            if s.versions is not None:
+                lags, n = np.unique(
+                    trained_from - s.versions[np.asarray(s.loss_mask) > 0], return_counts=True
+                )
+                count.update(dict(zip(lags.tolist(), n.tolist(), strict=True)))
+    return {str(k): v for k, v in sorted(count.items())}
+
+
+def staleness(trees: Iterable[TrajectoryTree], trained_from: int) -> dict[str, int]:
+    """Calls by how many versions lie between the one a step trains from and the one that
+    served them (0: on-policy); a call that spanned a load counts once for each version of
+    its parts."""
+    parts = ({v for _, v in r.meta.versions()} for tree in trees for r in tree.records())
+    count = Counter(trained_from - v for versions in parts for v in versions)
+    return {str(k): v for k, v in sorted(count.items())}

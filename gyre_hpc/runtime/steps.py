@@ -1,20 +1,31 @@
-"""The three step kinds: one optimizer step each, carried out through the fleet as the policy says.
+"""The step kinds: one optimizer step each, carried out through the fleet as the policy says.
 
 ```
-           colocate                   async                         elastic
- dispatch  burst k on every cell      burst k+1 once burst k ended  burst k on every cell
- sample    wait for the whole burst   (sampling never waits)        poll: a group ends → micro-steps
- train     decide: all cells train    the fixed split trains k      decide each poll: next cell trains;
-                                                                    burst over: CloseQueue (or stop)
- apply     the core sums the cells' gradients, steps, publishes v+1 (checkpoint when due)
- close     decide: all back, load v+1 samplers load v+1             decide: back one by one, last first
+ a cell, as a step kind moves it (every switch one the policy returned):
+   SAMPLING ──drain its calls, switch, TrainStep(queue so far)──▶ TRAINING ── claims micro-steps
+      ▲                                                              │        until the queue
+      └── boundary: switch back, load v+1, admit calls at v+1 ◀──────┘        closes: TrainDone
+
+          colocate            async                elastic               in-flight (k > 0)
+ dispatch burst k, every      burst k+1 once       burst k, every        k's prompts not sent
+          cell sampling       burst k ended        cell sampling         ahead + a look-ahead
+                                                                         share of k+1's
+ sample   wait for the        (never waits for     a group ends →        the same; ends after
+          whole burst         training)            its micro-steps       the close wait for k+1
+ train    decide: all         the fixed split      decide each poll:     the same; at the quota
+          cells train         trains k             next cell joins;      stale runs stopped,
+                                                   burst over: close     then the queue closes
+ apply    the core sums the cells' gradients, steps, publishes v+1 (checkpoint when due)
+ close    decide: all back,   samplers load v+1    decide: back one by one, last first
+          load v+1
 ```
 
 Every role switch is one the policy (``scheduler.policy.decide``) returned for the state built by
-``sched_state`` from the step's counters; the step-boundary rules are the policy module's. A step
-kind talks to cells only through its ``Fleet`` and to executions only through its ``Sampler``, so
-it runs unchanged against the MPI fleet and against an in-process fake. It knows nothing about
-MPI, HTTP, models or files beyond the run directory's TITO size.
+``sched_state`` from the step's counters; the step-boundary rules are the policy module's, the
+in-flight rules ``scheduler.inflight``'s. A step kind talks to cells only through its ``Fleet``
+and to executions only through its ``Sampler``, so it runs unchanged against the MPI fleet and
+against an in-process fake. It knows nothing about MPI, HTTP, models or files beyond the run
+directory's TITO size.
 """
 
 from __future__ import annotations
@@ -391,48 +402,10 @@ class _Burst:
         return bool(self.trainers) or not queue
 
 
-class ElasticStep(StepKind):
-    """Cells move to training one by one while the burst still runs (the water-level rule); each
-    prompt group becomes micro-steps as soon as its last run ends."""
-
-    def __init__(self, ctx: StepContext) -> None:
-        super().__init__(ctx)
-        self.carried: list[list[TrainSequence]] = []
-        """``carry_tail``: micro-steps the previous step left; they lead this step's queue."""
-
-    def run(self, step: int) -> StepRecord:
-        c, f = self.ctx, self.ctx.fleet
-        started = self.begin(step)
-        f.reset_claims()  # nobody claims between steps
-        arrived: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
-        future = self.dispatch(step, on_outcome=arrived.put)
-        t = c.tasks
-        batch = StreamingBatch(
-            t.group_size, c.trajectory, c.trainer.micro_step_tokens, c.run.seed, step, self.carried
-        )
-        carried_in, trained_from = len(self.carried), f.version
-        b = _Burst(t.prompts_per_step * t.group_size)
-        while True:
-            while not arrived.empty():
-                b.finished += 1
-                self.add(step, b, batch, arrived.get())
-            if b.finished == b.dispatched and b.closed_at is None:
-                self.close_burst(step, b, len(batch.queue), self.stops_at_close(step, b, carried_in))
-            # The water never rises inside a burst, so the policy asks for no return here.
-            if self.advance(step, b, batch.queue):
-                break
-        future.result()  # surfaces a dispatcher error
-        trained = {i for d in b.done.values() for i in d.claimed}
-        self.carried = [mb for i, mb in enumerate(batch.queue) if i not in trained]
-        runs = batch.num_runs if batch.queue else 0
-        if carried_in or b.stopped:
-            # Runs whose sequences this update trained: a run split by the stop counts in both
-            # of the updates that train part of it.
-            runs = len({s.run_id for i in trained for s in batch.queue[i]})
-        return self.finish(
-            step, started, b, batch, runs, trained_from, [batch.queue[i] for i in sorted(trained)],
-            carried_in=carried_in, carried_out=len(self.carried),
-        )  # fmt: skip
+class StreamingStep(StepKind):
+    """What elastic and in-flight share: each prompt group becomes micro-steps as soon as its
+    last run ends, cells join the step one by one (the water-level rule), and the step is
+    applied once the trainers have trained the closed queue out."""
 
     def finish(
         self,
@@ -479,6 +452,59 @@ class ElasticStep(StepKind):
     def counters(self, b: _Burst, packed: int) -> StepCounters:
         return StepCounters(b.dispatched, b.finished, packed, self.ctx.fleet.claimed(), True, b.stopped)
 
+    def close_burst(self, step: int, b: _Burst, total: int, stop: bool) -> None:
+        """The queue is complete: no micro-step joins it any more."""
+        c, f = self.ctx, self.ctx.fleet
+        b.closed_at = c.clock()
+        b.stopped = stop
+        f.close_queue(list(b.trainers), step, total, b.stopped)
+        c.events.emit(ev.BurstEnd(step=step, micro_steps=total, trainers=sorted(b.trainers), stop=b.stopped))
+
+
+class ElasticStep(StreamingStep):
+    """Cells move to training one by one while the burst still runs; the queue closes when the
+    burst's last execution ends (with ``carry_tail``, the step may then stop and leave the rest
+    of its queue to the next one)."""
+
+    def __init__(self, ctx: StepContext) -> None:
+        super().__init__(ctx)
+        self.carried: list[list[TrainSequence]] = []
+        """``carry_tail``: micro-steps the previous step left; they lead this step's queue."""
+
+    def run(self, step: int) -> StepRecord:
+        c, f = self.ctx, self.ctx.fleet
+        started = self.begin(step)
+        f.reset_claims()  # nobody claims between steps
+        arrived: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        future = self.dispatch(step, on_outcome=arrived.put)
+        t = c.tasks
+        batch = StreamingBatch(
+            t.group_size, c.trajectory, c.trainer.micro_step_tokens, c.run.seed, step, self.carried
+        )
+        carried_in, trained_from = len(self.carried), f.version
+        b = _Burst(t.prompts_per_step * t.group_size)
+        while True:
+            while not arrived.empty():
+                b.finished += 1
+                self.add(step, b, batch, arrived.get())
+            if b.finished == b.dispatched and b.closed_at is None:
+                self.close_burst(step, b, len(batch.queue), self.stops_at_close(step, b, carried_in))
+            # The water never rises inside a burst, so the policy asks for no return here.
+            if self.advance(step, b, batch.queue):
+                break
+        future.result()  # surfaces a dispatcher error
+        trained = {i for d in b.done.values() for i in d.claimed}
+        self.carried = [mb for i, mb in enumerate(batch.queue) if i not in trained]
+        runs = batch.num_runs if batch.queue else 0
+        if carried_in or b.stopped:
+            # Runs whose sequences this update trained: a run split by the stop counts in both
+            # of the updates that train part of it.
+            runs = len({s.run_id for i in trained for s in batch.queue[i]})
+        return self.finish(
+            step, started, b, batch, runs, trained_from, [batch.queue[i] for i in sorted(trained)],
+            carried_in=carried_in, carried_out=len(self.carried),
+        )  # fmt: skip
+
     def stops_at_close(self, step: int, b: _Burst, carried_in: int) -> bool:
         """With ``carry_tail`` the step may stop when its queue closes (``carries_tail``)."""
         c = self.ctx
@@ -491,16 +517,8 @@ class ElasticStep(StepKind):
             stale_left=max(carried_in - c.fleet.claimed(), 0),  # claims go in queue order
         )
 
-    def close_burst(self, step: int, b: _Burst, total: int, stop: bool) -> None:
-        """The queue is complete: no micro-step joins it any more."""
-        c, f = self.ctx, self.ctx.fleet
-        b.closed_at = c.clock()
-        b.stopped = stop
-        f.close_queue(list(b.trainers), step, total, b.stopped)
-        c.events.emit(ev.BurstEnd(step=step, micro_steps=total, trainers=sorted(b.trainers), stop=b.stopped))
 
-
-class InFlightStep(ElasticStep):
+class InFlightStep(StreamingStep):
     """Elastic with in-flight weight updates (``scheduler.max_staleness`` = k > 0): the queue
     closes at the step's quota of complete groups (``scheduler.inflight``); executions still
     running go on under the versions that follow and land in a later step.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from gyre_hpc.recipe.schema import TasksConfig
 from gyre_hpc.run_id import run_id
@@ -34,6 +35,18 @@ def step_tasks(tasks: TasksConfig, seed: int, step: int) -> list[Task]:
         out.append(pool[order[i]])
         at += 1
     return out
+
+
+@dataclass(frozen=True)
+class DataOrder:
+    """A run's data order as the step kinds take it (``scheduler.steps.Jobs``)."""
+
+    tasks: TasksConfig
+    seed: int
+
+    def jobs(self, step: int, prompts: int | None = None) -> list[tuple[str, Task]]:
+        """The executions of ``step``'s first ``prompts`` prompts (all of them when None)."""
+        return step_jobs(step_tasks(self.tasks, self.seed, step)[:prompts], self.tasks.group_size, step)
 
 
 def step_jobs(tasks: Sequence[Task], group_size: int, step: int) -> list[tuple[str, Task]]:

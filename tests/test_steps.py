@@ -18,11 +18,12 @@ import pytest
 from conftest import REPO
 from fleet_fake import Clock, FakeFleet, FakeSampler
 
+from gyre_hpc.data_order import DataOrder
 from gyre_hpc.observability import events as ev
 from gyre_hpc.recipe.schema import RunConfig, SchedulerConfig, TasksConfig, TrainerConfig, TrajectoryConfig
 from gyre_hpc.rundir import RunDir
-from gyre_hpc.runtime.steps import StepContext, step_event, step_kind
 from gyre_hpc.scheduler.policy import initial_roles
+from gyre_hpc.scheduler.steps import StepContext, step_event, step_kind
 
 DURATIONS = [[1, 1, 1, 1], [2, 2, 2, 3], [4, 4, 5, 9]]  # per prompt, per run of its group
 S, T = "sampling", "training"
@@ -44,14 +45,16 @@ def run_steps(tmp_path: Path, mode: str, steps: int = 2, **sched: object):
     sampler = FakeSampler(clock, lambda: fleet.version, duration, reward, run_dir.tito_log)
     scheduler = SchedulerConfig(mode=mode, **sched)  # type: ignore[arg-type]
     fleet.roles = dict(enumerate(initial_roles(mode, 3, scheduler.async_train_cells)))
+    tasks = TasksConfig(suite="emulated", group_size=4, prompts_per_step=3)
     ctx = StepContext(
         fleet,
         sampler,
         ev.EventLog(run_dir.events),
         run_dir,
+        DataOrder(tasks, 0),
         RunConfig(steps=steps),
         scheduler,
-        TasksConfig(suite="emulated", group_size=4, prompts_per_step=3),
+        tasks,
         TrajectoryConfig(),
         TrainerConfig(micro_step_tokens=16, checkpoint_every=0),
         clock=clock,
@@ -183,7 +186,7 @@ def test_the_step_reports_the_tokens_its_trainers_forwarded() -> None:
     """The trainers' own count (``TrainDone.tokens``): the torch trainer forwards a micro-step as
     one forest, so two runs with the same 30-token path forward 30 tokens, not a tree each (60)."""
     from gyre_hpc.runtime.protocol import StepApplied, TrainDone
-    from gyre_hpc.runtime.steps import StepRecord
+    from gyre_hpc.scheduler.steps import StepRecord
 
     done = {0: TrainDone(0, 1, [0], 0.0, 30, 0, 1.0), 1: TrainDone(1, 1, [], 0.0, 0, 0, 0.0)}
     applied = StepApplied(1, 1, 0.0, 0.0, "")

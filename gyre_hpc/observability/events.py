@@ -248,7 +248,7 @@ class Switch(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class Step(Event):
-    """One optimizer step, whatever the mode (built by ``runtime.steps.step_event``)."""
+    """One optimizer step, whatever the mode (built by ``scheduler.steps.step_event``)."""
 
     kind: ClassVar[str] = "step"
     step: int

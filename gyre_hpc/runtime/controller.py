@@ -3,7 +3,7 @@
 ```
  start ─▶ Hello from every cell (fleet.start) ─▶ proxy + harness up (serving thread)
        ─▶ initial roles (policy) ─▶ every engine loads v (0, or the resumed checkpoint's version)
-       ─▶ ┌─ step k: the step kind of scheduler.mode (runtime.steps) ─────────────────────────┐
+       ─▶ ┌─ step k: the step kind of scheduler.mode (scheduler.steps)────────────────────────┐
           │ dispatch ─▶ harness ⇄ proxy ⇄ engines (d / p / f) ─▶ trajectory trees ─▶ micro-steps │
           │ cells the policy sends train them ─▶ the core applies v+1 (checkpoint when due)       │
           │ ─▶ boundary: engines load v+1, trainers return as the policy says                     │
@@ -26,13 +26,15 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 
+from gyre_hpc.data_order import DataOrder
 from gyre_hpc.observability import events as ev
 from gyre_hpc.observability.plot import plot_run
 from gyre_hpc.recipe.schema import RunConfig, SchedulerConfig, TasksConfig, TrainerConfig, TrajectoryConfig
 from gyre_hpc.rundir import RunDir
-from gyre_hpc.runtime.fleet import Fleet
 from gyre_hpc.runtime.serving import Serving
-from gyre_hpc.runtime.steps import (
+from gyre_hpc.scheduler.fleet import Fleet
+from gyre_hpc.scheduler.policy import Role, initial_roles
+from gyre_hpc.scheduler.steps import (
     StepContext,
     engine_limits,
     engine_urls,
@@ -41,7 +43,6 @@ from gyre_hpc.runtime.steps import (
     step_kind,
     wait_for,
 )
-from gyre_hpc.scheduler.policy import Role, initial_roles
 from gyre_hpc.tasks.suites import load_suite
 
 log = logging.getLogger(__name__)
@@ -87,8 +88,9 @@ class Controller:
             sampling = [u for u, r in sorted(f.roles.items()) if r == Role.SAMPLING]
             load_serving(f, self.serving, sampling)
             self.serving.set_sampling(engine_urls(f, sampling))
+            data = DataOrder(self.tasks, self.run_cfg.seed)
             ctx = StepContext(
-                f, self.serving, self.events, self.run_dir, self.run_cfg,
+                f, self.serving, self.events, self.run_dir, data, self.run_cfg,
                 self.scheduler, self.tasks, self.trajectory, self.trainer,
                 checkpoint_now=self.checkpoint_now,
             )  # fmt: skip

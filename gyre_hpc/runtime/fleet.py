@@ -1,7 +1,7 @@
-"""The fleet: everything the controller does *to cells*, behind one small interface.
+"""The MPI fleet: everything the controller does *to cells*, behind ``scheduler.fleet.Fleet``.
 
 ```
- step kinds (runtime.steps) ──▶ Fleet ──┬─ MpiFleet: control messages to cell leaders (runtime.protocol)
+ step kinds (scheduler.steps) ──▶ Fleet ┬─ MpiFleet: control messages to cell leaders (runtime.protocol)
  controller (start, shutdown)           └─ tests: an in-process fake on a scripted clock
    start()            every cell's Hello (address, capacity)
    switch(roles)      SwitchRole → every RoleSwitched           (several cells switch in parallel)
@@ -25,7 +25,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from gyre_hpc.layout import Layout
 from gyre_hpc.observability import events as ev
@@ -74,51 +73,6 @@ class Waits:
     def of(cls, cells: CellsConfig, engine: EngineConfig) -> Waits:
         restart = engine.start_timeout_s if engine.backend == "sglang" else 0.0
         return cls(cells.hello_timeout_s + engine.start_timeout_s, cells.heartbeat_timeout_s + restart)
-
-
-class Fleet(Protocol):
-    units: dict[int, Hello]
-    """Every cell and standalone engine, by unit number, once ``start`` returned."""
-    cells: int
-    """Units 0 … cells-1 are cells (cell 0 the core); the rest are standalone engines."""
-    roles: dict[int, Role]
-    version: int
-    """The version the core has published."""
-
-    def start(self) -> None:
-        """Wait for every unit's Hello."""
-
-    def switch(self, roles: dict[int, Role]) -> dict[int, float]:
-        """Give cells new roles at once and wait until every rank of each has taken its role;
-        seconds per switched cell (a cell already in its role is left alone)."""
-
-    def load_weights(self, units: list[int]) -> float:
-        """Every listed engine loads the current version; the slowest one's seconds."""
-
-    def train(self, cells: list[int], step: int, queue: list, closed: bool) -> None:
-        """Cells join ``step`` from the current version and claim from ``queue`` (more may follow
-        with ``extend`` until ``close_queue`` unless ``closed``)."""
-
-    def extend(self, cells: list[int], step: int, items: list) -> None: ...
-
-    def close_queue(self, cells: list[int], step: int, total: int, stop: bool) -> None: ...
-
-    def reset_claims(self) -> None:
-        """The claim counter back to 0, while nobody claims (between steps)."""
-
-    def claimed(self) -> int:
-        """Claims handed out from the current queue."""
-
-    def receive(self) -> TrainDone | None:
-        """The next TrainDone, or None after a short wait; a silent cell raises ``CellLost``."""
-
-    def apply(
-        self, step: int, done: dict[int, TrainDone], num_runs: int, checkpoint: bool, state: dict
-    ) -> StepApplied:
-        """The core sums the gradients of the cells in ``done``, steps (unless ``num_runs`` is 0),
-        publishes the next version and checkpoints if asked; ``version`` follows."""
-
-    def shutdown(self, reason: str) -> None: ...
 
 
 class MpiFleet:

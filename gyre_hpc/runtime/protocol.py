@@ -30,24 +30,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from gyre_hpc.pushed import Pushed
+from gyre_hpc.scheduler.fleet import Hello, ProtocolError, StepApplied, TrainDone
 from gyre_hpc.scheduler.policy import Role
 
 CONTROL_TAG = 17
 POLL_INTERVAL_S = 0.002  # between probes: ranks outnumber cores on a laptop, so never spin
-
-
-@dataclass(frozen=True, slots=True)
-class Hello:
-    """A cell (or standalone rollout engine) is up and says where it serves: the URL of each of
-    its engine replicas (``placement``), in replica order."""
-
-    cell: int
-    rank: int
-    host: str
-    pid: int
-    addresses: tuple[str, ...]
-    capacity: int
-    standalone: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,17 +129,6 @@ class CloseQueue:
 
 
 @dataclass(frozen=True, slots=True)
-class TrainDone:
-    cell: int
-    step: int
-    claimed: list[int]
-    loss_sum: float
-    tokens: int
-    clipped: int
-    seconds: float
-
-
-@dataclass(frozen=True, slots=True)
 class ApplyStep:
     """Core only: sum the gradients of ``contributors`` (ranks) into its own, step, publish."""
 
@@ -170,15 +146,6 @@ class Mirror:
 
     verb: str
     args: tuple = ()
-
-
-@dataclass(frozen=True, slots=True)
-class StepApplied:
-    step: int
-    version: int
-    grad_norm: float
-    seconds: float
-    checkpoint: str
 
 
 Message = (
@@ -217,10 +184,6 @@ MESSAGE_TYPES = (
     StepApplied,
     Mirror,
 )
-
-
-class ProtocolError(RuntimeError):
-    """A peer sent something that is not a protocol message, or nothing in time."""
 
 
 class Channel:

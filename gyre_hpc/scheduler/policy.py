@@ -1,8 +1,8 @@
 """Scheduling policy: pure functions of the run's state, no I/O.
 
-The same code is used by the MPI runtime (``runtime.steps``) and the discrete-event simulator
-(``sim.simulate``). The policy knows nothing about MPI, HTTP or models: it only says which role
-each cell takes next. Both sides build what it sees with one function, ``sched_state``.
+The same code is used by the step kinds (``scheduler.steps``, which the MPI runtime runs) and
+the discrete-event simulator (``sim.simulate``). The policy knows nothing about MPI, HTTP or
+models: it only says which role each cell takes next. Both sides build what it sees with one function, ``sched_state``.
 
 ```
  elastic (the water-level rule; cells in switch order, core first; one switch at a time)

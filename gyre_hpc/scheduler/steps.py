@@ -39,14 +39,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from gyre_hpc.data_order import step_jobs, step_tasks
 from gyre_hpc.observability import events as ev
 from gyre_hpc.outcome import Outcome
 from gyre_hpc.placement import replica_capacity
 from gyre_hpc.recipe.schema import RunConfig, SchedulerConfig, TasksConfig, TrainerConfig, TrajectoryConfig
-from gyre_hpc.rundir import RunDir
-from gyre_hpc.runtime.fleet import Fleet
-from gyre_hpc.runtime.protocol import Hello, ProtocolError, StepApplied, TrainDone
+from gyre_hpc.scheduler.fleet import Fleet, Hello, ProtocolError, StepApplied, TrainDone
 from gyre_hpc.scheduler.inflight import closes, in_flight, lookahead, to_stop
 from gyre_hpc.scheduler.policy import (
     Role,
@@ -60,11 +57,28 @@ from gyre_hpc.scheduler.policy import (
 )
 from gyre_hpc.step_batch import StepBatch, StreamingBatch, step_batch
 from gyre_hpc.step_stats import staleness, token_staleness
-from gyre_hpc.tasks.task import Task
 from gyre_hpc.trajectory.batch import TrainSequence
 from gyre_hpc.trajectory.tree import TrajectoryTree
 
 T = TypeVar("T")
+
+
+class Jobs(Protocol):
+    """The run's data order (``data_order.DataOrder``): each step's executions, as (run id, task)."""
+
+    def jobs(self, step: int, prompts: int | None = None) -> list[tuple[str, Any]]:
+        """The executions of ``step``'s first ``prompts`` prompts (all of them when None)."""
+
+
+class StepFiles(Protocol):
+    """The run directory's part a step kind touches (``rundir.RunDir``)."""
+
+    def step_workspaces(self, step: int) -> Path: ...
+
+    def journal(self, step: int) -> Path: ...
+
+    def tito_bytes(self) -> dict[str, int]:
+        """Each TITO log segment's size: what a checkpoint of this step keeps."""
 
 
 class Sampler(Protocol):
@@ -72,7 +86,7 @@ class Sampler(Protocol):
 
     def dispatch(
         self,
-        jobs: list[tuple[str, Task]],
+        jobs: list[tuple[str, Any]],
         workspaces: Path,
         on_outcome: Callable[[Outcome], None],
         journal: Path | None = None,
@@ -129,7 +143,8 @@ class StepContext:
     fleet: Fleet
     sampler: Sampler
     events: ev.EventLog
-    run_dir: RunDir
+    run_dir: StepFiles
+    data: Jobs
     run: RunConfig
     scheduler: SchedulerConfig
     tasks: TasksConfig
@@ -216,7 +231,7 @@ class StepKind:
         self, step: int, on_outcome: Callable[[Outcome], None] = lambda o: None
     ) -> concurrent.futures.Future[list[Outcome]]:
         c = self.ctx
-        jobs = step_jobs(step_tasks(c.tasks, c.run.seed, step), c.tasks.group_size, step)
+        jobs = c.data.jobs(step)
         return c.sampler.dispatch(jobs, c.run_dir.step_workspaces(step), on_outcome, c.run_dir.journal(step))
 
     def batch(self, step: int, outcomes: list[Outcome]) -> StepBatch:
@@ -587,9 +602,9 @@ class InFlightStep(StreamingStep):
         look-ahead (``scheduler.inflight.lookahead``), each under its own step's directories."""
         c, t = self.ctx, self.ctx.tasks
         ahead = lookahead(step, c.run.steps, barrier, t.prompts_per_step, c.scheduler.lookahead)
-        own = step_jobs(step_tasks(t, c.run.seed, step), t.group_size, step)
+        own = c.data.jobs(step)
         own = [(run, task) for run, task in own if run not in self.ahead]
-        nxt = step_jobs(step_tasks(t, c.run.seed, step + 1)[:ahead], t.group_size, step + 1) if ahead else []
+        nxt = c.data.jobs(step + 1, ahead) if ahead else []
         for s, jobs in ((step, own), (step + 1, nxt)):
             if jobs:
                 self.running |= dict.fromkeys((run for run, _ in jobs), c.fleet.version)

@@ -1,0 +1,101 @@
+"""What a step kind asks of its cells, and what they report back: the ``Fleet`` it drives.
+
+```
+ step kind ──switch · load_weights · train / extend / close_queue · apply──▶ Fleet
+           ◀──────── Hello (start) · TrainDone (receive) · StepApplied ─────┘
+```
+
+``runtime.fleet.MpiFleet`` carries these over MPI to cell leaders (``runtime.protocol``); the
+tests' fleet and the simulator carry them on a simulated clock. This module holds only the
+interface and the three reports; it knows nothing of MPI, ranks or time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from gyre_hpc.scheduler.policy import Role
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """A cell (or standalone rollout engine) is up and says where it serves: the URL of each of
+    its engine replicas (``placement``), in replica order."""
+
+    cell: int
+    rank: int
+    host: str
+    pid: int
+    addresses: tuple[str, ...]
+    capacity: int
+    standalone: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TrainDone:
+    cell: int
+    step: int
+    claimed: list[int]
+    loss_sum: float
+    tokens: int
+    clipped: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class StepApplied:
+    step: int
+    version: int
+    grad_norm: float
+    seconds: float
+    checkpoint: str
+
+
+class ProtocolError(RuntimeError):
+    """A peer sent something that is not a protocol message, or nothing in time."""
+
+
+class Fleet(Protocol):
+    units: dict[int, Hello]
+    """Every cell and standalone engine, by unit number, once ``start`` returned."""
+    cells: int
+    """Units 0 … cells-1 are cells (cell 0 the core); the rest are standalone engines."""
+    roles: dict[int, Role]
+    version: int
+    """The version the core has published."""
+
+    def start(self) -> None:
+        """Wait for every unit's Hello."""
+
+    def switch(self, roles: dict[int, Role]) -> dict[int, float]:
+        """Give cells new roles at once and wait until every rank of each has taken its role;
+        seconds per switched cell (a cell already in its role is left alone)."""
+
+    def load_weights(self, units: list[int]) -> float:
+        """Every listed engine loads the current version; the slowest one's seconds."""
+
+    def train(self, cells: list[int], step: int, queue: list, closed: bool) -> None:
+        """Cells join ``step`` from the current version and claim from ``queue`` (more may follow
+        with ``extend`` until ``close_queue`` unless ``closed``)."""
+
+    def extend(self, cells: list[int], step: int, items: list) -> None: ...
+
+    def close_queue(self, cells: list[int], step: int, total: int, stop: bool) -> None: ...
+
+    def reset_claims(self) -> None:
+        """The claim counter back to 0, while nobody claims (between steps)."""
+
+    def claimed(self) -> int:
+        """Claims handed out from the current queue."""
+
+    def receive(self) -> TrainDone | None:
+        """The next TrainDone, or None after a short wait; a silent cell raises ``CellLost``."""
+
+    def apply(
+        self, step: int, done: dict[int, TrainDone], num_runs: int, checkpoint: bool, state: dict
+    ) -> StepApplied:
+        """The core sums the gradients of the cells in ``done``, steps (unless ``num_runs`` is 0),
+        publishes the next version and checkpoints if asked; ``version`` follows."""
+
+    def shutdown(self, reason: str) -> None: ...

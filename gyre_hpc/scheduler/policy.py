@@ -2,7 +2,8 @@
 
 The same code is used by the step kinds (``scheduler.steps``, which the MPI runtime runs) and
 the discrete-event simulator (``sim.simulate``). The policy knows nothing about MPI, HTTP or
-models: it only says which role each cell takes next. Both sides build what it sees with one function, ``sched_state``.
+models: it only says which role each cell takes next. Both sides build what it sees with one
+function, ``sched_state``.
 
 ```
  elastic (the water-level rule; cells in switch order, core first; one switch at a time)

@@ -16,7 +16,6 @@ every world of the run, and one that dies leaves the run going. None outlives th
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -33,6 +32,7 @@ from typing import IO, Any
 from gyre_hpc.launch.outcome import diagnose, record
 from gyre_hpc.layout import Layout
 from gyre_hpc.observability import events as ev
+from gyre_hpc.orphans import die_with_parent
 from gyre_hpc.rundir import RunDir
 
 # Ranks outnumber cores on a laptop: busy-polling MPI would starve the controller.
@@ -116,7 +116,7 @@ class LocalRun:
             stdin=subprocess.DEVNULL,
             env={**os.environ, **MPI_ENV},
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         output = Output(log_path)
         pump = threading.Thread(target=output.copy, args=(proc.stdout,), name="mpirun-output", daemon=True)
@@ -150,7 +150,7 @@ class LocalRun:
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
 
     def _kill_leftover_ranks(self) -> None:
@@ -192,14 +192,6 @@ class Output:
 
     def tail(self) -> str:
         return b"".join(self.lines).decode(errors="replace")
-
-
-def _die_with_parent() -> None:
-    """In the child: the kernel sends SIGTERM if the launcher dies (Linux prctl PR_SET_PDEATHSIG)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
 
 
 def _stop_all(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:

@@ -12,7 +12,6 @@ their own worker's URL (``agents.external.Endpoint.workers``).
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import secrets
 import signal
@@ -24,6 +23,7 @@ from pathlib import Path
 import aiohttp
 
 from gyre_hpc.errors import GyreError
+from gyre_hpc.orphans import die_with_parent
 from gyre_hpc.proxy.tito_log import TitoTail
 from gyre_hpc.proxy.worker import ADMIN, WorkerSpec, share
 from gyre_hpc.rundir import RunDir
@@ -88,7 +88,7 @@ class ProxyWorkers:
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         stdin=subprocess.DEVNULL,
-                        preexec_fn=_die_with_parent,
+                        preexec_fn=die_with_parent,
                     )
                 )
         deadline = time.monotonic() + UP_S
@@ -147,11 +147,3 @@ class ProxyWorkers:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-
-
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when the controller dies (Linux prctl PR_SET_PDEATHSIG)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass

@@ -2,8 +2,8 @@
 MPI or HTTP.
 
 ```
- Clock: a heap of (time, callback); it moves only when the step waits (Fleet.receive, a switch,
-        a load, an apply), and then to the next scripted event: no sleeps, no wall-clock time.
+ Clock: the simulator's (``sim.fleet.Clock``): it moves only when the step waits (Fleet.receive,
+        a switch, a load, an apply), and then to the next scripted event: no wall-clock time.
  FakeSampler: each execution ends after its scripted duration with a one-call trajectory tree
               and its scripted reward (its call is served by the version the fleet held when it
               was dispatched); the TITO log grows by one byte per call; ``stop_runs`` ends one
@@ -19,7 +19,6 @@ counts is the runtime's own code.
 from __future__ import annotations
 
 import concurrent.futures
-import heapq
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -27,41 +26,12 @@ from pathlib import Path
 from gyre_hpc.outcome import Execution, Outcome, ScoreResult
 from gyre_hpc.runtime.protocol import Hello, StepApplied, TrainDone
 from gyre_hpc.scheduler.policy import Role
+from gyre_hpc.sim.fleet import Clock
 from gyre_hpc.tasks.task import Task
 from gyre_hpc.trainer.base import MicroStats, micro_stats
 from gyre_hpc.trainer.data_parallel import Claims, work_once
 from gyre_hpc.trajectory.records import CallMeta, TitoRecord
 from gyre_hpc.trajectory.tree import TrajectoryTree
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-        self._heap: list[tuple[float, int, Callable[[], None]]] = []
-        self._n = 0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def after(self, seconds: float, fn: Callable[[], None]) -> None:
-        self._n += 1
-        heapq.heappush(self._heap, (self.now + seconds, self._n, fn))
-
-    def advance(self) -> bool:
-        """Run the next scripted event; False when nothing is left to happen."""
-        if not self._heap:
-            return False
-        t, _, fn = heapq.heappop(self._heap)
-        self.now = max(self.now, t)
-        fn()
-        return True
-
-    def sleep(self, seconds: float) -> None:
-        """Let ``seconds`` pass, running whatever happens meanwhile."""
-        until = self.now + seconds
-        while self._heap and self._heap[0][0] <= until:
-            self.advance()
-        self.now = until
 
 
 class FakeSampler:

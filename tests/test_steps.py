@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
-from fleet_fake import Clock, FakeFleet, FakeSampler
+from fleet_fake import FakeFleet, FakeSampler
 
 from gyre_hpc.data_order import DataOrder
 from gyre_hpc.observability import events as ev
@@ -24,6 +24,7 @@ from gyre_hpc.recipe.schema import RunConfig, SchedulerConfig, TasksConfig, Trai
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.scheduler.policy import initial_roles
 from gyre_hpc.scheduler.steps import StepContext, step_event, step_kind
+from gyre_hpc.sim.fleet import Clock
 
 DURATIONS = [[1, 1, 1, 1], [2, 2, 2, 3], [4, 4, 5, 9]]  # per prompt, per run of its group
 S, T = "sampling", "training"

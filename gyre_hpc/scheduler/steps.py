@@ -554,6 +554,9 @@ class InFlightStep(StreamingStep):
         """Executions dispatched by the step before as its look-ahead."""
         self.pending: dict[tuple[int, str], list[tuple[Outcome, TrajectoryTree | None]]] = {}
         self.futures: list[concurrent.futures.Future[list[Outcome]]] = []
+        self.stopping: set[str] = set()
+        """The step's stale executions, stopped at its quota."""
+        self.asked = False
 
     def run(self, step: int) -> StepRecord:
         c, f = self.ctx, self.ctx.fleet
@@ -561,41 +564,51 @@ class InFlightStep(StreamingStep):
         f.reset_claims()
         barrier = step == c.run.steps or self.checkpoint_due(step)
         self.dispatch_with_lookahead(step, barrier)
-        t, k = c.tasks, c.scheduler.max_staleness
+        t = c.tasks
         batch = StreamingBatch(
             t.group_size, c.trajectory, c.trainer.micro_step_tokens, c.run.seed, step, pending=self.pending
         )
         trained_from = f.version
         b = _Burst(len(self.running))
-        stopping: set[str] = set()
-        asked = False
+        self.stopping, self.asked = set(), False
         early, self.held = self.held, []
         for outcome in early:
             self.add(step, b, batch, outcome)
         while True:
             self.surface_errors()
+            # One outcome at a time, the quota checked after each: outcomes that arrived while
+            # the loop was busy (a switch, a load) beyond the quota wait for the next step.
             while not self.arrived.empty():
                 outcome = self.arrived.get()
                 self.running.pop(outcome.execution.run_id, None)
                 b.finished += 1
                 if b.closed_at is None:
                     self.add(step, b, batch, outcome)
+                    self.close_at_quota(step, b, batch, barrier, trained_from)
                 else:
                     self.held.append(outcome)
             if b.closed_at is None:
-                if not barrier and not asked and batch.complete >= t.prompts_per_step:
-                    asked = True
-                    stopping = set(to_stop(self.running, trained_from, k))
-                    if stopping:
-                        c.sampler.stop_runs(sorted(stopping))
-                        c.events.emit(ev.StaleStopped(step=step, runs=sorted(stopping), max_staleness=k))
-                stale = len(stopping & self.running.keys())
-                if closes(batch.complete, t.prompts_per_step, len(self.running), stale, barrier):
-                    self.close_burst(step, b, len(batch.queue), False)
+                self.close_at_quota(step, b, batch, barrier, trained_from)
             if self.advance(step, b, batch.queue):
                 break
         runs = batch.num_runs if batch.queue else 0
         return self.finish(step, started, b, batch, runs, trained_from, batch.queue)
+
+    def close_at_quota(
+        self, step: int, b: _Burst, batch: StreamingBatch, barrier: bool, trained_from: int
+    ) -> None:
+        """At the quota, stop the stale executions (once); close the queue once they have
+        ended (``scheduler.inflight``; a barrier step waits for every execution)."""
+        c, quota, k = self.ctx, self.ctx.tasks.prompts_per_step, self.ctx.scheduler.max_staleness
+        if not barrier and not self.asked and batch.complete >= quota:
+            self.asked = True
+            self.stopping = set(to_stop(self.running, trained_from, k))
+            if self.stopping:
+                c.sampler.stop_runs(sorted(self.stopping))
+                c.events.emit(ev.StaleStopped(step=step, runs=sorted(self.stopping), max_staleness=k))
+        stale = len(self.stopping & self.running.keys())
+        if closes(batch.complete, quota, len(self.running), stale, barrier):
+            self.close_burst(step, b, len(batch.queue), False)
 
     def dispatch_with_lookahead(self, step: int, barrier: bool) -> None:
         """This step's prompts the last one did not dispatch ahead, and the next step's

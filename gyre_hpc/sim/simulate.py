@@ -1,20 +1,22 @@
-"""The discrete-event loop: executions, micro-steps and role switches on simulated cells.
+"""The simulator: the runtime's own step kinds, run on a simulated fleet on a simulated clock.
 
 ```
- events (time-ordered): execution ends · micro-step ends · switch ends · publication ends
-   after each: start waiting executions on free slots; idle trainers take the next micro-step;
-               decide(sched_state(counters)) — the runtime's policy on the runtime's view of
-               the counters — and start the switches it returns
-   a step closes at its publication; elastic and colocate then return their trainers and
-   dispatch the next burst once the policy switches nothing more (the policy's boundary rules)
-   in-flight (max_staleness k): a step's queue closes at its quota of complete groups, stale
-   executions stopped first (``scheduler.inflight``); the rest run on into later steps
+ SimConfig + Workload ──▶ Simulation ──▶ step_kind(scheduler)(ctx).run(k), k = 1 … steps
+                            │               (scheduler.steps: colocate, async, elastic, in-flight,
+                            │                the classes the MPI runtime runs)
+                            ├─ SimFleet     switches, publication, micro-steps claimed and trained
+                            ├─ SimSampler   executions on the admitted engines' slots and the pool
+                            └─ SimJobs      the workload as the step kinds' data order
+                          ──▶ SimResult: step ends, each cell's time split, the switch log, bounds
 ```
 
-Nothing here decides a role: ``scheduler.policy.decide`` does, exactly as in the runtime, on a
-state built by the same ``sched_state``. Time only moves between events; there is no compute.
-Each completed step also gets its bounds (``sim.bound``): the work it was served and trained,
-and, for steps in series, its on-policy bound from the work it was given.
+Nothing here dispatches, closes a queue, feeds a trainer or publishes: the step kinds do, through
+the ``Fleet`` and ``Sampler`` interfaces, exactly as in the runtime; ``sim.fleet`` only makes time
+pass and keeps the books. An execution of the workload becomes a run whose trajectory tree has
+one path per micro-step it yields (``sim.fleet.tree_of``), so the runtime's batching makes the
+same micro-steps; its reward differs from its group's others, so every run trains. Each
+completed step also gets its bounds (``sim.bound``): the work it was served and trained, and,
+for steps in series, its on-policy bound from the work it was given.
 
 The workload is a function from a step to its prompt groups: each group's execution durations
 and the micro-steps it yields. ``sampled`` draws it from the config's distributions;
@@ -23,26 +25,28 @@ and the micro-steps it yields. ``sampled`` draws it from the config's distributi
 
 from __future__ import annotations
 
-import heapq
+import bisect
 import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-from gyre_hpc.recipe.schema import Mode, SchedulerConfig
-from gyre_hpc.scheduler.inflight import closes, lookahead, to_stop
-from gyre_hpc.scheduler.policy import (
-    Role,
-    SchedState,
-    StepCounters,
-    carries_tail,
-    decide,
-    initial_roles,
-    sched_state,
-    writes_checkpoint,
+from gyre_hpc.recipe.schema import (
+    Mode,
+    RunConfig,
+    SchedulerConfig,
+    TasksConfig,
+    TrainerConfig,
+    TrajectoryConfig,
 )
+from gyre_hpc.run_id import dispatched_step, run_id
+from gyre_hpc.scheduler.policy import Role, initial_roles
+from gyre_hpc.scheduler.steps import StepContext, StepRecord, engine_urls, load_serving, step_kind
 from gyre_hpc.sim.bound import step_bound, work_bound
 from gyre_hpc.sim.config import SimConfig
+from gyre_hpc.sim.fleet import TOKENS, Clock, SimFleet, SimJob, SimSampler
 from gyre_hpc.trajectory.batch import pack_micro_steps
 
 
@@ -150,357 +154,137 @@ class SimResult:
         return [b - a for a, b in zip([0.0, *self.step_ends], self.step_ends, strict=False)]
 
 
+class SimJobs:
+    """The workload as the step kinds take their data order (``scheduler.steps.Jobs``): each
+    step's groups drawn once, in the order the step kinds ask for them."""
+
+    def __init__(self, workload: Workload) -> None:
+        self.workload = workload
+        self.groups: dict[int, list[Group]] = {}
+
+    def step_groups(self, step: int) -> list[Group]:
+        if step not in self.groups:
+            self.groups[step] = self.workload(step)
+        return self.groups[step]
+
+    def jobs(self, step: int, prompts: int | None = None) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = []
+        for g, group in enumerate(self.step_groups(step)[:prompts]):
+            task, n = f"p{g}", len(group.durations)
+            for i, duration in enumerate(group.durations):
+                out.append(
+                    (run_id(step, task, i), SimJob(task, duration, paths_of(group, i, n), reward(i, n)))
+                )
+        return out
+
+
+def paths_of(group: Group, i: int, n: int) -> tuple[int, ...]:
+    """Execution ``i``'s paths (their tokens): a replayed group's sequences dealt out in turn, or
+    one path per micro-step it yields (``sim.fleet.TOKENS`` each)."""
+    if group.sequence_tokens:
+        return group.sequence_tokens[i::n]
+    return (TOKENS,) * (len(group.micro_steps) // max(n, 1))
+
+
+def reward(i: int, n: int) -> float:
+    """Rewards of a group that leave no run at the group's mean (a run at the mean has advantage
+    0 and trains nothing): 0, 1, …, n − 1, the last one half more when n is odd."""
+    return i + (0.5 if n % 2 and i == n - 1 else 0.0)
+
+
+class _NoFiles:
+    """The run directory a simulated step kind never writes to."""
+
+    def step_workspaces(self, step: int) -> Path:
+        return Path("/nonexistent/workspaces") / str(step)
+
+    def journal(self, step: int) -> Path:
+        return Path("/nonexistent/journals") / str(step)
+
+    def tito_bytes(self) -> dict[str, int]:
+        return {}
+
+
+class _Events:
+    """The step kinds' events, kept in memory."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def emit(self, event: Any) -> Any:
+        self.events.append(event)
+        return event
+
+
 class Simulation:
+    """One simulated run: its fleet, sampler, data and the step records, kept for inspection."""
+
     def __init__(self, cfg: SimConfig, mode: Mode, workload: Workload | None = None) -> None:
         self.cfg, self.mode = cfg, mode
+        self.clock = Clock()
+        self.fleet = SimFleet(self.clock, cfg, initial_roles(mode, cfg.cells, cfg.async_train_cells))
+        self.sampler = SimSampler(self.clock, self.fleet, cfg)
+        self.fleet.sampler = self.sampler
+        self.data = SimJobs(workload or sampled(cfg))
+        self.events = _Events()
         self.sched = SchedulerConfig(
             mode=mode,
             async_train_cells=cfg.async_train_cells,
             min_queued_microsteps=cfg.min_queued,
             carry_tail=cfg.carry_tail,
+            max_staleness=cfg.max_staleness if mode == "elastic" else 0,
+            lookahead=cfg.lookahead,
         )
-        self.workload = workload or sampled(cfg)
-        self.inflight = mode == "elastic" and cfg.max_staleness > 0
-        plain_elastic = mode == "elastic" and not self.inflight and not cfg.carry_tail
-        self.in_series = mode == "colocate" or plain_elastic
-        streams = cfg.streaming == "all" or (cfg.streaming == "elastic" and mode == "elastic")
-        self.streaming = streams or self.inflight  # a quota counts complete groups as they end
-        self.now = 0.0
-        self.events: list[tuple[float, int, str, int]] = []
-        self._n = 0
-        self.roles = initial_roles(mode, cfg.cells, cfg.async_train_cells)
-        self.switching: dict[int, float] = {}
-        self.busy: dict[int, bool] = {c: False for c in range(cfg.cells)}  # trainer mid micro-step
-        self.since = [0.0] * cfg.cells
-        self.state_of = ["sampling" if r == Role.SAMPLING else "training" for r in self.roles]
-        self.cells = [CellTime() for _ in range(cfg.cells)]
-        self.timeline: list[tuple[int, float, float, str]] = []
-        self.switch_log: list[tuple[int, int, str]] = []
-        self.step_ends: list[float] = []
-        # bursts
-        self.burst = 0  # the newest dispatched step
-        self.d = self.f = 0
-        self.waiting: list[int] = []  # execution ids waiting for a slot
-        self.running = 0
-        self.remaining: dict[int, float] = {}
-        self.group_left: dict[int, int] = {}
-        self.groups: dict[int, Group] = {}
-        self.next_exec = 0
-        self.exec_group: dict[int, int] = {}  # execution -> its group
-        self.closed: set[int] = set()  # steps whose burst has ended
-        # training
-        self.training_step = 1  # the oldest step not yet published: its micro-steps are claimable
-        self.queue: list[float] = []  # claimable micro-steps (their training times)
-        self.pending_release: dict[int, list[float]] = {}  # step -> micro-steps not yet claimable
-        self.released: dict[int, int] = {}  # step -> micro-steps packed for it
-        self.step_work: dict[int, int] = {}  # step -> micro-steps released and not yet trained
-        self.started: dict[int, int] = {}  # step -> micro-steps trainers have taken (claims)
-        self.publishing = False
-        self.boundary = False  # a step has closed; its trainers return before the next burst
-        self.carried: list[float] = []  # carry_tail: micro-steps left for the next step
-        self.stopping: set[int] = set()  # steps applied at their burst's end (carry_tail)
-        self.carried_in: dict[int, int] = {}  # step -> micro-steps carried into it
-        # in-flight updates
-        self.workloads: dict[int, list[Group]] = {}
-        self.version = 0  # versions published
-        self.first_version: dict[int, int] = {}  # execution -> the version its burst started on
-        self.collect = 1  # the step complete groups join
-        self.complete: dict[int, int] = {}  # step -> complete groups it holds
-        self.stopped: set[int] = set()  # executions stopped for staleness
-        self.stop_asked: set[int] = set()  # steps that have stopped their stale executions
-        self.stale_trained: list[tuple[int, int]] = []  # (step, versions behind) of each group trained
-        self.started_at: dict[int, float] = {}
-        self.served: dict[int, float] = {}  # execution -> the time it was served, once it ended
-        self.exec_step: dict[int, int] = {}  # execution -> the step it was dispatched for
-        self.trained_s: dict[int, float] = {}  # step -> cell-seconds of the micro-steps it trained
-        self.in_hand: dict[int, tuple[int, float]] = {}  # cell -> (step, seconds) of its micro-step
-        # slot occupancy: ∫ (occupied slots / slots) dt, so sampling time splits into busy and idle
-        self.occupied = 0.0
-        self.occupancy = 0.0
-        self.last_t = 0.0
-        self.occupied_at = [0.0] * cfg.cells
+        self.records: list[StepRecord] = []
 
-    # ---- events -----------------------------------------------------------------------------
-
-    def at(self, t: float, kind: str, who: int) -> None:
-        self._n += 1
-        heapq.heappush(self.events, (t, self._n, kind, who))
-
-    def run(self) -> SimResult:
-        self.dispatch()
-        self.react()
-        self.occupancy = self.slot_occupancy()
-        while self.events and len(self.step_ends) < self.cfg.steps:
-            t, _, kind, who = heapq.heappop(self.events)
-            self.occupied += (t - self.last_t) * self.occupancy
-            self.now = self.last_t = t
-            getattr(self, f"on_{kind}")(who)
-            self.react()
-            self.occupancy = self.slot_occupancy()
-        for c in range(self.cfg.cells):
-            self.mark(c, self.state_of[c])
-        return SimResult(
-            self.mode, self.step_ends, self.now, self.cells, self.switch_log, self.timeline,
-            self.bounds(), self.works(), self.cfg.publish_s, self.in_series,
+    def context(self) -> StepContext:
+        cfg = self.cfg
+        tokens = cfg.micro_step_tokens if cfg.train_s_per_token else TOKENS
+        return StepContext(
+            self.fleet, self.sampler, self.events, _NoFiles(), self.data,  # type: ignore[arg-type]
+            RunConfig(steps=cfg.steps, seed=cfg.seed), self.sched,
+            TasksConfig(prompts_per_step=cfg.prompts, group_size=cfg.group_size),
+            TrajectoryConfig(jmax=100_000, packing="paths"),
+            TrainerConfig(micro_step_tokens=tokens, checkpoint_every=cfg.checkpoint_every),
+            clock=self.clock,
         )  # fmt: skip
 
-    def slot_occupancy(self) -> float:
-        slots = self.slots()
-        return min(self.running, slots) / slots if slots else 1.0
+    def run(self) -> SimResult:
+        """Every step, as the runtime's controller runs them: the engines that sample admitted
+        first, then one step kind's ``run`` per step."""
+        f = self.fleet
+        sampling = [u for u, r in sorted(f.roles.items()) if r == Role.SAMPLING]
+        load_serving(f, self.sampler, sampling)
+        self.sampler.set_sampling(engine_urls(f, sampling))
+        kind = step_kind(self.sched)(self.context())
+        ends = []
+        for step in range(1, self.cfg.steps + 1):
+            self.records.append(kind.run(step))
+            ends.append(self.clock.now)
+        f.close_books()
+        cells = [CellTime(b.sampling, b.training, b.idle, b.switching, b.idle_slots) for b in f.books]
+        plain = self.mode == "elastic" and not self.sched.carry_tail and not self.sched.max_staleness
+        log = [(bisect.bisect_right(ends, t) + 1, cell, role) for t, cell, role in f.switches]
+        return SimResult(
+            self.mode, ends, self.clock.now, cells, log, f.timeline, self.bounds(),
+            self.works(), self.cfg.publish_s, self.mode == "colocate" or plain,
+        )  # fmt: skip
 
     def bounds(self) -> list[float]:
-        by_step: dict[int, list[Group]] = {}
-        for gid, group in sorted(self.groups.items()):
-            by_step.setdefault(gid // 10_000, []).append(group)
-        return [
-            step_bound([g.durations for g in by_step[s]], [g.micro_steps for g in by_step[s]], self.cfg)
-            for s in range(1, len(self.step_ends) + 1)
-        ]
+        """Each step's on-policy bound, from the work it was given."""
+        steps = range(1, self.cfg.steps + 1)
+        given = [self.data.step_groups(s) for s in steps]
+        return [step_bound([g.durations for g in gs], [g.micro_steps for g in gs], self.cfg) for gs in given]
 
     def works(self) -> list[float]:
-        """Each step's served and trained work: an execution's served time goes to its step, a
-        micro-step's to the step that trained it."""
+        """Each step's served and trained work: an execution's served time goes to the step it
+        was dispatched for, a micro-step's to the step that trained it."""
         served: dict[int, float] = {}
-        for e, seconds in self.served.items():
-            served[self.exec_step[e]] = served.get(self.exec_step[e], 0.0) + seconds
-        steps = range(1, len(self.step_ends) + 1)
-        return [work_bound(served.get(s, 0.0), self.trained_s.get(s, 0.0), self.cfg) for s in steps]
-
-    def mark(self, cell: int, what: str) -> None:
-        """Close the cell's current segment and open ``what``."""
-        start, span = self.since[cell], self.now - self.since[cell]
-        prev = self.state_of[cell]
-        setattr(self.cells[cell], prev, getattr(self.cells[cell], prev) + span)
-        if prev == "sampling":
-            busy = self.occupied - self.occupied_at[cell]
-            self.cells[cell].idle_slots += max(span - busy, 0.0)
-        if span > 0:
-            self.timeline.append((cell, start, self.now, prev))
-        self.since[cell], self.state_of[cell] = self.now, what
-        self.occupied_at[cell] = self.occupied
-
-    # ---- sampling ---------------------------------------------------------------------------
-
-    def dispatch(self) -> None:
-        """A new burst: the workload's groups for the next step (and what the last one carried);
-        in-flight, those not dispatched yet and the next step's look-ahead."""
-        self.burst += 1
-        step = self.burst
-        self.released.setdefault(step, 0)
-        self.step_work.setdefault(step, 0)
-        for g, group in enumerate(self.step_groups(step)):
-            self.start_group(step * 10_000 + g, group)
-        if self.inflight:
-            barrier = self.barrier(step)
-            ahead = lookahead(step, self.cfg.steps, barrier, self.cfg.prompts, self.cfg.lookahead)
-            for g, group in enumerate(self.step_groups(step + 1)[:ahead] if ahead else []):
-                self.start_group((step + 1) * 10_000 + g, group)
-        if self.carried:
-            self.carried_in[step] = len(self.carried)
-            self.release(step, self.carried)
-            self.carried = []
-        if self.inflight:
-            self.check_quota()
-
-    def step_groups(self, step: int) -> list[Group]:
-        if step not in self.workloads:
-            self.workloads[step] = self.workload(step)
-        return self.workloads[step]
-
-    def start_group(self, gid: int, group: Group) -> None:
-        if gid in self.groups:
-            return  # dispatched ahead by the step before
-        self.groups[gid] = group
-        self.group_left[gid] = len(group.durations)
-        self.d += len(group.durations)
-        for duration in group.durations:
-            e = self.next_exec
-            self.next_exec += 1
-            self.remaining[e] = duration + self.cfg.exec_overhead_s
-            self.exec_group[e] = gid
-            self.exec_step[e] = gid // 10_000
-            self.first_version[e] = self.version
-            self.waiting.append(e)
-
-    def barrier(self, step: int) -> bool:
-        return step == self.cfg.steps or writes_checkpoint(step, self.cfg.checkpoint_every, self.cfg.steps)
-
-    def slots(self) -> int:
-        return self.cfg.pool_capacity + sum(
-            self.cfg.capacity
-            for c, r in enumerate(self.roles)
-            if r == Role.SAMPLING and c not in self.switching
-        )
-
-    def start_waiting(self) -> None:
-        while self.waiting and self.running < self.slots():
-            e = self.waiting.pop(0)
-            self.started_at[e] = self.now
-            self.running += 1
-            self.at(self.now + self.remaining[e], "exec_end", e)
-
-    def on_exec_end(self, e: int) -> None:
-        if e not in self.exec_group:
-            return  # stopped earlier: its natural end no longer happens
-        self.running -= 1
-        self.f += 1
-        gid = self.exec_group.pop(e)
-        first = self.first_version.pop(e)
-        self.served[e] = self.now - self.started_at.get(e, self.now)
-        self.group_left[gid] -= 1
-        step = gid // 10_000
-        if self.inflight:
-            if self.group_left[gid] == 0:
-                self.complete[self.collect] = self.complete.get(self.collect, 0) + 1
-                self.stale_trained.append((self.collect, self.collect - 1 - first))
-                self.release(self.collect, list(self.groups[gid].micro_steps))
-            self.check_quota()
-            return
-        if self.group_left[gid] == 0 and self.streaming:
-            self.release(step, list(self.groups[gid].micro_steps))
-        if self.burst_done(step):
-            if not self.streaming:
-                self.release(step, self.whole_step(step))
-            self.closed.add(step)
-            trainers = sum(r == Role.TRAINING for r in self.roles)
-            stale_left = max(self.carried_in.get(step, 0) - self.started.get(step, 0), 0)
-            checkpoint = writes_checkpoint(step, self.cfg.checkpoint_every, self.cfg.steps)
-            ends_run = step == self.cfg.steps
-            if carries_tail(self.mode, self.cfg.carry_tail, trainers, ends_run, checkpoint, stale_left):
-                self.stopping.add(step)
-
-    def check_quota(self) -> None:
-        """In-flight: close the collecting step's queue at its quota, its stale executions stopped
-        first (``scheduler.inflight``); barrier steps wait for every execution."""
-        s = self.collect
-        if s != self.burst or s in self.closed:
-            return  # not dispatched yet: its groups wait in its queue
-        barrier = self.barrier(s)
-        complete = self.complete.get(s, 0)
-        if not barrier and complete >= self.cfg.prompts and s not in self.stop_asked:
-            self.stop_asked.add(s)
-            for e in to_stop(self.first_version, self.version, self.cfg.max_staleness):
-                self.stopped.add(e)
-                if e in self.waiting:  # never started: it ends having done nothing
-                    self.waiting.remove(e)
-                    self.running += 1
-                self.at(self.now, "exec_end", e)
-        stale = sum(e in self.stopped for e in self.exec_group)
-        if closes(complete, self.cfg.prompts, len(self.exec_group), stale, barrier):
-            self.closed.add(s)
-            self.collect = s + 1
-
-    def whole_step(self, step: int) -> list[float]:
-        """Not streaming: the step's micro-steps, made once the burst has ended."""
-        groups = [g for gid, g in self.groups.items() if gid // 10_000 == step]
-        if all(g.sequence_tokens or not g.micro_steps for g in groups):
-            return list(packed(self.cfg, [t for g in groups for t in g.sequence_tokens]))
-        return [m for g in groups for m in g.micro_steps]
-
-    def burst_done(self, step: int) -> bool:
-        return all(left == 0 for gid, left in self.group_left.items() if gid // 10_000 == step)
-
-    def release(self, step: int, micro_steps: list[float]) -> None:
-        self.released[step] = self.released.get(step, 0) + len(micro_steps)
-        self.step_work[step] = self.step_work.get(step, 0) + len(micro_steps)
-        self.pending_release.setdefault(step, []).extend(micro_steps)
-
-    # ---- training -----------------------------------------------------------------------------
-
-    def on_micro_end(self, cell: int) -> None:
-        self.busy[cell] = False
-        step, seconds = self.in_hand.pop(cell)
-        self.trained_s[step] = self.trained_s.get(step, 0.0) + seconds
-        self.step_work[self.training_step] -= 1
-        self.mark(cell, "training")
-
-    def feed_trainers(self) -> None:
-        step = self.training_step
-        if step in self.pending_release:  # micro-steps of the step in training become claimable
-            self.queue += self.pending_release.pop(step)
-        stopping = step in self.stopping
-        for c, r in enumerate(self.roles):
-            if r == Role.TRAINING and c not in self.switching and not self.busy[c]:
-                # Nobody claims between a close and the next dispatch (boundary rule 3): the
-                # groups that completed there (in-flight) wait for their step to open.
-                if self.queue and not stopping and not self.boundary:
-                    seconds = self.queue.pop(0)
-                    self.started[step] = self.started.get(step, 0) + 1
-                    self.busy[c] = True
-                    self.in_hand[c] = (step, seconds)
-                    if self.state_of[c] != "training":
-                        self.mark(c, "training")
-                    self.at(self.now + seconds, "micro_end", c)
-                elif self.state_of[c] != "idle":
-                    self.mark(c, "idle")
-        idle = not self.publishing and not any(self.busy.values())
-        if stopping and idle and self.queue:
-            self.carried, self.queue = self.queue, []  # trained in the next step, one version stale
-            self.step_work[step] = 0
-        if step in self.closed and self.step_work[step] == 0 and idle:
-            self.publishing = True
-            self.at(self.now + self.cfg.publish_s, "published", step)
-
-    def on_published(self, step: int) -> None:
-        self.publishing = False
-        self.version += 1
-        self.training_step = step + 1
-        if self.mode == "async":
-            self.step_ends.append(self.now)
-        else:
-            self.boundary = True
-
-    # ---- the policy ---------------------------------------------------------------------------
-
-    def counters(self) -> StepCounters:
-        step = self.training_step if not self.boundary else self.burst
-        counters = StepCounters(
-            self.d,
-            self.f,
-            self.released.get(step, 0),
-            self.started.get(step, 0),
-            open=step <= self.burst,
-            stopped=step in self.stopping,
-        )
-        return counters.closed() if self.boundary else counters
-
-    def state(self) -> SchedState:
-        caps = [self.cfg.capacity] * self.cfg.cells
-        return sched_state(
-            self.sched, self.roles, caps, self.cfg.pool_capacity, self.counters(), bool(self.switching)
-        )
-
-    def on_switch_end(self, cell: int) -> None:
-        del self.switching[cell]
-        self.mark(cell, "sampling" if self.roles[cell] == Role.SAMPLING else "idle")
-
-    def react(self) -> None:
-        """After every event: serve, train, let the policy decide, and close a step's boundary."""
-        if (
-            self.mode == "async"
-            and self.burst == len(self.step_ends) + 1
-            and self.burst < self.cfg.steps
-            and self.burst_done(self.burst)
-        ):
-            self.dispatch()  # sampling never waits: burst k+1 while step k trains (staleness 1)
-        self.start_waiting()
-        self.feed_trainers()
-        switches = decide(self.state())
-        for sw in switches:
-            if sw.role == Role.SAMPLING and self.busy[sw.cell]:
-                continue  # it finishes its micro-step first
-            cost = self.cfg.switch_to_train_s if sw.role == Role.TRAINING else self.cfg.switch_to_sample_s
-            self.roles[sw.cell] = sw.role
-            self.switching[sw.cell] = self.now + cost
-            self.switch_log.append((self.burst, sw.cell, str(sw.role)))
-            self.mark(sw.cell, "switching")
-            self.at(self.now + cost, "switch_end", sw.cell)
-        if self.boundary and not switches and not self.switching:
-            self.boundary = False  # every trainer is back: the step ends, the next burst starts
-            self.step_ends.append(self.now)
-            if self.burst < self.cfg.steps:
-                self.dispatch()
-                self.react()
+        for run, seconds in self.sampler.served.items():
+            served[dispatched_step(run)] = served.get(dispatched_step(run), 0.0) + seconds
+        trained = self.fleet.trained_s
+        steps = range(1, self.cfg.steps + 1)
+        return [work_bound(served.get(s, 0.0), trained.get(s, 0.0), self.cfg) for s in steps]
 
 
 def simulate(cfg: SimConfig, mode: Mode, workload: Workload | None = None) -> SimResult:

@@ -23,6 +23,7 @@ The tree knows nothing about selection, losses or files.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -115,6 +116,8 @@ class TrajectoryTree:
         self._end: list[_Node] = []
         self._next_uid = 0
         self._recent: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}
+        self._rebuilt: list[TitoRecord] | None = None
+        """``records()`` once rebuilt, until the next record is added."""
 
     # ---- building ---------------------------------------------------------------------------
 
@@ -205,6 +208,7 @@ class TrajectoryTree:
         self, node: _Node, off: int, tail: np.ndarray, base: int, input_end: int, enc: EncodedRecord
     ) -> None:
         index = len(self._records)
+        self._rebuilt = None
         node, off, depth = self._descend(node, off, tail, base, base)
         if off < len(node.tokens):
             node = self._split(node, off)
@@ -344,7 +348,17 @@ class TrajectoryTree:
         )  # type: ignore[arg-type]
 
     def records(self) -> Iterator[TitoRecord]:
-        return (self.record(i) for i in range(len(self._records)))
+        """Every record, in the order they were added (rebuilt once, then kept)."""
+        if self._rebuilt is None:
+            self._rebuilt = [self.record(i) for i in range(len(self._records))]
+        return iter(self._rebuilt)
+
+    def relabeled(self, run_id: str) -> TrajectoryTree:
+        """The same calls as another run's: the nodes are shared, so neither tree may be added
+        to afterwards (a simulated run's tree, built once for every run of its shape)."""
+        tree = copy.copy(self)
+        tree.run_id, tree._rebuilt = run_id, None
+        return tree
 
 
 def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:

@@ -19,12 +19,24 @@ def cache_dir() -> Path:
     return Path(os.environ.get("GYRE_CACHE") or Path.home() / ".cache" / "gyre-hpc")
 
 
-def builtins() -> dict[str, Callable[[Path], object]]:
+Progress = Callable[[int, int], None]
+"""``(done, total)`` as a build goes."""
+
+
+def builtins() -> dict[str, Callable[[Path, Progress], object]]:
     from gyre_hpc.models.tiny import init_tiny
     from gyre_hpc.tasks.suites import WORDS
     from gyre_hpc.warmstart import warmstart
 
-    return {"tiny": lambda d: init_tiny(d, 0, WORDS), "tiny-warm": lambda d: warmstart(d, "smoke", seed=0)}
+    return {
+        "tiny": lambda d, progress: init_tiny(d, 0, WORDS),
+        "tiny-warm": lambda d, progress: warmstart(d, "smoke", seed=0, progress=progress),
+    }
+
+
+def needs_build(name: str) -> bool:
+    """Whether ``run.model = name`` is a built-in not in the cache yet (``resolve_model`` builds it)."""
+    return name in builtins() and not (cache_dir() / "models" / _cache_name(name) / "config.json").exists()
 
 
 def _cache_name(name: str) -> str:
@@ -33,14 +45,14 @@ def _cache_name(name: str) -> str:
     return f"{name}-{fingerprint()}" if name == "tiny-warm" else name
 
 
-def resolve_model(name: str) -> Path:
+def resolve_model(name: str, progress: Progress = lambda done, total: None) -> Path:
     table = builtins()
     if name in table:
         target = cache_dir() / "models" / _cache_name(name)
         if not (target / "config.json").exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-            table[name](tmp)
+            table[name](tmp, progress)
             shutil.rmtree(target, ignore_errors=True)
             tmp.rename(target)  # atomic: a half-built model is never found
         return target

@@ -159,6 +159,19 @@ class RunDir:
         return self.path / "metrics.png"
 
     @property
+    def cells_plot(self) -> Path:
+        """Where each cell's time went, per step and in total (``observability.plot.plot_cells``)."""
+        return self.path / "cells.png"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.path / "tensorboard"
+
+    @property
+    def wandb(self) -> Path:
+        return self.path / "wandb"
+
+    @property
     def workspaces(self) -> Path:
         return self.path / "workspaces"
 

@@ -25,6 +25,7 @@ def step_stats(
     counted = [o for o in outcomes if o.score.counts_in_group]
     rewards = [o.score.reward or 0.0 for o in counted]
     sequences = [s for mb in queue for s in mb]
+    trees = list(trees)
     return {
         "executions": len(outcomes),
         "reward_mean": sum(rewards) / max(len(rewards), 1),
@@ -37,11 +38,47 @@ def step_stats(
         "loss_tokens": int(sum(s.loss_mask.sum() for s in sequences)),
         "calls": sum(o.execution.calls for o in outcomes),
         "tool_calls": sum(o.execution.tool_calls for o in outcomes),
+        "tool_errors": sum(o.execution.tool_errors for o in outcomes),
+        **rollout_shape(outcomes, trees),
         "statuses": dict(sorted(Counter(o.execution.status for o in outcomes).items())),
         "groups": list(work),
         "engine_calls": engine_calls(trees),
         **prefix_reuse(trees),
     }
+
+
+def rollout_shape(outcomes: Sequence[Outcome], trees: Sequence[TrajectoryTree]) -> dict[str, object]:
+    """How the step's executions went: calls and generated tokens per execution, replies cut by
+    ``max_tokens`` or the context, and prompt groups that carry no signal (equal rewards)."""
+    generated: Counter[str] = Counter()
+    replies = cut = 0
+    for tree in trees:
+        for r in tree.records():
+            generated[r.run_id] += len(r.output_ids)
+            replies += 1
+            cut += r.meta.finish_reason == "length"
+    groups: dict[str, list[float]] = {}
+    for o in outcomes:
+        if o.score.counts_in_group:
+            groups.setdefault(o.execution.task_id, []).append(o.score.reward or 0.0)
+    return {
+        "calls_per_execution": spread([o.execution.calls for o in outcomes]),
+        "tokens_per_execution": spread([generated[o.execution.run_id] for o in outcomes]),
+        "sampled_tokens": sum(generated.values()),
+        "replies": replies,
+        "cut_replies": cut,
+        "no_signal_groups": sum(len(set(r)) <= 1 for r in groups.values()),
+        "group_count": len(groups),
+    }
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """``mean``, ``p50``, ``p90`` and ``max`` of ``values`` ({} for none)."""
+    if not len(values):
+        return {}
+    a = np.asarray(values, dtype=np.float64)
+    p50, p90 = np.percentile(a, [50, 90])
+    return {"mean": round(float(a.mean()), 3), "p50": float(p50), "p90": float(p90), "max": float(a.max())}
 
 
 def engine_calls(trees: Iterable[TrajectoryTree]) -> dict[str, int]:

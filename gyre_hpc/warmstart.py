@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -129,7 +130,10 @@ def warmstart(
     steps: int = STEPS,
     batch: int = 4,
     lr: float = 2e-3,
+    progress: Callable[[int, int], None] = lambda done, total: None,
 ) -> Path:
+    """Build the warm-started model into ``model_dir``; ``progress(done, total)`` after each of
+    its ``steps`` optimizer steps (the CLI draws a bar: the build takes minutes)."""
     if suite != "smoke":
         raise ValueError(f"no warm start for suite {suite!r} (only smoke)")
     model_dir = init_tiny(model_dir, seed, WORDS)
@@ -168,5 +172,6 @@ def warmstart(
             logp = torch.log_softmax(model(x, past=past[name])[0][0], -1).gather(1, y[:, None])[:, 0]
             (-(logp * weight).sum() / weight.sum() / len(examples)).backward()
         opt.step()
+        progress(step + 1, steps)
     save_weights(model.eval(), model_dir / "model.safetensors")
     return model_dir

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-CAPABILITIES = ("mpi", "slurm", "gpu", "rdma", "megatron", "sglang", "agents", "bwrap", "image")
+CAPABILITIES = ("mpi", "slurm", "gpu", "rdma", "megatron", "sglang", "agents", "bwrap", "image", "root")
 SGLANG_PYTHON = Path(os.environ.get("GYRE_SGLANG_PYTHON") or REPO / ".venv-sglang" / "bin" / "python")
 """The environment ``tools/setup.sh --sglang`` builds: SGLang and this package, side by side
 (GYRE_SGLANG_PYTHON: another Python with both, e.g. on a GPU machine)."""
@@ -68,6 +68,10 @@ def why_missing(capability: str) -> str | None:
         if not (TEST_IMAGE / "usr" / "bin" / "tree").exists():
             return f"no test image at {TEST_IMAGE} (bash tools/setup.sh --test)"
         return why_missing("bwrap")
+    if capability == "root":
+        if os.geteuid() != 0:
+            return "not root (mounting a tmpfs needs it)"
+        return None if shutil.which("mount") else "mount not found"
     if capability == "gpu":
         return None if torch.cuda.is_available() else "no CUDA GPU"
     if capability == "rdma":

@@ -28,6 +28,7 @@ from gyre_hpc.runtime.protocol import Hello, StepApplied, TrainDone
 from gyre_hpc.scheduler.policy import Role
 from gyre_hpc.sim.fleet import Clock
 from gyre_hpc.tasks.task import Task
+from gyre_hpc.token_stats import TokenStats
 from gyre_hpc.trainer.base import MicroStats, micro_stats
 from gyre_hpc.trainer.data_parallel import Claims, work_once
 from gyre_hpc.trajectory.records import CallMeta, TitoRecord
@@ -112,7 +113,7 @@ class _Trainer:
     """What ``work_once`` calls: a micro-step that computes nothing (its cost is the clock's)."""
 
     def micro_step(self, sequences: list) -> MicroStats:
-        return micro_stats(sequences, 0.0, 0)
+        return micro_stats(sequences, 0.0)
 
     def gradient(self) -> None:
         """No gradient: the fleet's clock stands for the whole step."""
@@ -234,5 +235,5 @@ class FakeFleet:
             del self.sessions[cell]
             seconds = self.clock.now - started
             self.inbox.append(
-                TrainDone(cell, step, claims.claimed, claims.loss_sum, claims.tokens, 0, seconds)
+                TrainDone(cell, step, claims.claimed, claims.loss_sum, claims.tokens, TokenStats(), seconds)
             )

@@ -201,13 +201,40 @@ def test_warm_start_is_deterministic_for_a_seed(tmp_path: Path) -> None:
 
     from gyre_hpc.warmstart import warmstart
 
+    shown: list[tuple[int, int]] = []
     digests = [
         hashlib.sha256(
-            (warmstart(tmp_path / f"w{i}", seed=3, steps=2) / "model.safetensors").read_bytes()
+            (warmstart(tmp_path / f"w{i}", seed=3, steps=2, progress=lambda *p: shown.append(p))
+             / "model.safetensors").read_bytes()
         ).hexdigest()
         for i in range(2)
-    ]
+    ]  # fmt: skip
     assert digests[0] == digests[1]
+    assert shown == [(1, 2), (2, 2)] * 2  # each optimizer step is reported (the CLI's bar)
+
+
+def test_a_built_in_model_s_build_shows_a_bar_and_a_cached_one_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rich.console import Console
+
+    from gyre_hpc import builtin_models
+    from gyre_hpc.cli.model import resolve_shown
+    from gyre_hpc.models.tiny import init_tiny
+
+    def build(d: Path, progress) -> None:  # noqa: ANN001 - as builtin_models builds, in 3 steps
+        for n in (1, 2, 3):
+            progress(n, 3)
+        init_tiny(d, 0)
+
+    monkeypatch.setenv("GYRE_CACHE", str(tmp_path))
+    monkeypatch.setattr(builtin_models, "builtins", lambda: {"tiny": build})
+    console = Console(record=True, width=120, force_terminal=False)
+    assert (resolve_shown("tiny", console) / "config.json").exists()
+    first = console.export_text()
+    assert "building tiny (once; cached)" in first and "3/3" in first
+    resolve_shown("tiny", console)
+    assert console.export_text() == ""  # a cache hit draws nothing
 
 
 def test_eval_cli_runs_a_suite_through_the_proxy(tiny: Path, tmp_path: Path) -> None:

@@ -66,7 +66,7 @@ class Recorder:
 
     def micro_step(self, sequences: list) -> MicroStats:
         self.trained += sequences
-        return MicroStats(len(sequences), 0, 0, 0.0, 0)
+        return MicroStats(len(sequences), 0, 0, 0.0)
 
     def gradient(self) -> None:
         self.asked += 1

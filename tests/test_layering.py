@@ -18,7 +18,9 @@ PURE = ("scheduler", "trajectory", "loss", "sim", "step_batch", "step_stats")
 """Policy and the step kinds, trajectories, losses, the simulator and a step's batch: shared by
 the runtime and the simulator."""
 
-BENEATH = ("recipe", "errors", "outcome", "run_id", "placement", "observability.events")
+BENEATH = (
+    "recipe", "errors", "outcome", "run_id", "token_stats", "cell_time", "placement", "observability.events",
+)  # fmt: skip
 """What the pure floors may reach besides each other: the recipe's config sections (and the
 engine-shape arithmetic it checks them with, ``placement``), the errors, and the value types
 (an execution's outcome, run ids, the event schema)."""

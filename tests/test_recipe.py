@@ -62,6 +62,7 @@ def test_every_section_is_in_the_schema() -> None:
         "scoring",
         "executors",
         "slurm",
+        "observability",
         "bench",
     }
 

@@ -153,6 +153,24 @@ def test_sglang_answers_like_the_embedded_engine(served: tuple[str, Path]) -> No
 
 
 @pytest.mark.sglang
+def test_the_trainer_scores_what_sglang_sampled_as_sglang_did_until_the_temperature_is_wrong(
+    served: tuple[str, Path],
+) -> None:
+    from test_diagnostics import sampled, trained
+
+    url, model = served
+
+    def generate(prompt: list[int], params: dict) -> tuple[list[int], list[float]]:
+        reply = call(url, lambda c: c.generate(prompt, params))
+        return reply["output_ids"], [lp for lp, _, _ in reply["meta_info"]["output_token_logprobs"]]
+
+    ok, bad = trained(model, sampled(generate, 1.0)), trained(model, sampled(generate, 0.7))
+    assert ok["mismatch_tokens"] == bad["mismatch_tokens"] == 72
+    assert ok["mismatch_mean"] < 1e-3 and ok["mismatch_share"] == 0  # float32 kernels: rounding only
+    assert bad["mismatch_mean"] > 0.05 and bad["mismatch_share"] > 0.1
+
+
+@pytest.mark.sglang
 def test_the_verbs_a_cell_uses(served: tuple[str, Path]) -> None:
     url, _ = served
     call(url, lambda c: c.pause("abort"))

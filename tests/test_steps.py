@@ -25,6 +25,7 @@ from gyre_hpc.rundir import RunDir
 from gyre_hpc.scheduler.policy import initial_roles
 from gyre_hpc.scheduler.steps import StepContext, step_event, step_kind
 from gyre_hpc.sim.fleet import Clock
+from gyre_hpc.token_stats import TokenStats
 
 DURATIONS = [[1, 1, 1, 1], [2, 2, 2, 3], [4, 4, 5, 9]]  # per prompt, per run of its group
 S, T = "sampling", "training"
@@ -189,7 +190,10 @@ def test_the_step_reports_the_tokens_its_trainers_forwarded() -> None:
     from gyre_hpc.runtime.protocol import StepApplied, TrainDone
     from gyre_hpc.scheduler.steps import StepRecord
 
-    done = {0: TrainDone(0, 1, [0], 0.0, 30, 0, 1.0), 1: TrainDone(1, 1, [], 0.0, 0, 0, 0.0)}
+    done = {
+        0: TrainDone(0, 1, [0], 0.0, 30, TokenStats(), 1.0),
+        1: TrainDone(1, 1, [], 0.0, 0, TokenStats(), 0.0),
+    }
     applied = StepApplied(1, 1, 0.0, 0.0, "")
     record = StepRecord(1, 0.0, 1.0, {"executions": 2, "tokens": 60}, 2, done, applied, False, {}, [])
     event = step_event(record, 2.0, {})

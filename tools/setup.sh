@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 extras="" sglang="" agents=""
 for arg in "$@"; do
   case "$arg" in
-    --test) extras="[test,megatron]" ;;
+    --test) extras="[test,megatron,wandb]" ;;
     --sglang) sglang=1 ;;
     --agents) agents=1 ;;
     *) echo "setup: unknown option $arg; valid: --test, --sglang, --agents" >&2; exit 2 ;;

@@ -7,5 +7,5 @@ bash tools/setup.sh --test --sglang --agents
 bash tools/local_slurm.sh start
 # Here the mpi, slurm, megatron, SGLang, agent-program, sandbox and task-image tests must run: a
 # missing launcher or package is an error, not a skip.
-export GYRE_REQUIRE="${GYRE_REQUIRE-mpi,slurm,megatron,sglang,agents,bwrap,image}"
+export GYRE_REQUIRE="${GYRE_REQUIRE-mpi,slurm,megatron,sglang,agents,bwrap,image,root}"
 exec .venv/bin/python -m pytest --durations=25 "$@"

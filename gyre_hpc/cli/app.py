@@ -11,6 +11,7 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from gyre_hpc import __version__
 from gyre_hpc.cli import bench, model, proxy, recipe, run, sandbox, slurm, status, tasks, traj
@@ -61,5 +62,6 @@ def main() -> None:
     except GyreError as err:
         if os.environ.get("GYRE_DEBUG"):
             raise
-        Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+        # The message is text, not markup: "pip install '.[megatron]'" keeps its brackets.
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
         sys.exit(err.exit_code)

@@ -15,9 +15,9 @@ from statistics import mean
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from gyre_hpc.cli.output import CsvOption, JsonOption, Results, chosen
 from gyre_hpc.errors import GyreError
 from gyre_hpc.observability import events as ev
 from gyre_hpc.recipe.load import load_recipe
@@ -88,6 +88,8 @@ def sim(
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a field: key=value.")] = None,
     out: Annotated[Path, typer.Option(help="Where the plots go.")] = Path("bench-sim"),
     ablations: Annotated[bool, typer.Option(help="Also run the paper's ablation of cell size.")] = False,
+    as_json: JsonOption = False,
+    as_csv: CsvOption = False,
 ) -> None:
     """Simulate elastic, colocate and every async split on one workload — and elastic with our
     carry_tail — print total times and ratios against the best async split, plot.
@@ -96,6 +98,7 @@ def sim(
 
     Example: `gyre-hpc bench sim --config paper-2.4t --ablations`
     """
+    results_out = Results(chosen(as_json, as_csv))
     if config not in CONFIGS:
         raise GyreError(f"--config {config}: unknown; valid: {', '.join(CONFIGS)}")
     cfg = parse_sets(CONFIGS[config], set_ or [])
@@ -120,10 +123,9 @@ def sim(
             *(f"{share[k]:.0%}" for k in ("sampling", "idle slots", "training", "idle", "switching")),
             str(r.switches),
         )
-    console = Console(width=max(Console().width, 160))
-    console.print(table)
+    results_out.table(table)
     elastic = results.get("elastic") or next(iter(results.values()))
-    console.print(
+    results_out.note(
         f"bound {elastic.bound_s / 3600:.2f} h ({elastic.bound_s / 3600 / cfg.steps:.3f} h a step, elastic's "
         "work): the sampling each run was served and the training it did, spread over every slot and "
         "cell, and the last publication; each mode is over its own served work. On-policy bound "
@@ -131,12 +133,12 @@ def sim(
         "execution and the training that must follow it, and its publication (colocate and elastic only)"
     )
     for line in speedups(times):
-        console.print(line)
+        results_out.note(line)
     if ablations:
-        console.print(_ablation_table(cfg, config))
+        results_out.table(_ablation_table(cfg, config))
     shown = {n: r for n, r in results.items() if not n.startswith("async") or n == best}
     for p in plot_all(shown, out, config):
-        console.print(f"plot: {p}")
+        results_out.note(f"plot: {p}")
 
 
 def _ablation_table(cfg: SimConfig, config: str) -> Table:
@@ -162,6 +164,8 @@ def modes(
         bool,
         typer.Option(help=f"Also run ours: {OURS} (scheduler.carry_tail), in-flight (max_staleness 1, 2)."),
     ] = False,
+    as_json: JsonOption = False,
+    as_csv: CsvOption = False,
 ) -> None:
     """Run the recipe in each mode of `bench.modes` — async once per split of
     `bench.async_splits` (every split when empty) — one after another, and compare step times:
@@ -175,7 +179,7 @@ def modes(
 
     Example: `gyre-hpc bench modes recipes/emulated.toml --steps 6`
     """
-    console = Console()
+    report = Results(chosen(as_json, as_csv))
     out.mkdir(parents=True, exist_ok=True)
     r = load_recipe(recipe, [*(set_ or []), *([f"cells.count={cells}"] if cells else [])])
     n = r.cells.count
@@ -193,12 +197,12 @@ def modes(
             plan[inflight_name(k)] = ["scheduler.mode=elastic", f"scheduler.max_staleness={k}"]
     runs = {}
     for name, variant in plan.items():
-        console.print(f"running {name} …")
+        report.note(f"running {name} …")
         runs[name] = _run_mode(recipe, name, variant, steps, cells, set_ or [], out / "runs")
     if not all(_summarize(rd)["steps"] for rd in runs.values()):
         raise GyreError("bench modes: give --steps 2 or more (step 1 is the warm-up)")
     simulated = _replay_all(runs) if all(_is_emulated(rd) for rd in runs.values()) else {}
-    _report(console, f"{recipe}, steps 2–{steps} (same seed)", runs, simulated)
+    _report(report, f"{recipe}, steps 2–{steps} (same seed)", runs, simulated)
     real = {name: observed(rd.path) for name, rd in runs.items()}
     best = best_async({name: _summarize(rd)["step_s"] for name, rd in runs.items()})
     keep = lambda results: {k: v for k, v in results.items() if not k.startswith("async") or k == best}  # noqa: E731
@@ -206,10 +210,10 @@ def modes(
     if simulated:
         plots += plot_all(keep(simulated), out / "simulated", f"{recipe.stem} (simulated)", "s")
     for p in plots:
-        console.print(f"plot: {p}")
+        report.note(f"plot: {p}")
 
 
-def _report(console: Console, title: str, runs: dict[str, RunDir], simulated: dict[str, SimResult]) -> None:
+def _report(report: Results, title: str, runs: dict[str, RunDir], simulated: dict[str, SimResult]) -> None:
     """The step-time table (real, and simulated where replayed) and the speed-ups."""
     table = Table(title=title)
     for col in ("mode", "step s", "sampling s", "training began before burst end (s)", "reward"):
@@ -245,10 +249,10 @@ def _report(console: Console, title: str, runs: dict[str, RunDir], simulated: di
                 "—" if p is None else f"{r['step_s'] / p:.3f}",
             ]
         table.add_row(*row)
-    console.print(table)
+    report.table(table)
     for label, times in (("real", step_s), ("simulated", sim)):
         for line in speedups(times):
-            console.print(f"{label}: {line}")
+            report.note(f"{label}: {line}")
 
 
 def _slug(name: str) -> str:

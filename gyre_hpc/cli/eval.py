@@ -14,7 +14,9 @@ from rich.table import Table
 
 from gyre_hpc.agents.dispatch import Dispatcher, make_harness
 from gyre_hpc.agents.external import Endpoint
-from gyre_hpc.builtin_models import resolve_model
+from gyre_hpc.cli import output
+from gyre_hpc.cli.model import resolve_shown
+from gyre_hpc.cli.output import CsvOption, JsonOption, Results, chosen
 from gyre_hpc.cli.recipe import RecipeArg, SetOption, load
 from gyre_hpc.observability import events as ev
 from gyre_hpc.outcome import Outcome
@@ -33,6 +35,8 @@ def evaluate(
     suite: Annotated[str | None, typer.Option(help="Suite name or JSONL; default: tasks.suite.")] = None,
     n: Annotated[int | None, typer.Option(help="Tasks to run; default: tasks.eval_n.")] = None,
     split: Annotated[str, typer.Option(help="train or heldout tasks of a built-in suite.")] = "heldout",
+    as_json: JsonOption = False,
+    as_csv: CsvOption = False,
 ) -> None:
     """Evaluate the recipe's model on a suite: pass rate, partial scores, calls and tokens.
 
@@ -41,24 +45,27 @@ def evaluate(
 
     Example: `gyre-hpc eval recipes/smoke.toml --set run.model=tiny-warm --n 32`
     """
+    results = Results(chosen(as_json, as_csv))
     r = load(recipe, set_)
     tasks = load_suite(suite or r.tasks.suite, n or r.tasks.eval_n, seed=r.run.seed, split=split)
     run_dir = RunDir.create(r.run.runs_dir, f"{r.run.name}-eval")
     run_dir.write_recipe(r)
-    console = Console(stderr=True, soft_wrap=True)
+    console = output.console(stderr=True, soft_wrap=True)
     console.print(
         f"[bold]gyre-hpc eval[/] {len(tasks)} tasks of {suite or r.tasks.suite} ({split}) "
         f"with {r.run.model} → [cyan]{run_dir.path}[/]"
     )
-    model = resolve_model(r.run.model)
+    model = resolve_shown(r.run.model, console)
     outcomes = asyncio.run(_run(r, model, tasks, suite or r.tasks.suite, run_dir, console))
     summary = summarize(outcomes)
     run_dir.executions.write_text("".join(json.dumps(o.to_json()) + "\n" for o in outcomes))
     run_dir.eval_summary.write_text(json.dumps(summary, indent=1) + "\n")
     table = Table(title=f"{summary['tasks']} tasks, {r.run.model}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
     for key, value in summary.items():
         table.add_row(key.replace("_", " "), f"{value:.3f}" if isinstance(value, float) else str(value))
-    Console().print(table)
+    results.table(table)
     console.print(f"run directory: {run_dir.path}  (trees: gyre-hpc traj show {run_dir.path})")
 
 

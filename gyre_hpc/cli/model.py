@@ -6,10 +6,39 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
+from gyre_hpc.builtin_models import needs_build, resolve_model
 from gyre_hpc.errors import GyreError
 
 model_app = typer.Typer(help="Build and inspect models.", no_args_is_help=True)
+
+
+def resolve_shown(name: str, console: Console) -> Path:
+    """``builtin_models.resolve_model``, with a progress bar while a built-in is built (the
+    warm-started tiny model takes minutes on a laptop, once)."""
+    if not needs_build(name):
+        return resolve_model(name)
+    with Progress(
+        TextColumn(f"building {name} (once; cached)"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    ) as bar:
+        task = bar.add_task("build", total=None)
+        return resolve_model(name, lambda done, total: bar.update(task, completed=done, total=total))
+
+
 engine_app = typer.Typer(help="Run an inference engine.", no_args_is_help=True)
 
 

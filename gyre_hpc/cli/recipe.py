@@ -15,7 +15,7 @@ from gyre_hpc.models.catalog import model_shape
 from gyre_hpc.placement import engine_plan
 from gyre_hpc.recipe import Recipe, load_recipe, to_toml
 from gyre_hpc.recipe.load import schema_lines
-from gyre_hpc.recipe.runnable import check_runnable
+from gyre_hpc.recipe.runnable import check_runnable, check_trackers
 from gyre_hpc.rundir import RunDir
 
 RecipeArg = Annotated[Path, typer.Argument(help="Recipe TOML file.", show_default=False)]
@@ -35,6 +35,7 @@ def check_launchable(r: Recipe) -> MemoryPlan | None:
     """What ``check``, ``run`` and ``submit`` ask before a launch: the backends this runtime drives
     and the memory plan (returned); a ``RecipeError`` (one line) for either."""
     check_runnable(r.engine, r.trainer)
+    check_trackers(r.observability)
     return check_memory(model_shape(r.run.model), r.cells, r.engine, r.trainer, r.agent)
 
 

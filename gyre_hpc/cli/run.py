@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated
 
@@ -16,8 +17,9 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from gyre_hpc.builtin_models import resolve_model
+from gyre_hpc.cli.model import resolve_shown
 from gyre_hpc.cli.recipe import SetOption, check_launchable, load, load_resumed
+from gyre_hpc.diskspace import MIB, free_bytes
 from gyre_hpc.errors import GyreError
 from gyre_hpc.launch.local import LocalRun
 from gyre_hpc.layout import Layout
@@ -61,8 +63,7 @@ def run(
         run_dir.write_recipe(r)
     layout = Layout.from_config(r.cells)
     console = Console(stderr=True, soft_wrap=True)
-    with console.status(f"model {r.run.model} …"):
-        resolve_model(r.run.model)  # built once here, not by every rank at once
+    resolve_shown(r.run.model, console)  # built once here, not by every rank at once
     verb = "resuming" if resume is not None else "gyre-hpc run"
     console.print(f"[bold]{verb}[/] {layout.describe()} → [cyan]{run_dir.path}[/]")
     with Progress(
@@ -103,5 +104,16 @@ def run(
     reason = f": {end.reason}" if end.reason else ""
     console.print(f"[{style}]run {end.status}[/]{reason}\nrun directory: {run_dir.path}")
     if end.status in ("preempted", "failed", "interrupted"):
-        console.print(f"continue it: gyre-hpc run --resume {run_dir.path}")
+        console.print(resume_hint(run_dir.path, end.reason))
     raise typer.Exit(EXIT.get(end.status, 1))
+
+
+def resume_hint(run_dir: Path, reason: str) -> str:
+    """How to continue the run; on a disk still too full to take a checkpoint, what to free
+    instead (a --resume there would fail the same way)."""
+    if "no space left on device" in reason:
+        free = free_bytes(run_dir) / MIB
+        needed = re.search(r"needs (\d+) MiB", reason)
+        if needed is None or free < int(needed[1]):
+            return f"[yellow]not resumable yet[/]: {free:.0f} MiB free under {run_dir}; make room first"
+    return f"continue it: gyre-hpc run --resume {run_dir}"

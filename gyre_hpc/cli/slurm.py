@@ -9,7 +9,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from gyre_hpc.builtin_models import resolve_model
+from gyre_hpc.cli import output
+from gyre_hpc.cli.model import resolve_shown
 from gyre_hpc.cli.recipe import SetOption, check_launchable, load, load_resumed
 from gyre_hpc.cli.status import TargetArg, resolve
 from gyre_hpc.errors import GyreError, LaunchError
@@ -75,7 +76,7 @@ def submit(
         )
         return
     check_launchable(r)
-    resolve_model(r.run.model)  # a built-in model is built here once, not by every rank
+    resolve_shown(r.run.model, output.console(stderr=True))  # built here once, not by every rank
     if run_dir is None:
         run_dir = RunDir.create(r.run.runs_dir, r.run.name)
         run_dir.write_recipe(r)

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.live import Live
 
+from gyre_hpc.cli import output
 from gyre_hpc.errors import GyreError
 from gyre_hpc.launch import slurm
 from gyre_hpc.observability.events import read_events
@@ -77,7 +77,7 @@ def status(
         done = (ended and requeued(view, job) != "requeued") or (job is not None and run_dir is None)
         return render(view, job, str(run_dir.path) if run_dir else ""), done
 
-    console = Console()
+    console = output.console()
     if once:
         console.print(frame("force")[0])
         return

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from gyre_hpc.agents import reference
 from gyre_hpc.agents.dispatch import setup
+from gyre_hpc.cli import output
 from gyre_hpc.cli.recipe import SetOption
 from gyre_hpc.errors import GyreError
 from gyre_hpc.recipe import load_recipe
@@ -83,7 +84,7 @@ def verify(
         good = (ref[0] is None and ref[1] == "no reference solution" or ref[0] == 1.0) and empty[0] == 0.0
         bad += not good
         table.add_row(task.id, _cell(ref), _cell(empty), "ok" if good else "[red]wrong[/]")
-    Console(highlight=False).print(table)
+    output.console(highlight=False).print(table)
     if bad:
         raise GyreError(
             f"{bad} task{'s' * (bad != 1)}: a reference short of 1.0, or an empty attempt above 0"

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.tree import Tree
 
+from gyre_hpc.cli import output
 from gyre_hpc.errors import GyreError
 from gyre_hpc.recipe.schema import RunConfig, TrajectoryConfig
 from gyre_hpc.rundir import RunDir
@@ -76,7 +76,7 @@ def show(
             )
         )
         return
-    console = Console()
+    console = output.console()
     for run_id, tree, segments in result:
         root = Tree(
             f"[bold]{run_id}[/] · {tree.num_records} calls · {tree.num_unique_tokens:,} unique tokens "

@@ -277,6 +277,20 @@ class Step(Event):
     calls: int = 0
     tool_calls: int = 0
     """Tool calls the step's executions carried out (built-in harness)."""
+    tool_errors: int = 0
+    """Of them, those that failed (an unknown tool, bad arguments, a command that could not run)."""
+    calls_per_execution: dict[str, float] = field(default_factory=dict)
+    """Model calls per execution: ``mean``, ``p50``, ``p90``, ``max``."""
+    tokens_per_execution: dict[str, float] = field(default_factory=dict)
+    """Tokens each execution's model calls generated (from its TITO tree), the same four."""
+    sampled_tokens: int = 0
+    """Tokens the step's executions generated, in all."""
+    replies: int = 0
+    cut_replies: int = 0
+    """Model replies cut by ``max_tokens`` or the context (finish reason ``length``)."""
+    no_signal_groups: int = 0
+    """Prompt groups whose rewards are all equal: no advantage, nothing learned from them."""
+    group_count: int = 0
     controller_cpu_s: float = 0.0
     """CPU seconds the controller's process spent in the step: its own threads (schedule, proxy,
     trajectories, and the harness when executions run there) and the processes it reaped
@@ -298,6 +312,11 @@ class Step(Event):
     loss: float = 0.0
     grad_norm: float = 0.0
     clipped_tokens: int = 0
+    token_stats: dict[str, float | None] = field(default_factory=dict)
+    """Over the trained tokens (``loss.diagnostics``): ``clip_fraction``, ``approx_kl`` to the
+    behaviour policy, ``entropy`` (null where the trainer's logits are sharded), and the
+    trainer/rollout log-prob mismatch on tokens trained at the version that sampled them:
+    ``mismatch_mean``, ``mismatch_max``, ``mismatch_share`` (above 0.1), ``mismatch_tokens``."""
     claims: dict[str, int] = field(default_factory=dict)
     """Micro-steps each training cell claimed."""
     train_seconds: float = 0.0
@@ -311,6 +330,22 @@ class Step(Event):
     train_before_burst_end_s: float | None = None
     """How long training overlapped the burst (elastic)."""
     switches: list[dict[str, Any]] = field(default_factory=list)
+    weight_bytes: int = 0
+    weight_seconds: float = 0.0
+    """Weight loads into engines since the previous step: bytes sent, seconds (slowest per load)."""
+    cell_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Each cell's time since ``cell_since`` by category (``cell_time.CATEGORIES``:
+    sampling with busy slots, idle slots, training, idle, switching); they sum to the window."""
+    cell_since: float = 0.0
+    """When that window began (the previous step's record, or the first step's start)."""
+
+    @property
+    def cut_share(self) -> float | None:
+        return self.cut_replies / self.replies if self.replies else None
+
+    @property
+    def no_signal_share(self) -> float | None:
+        return self.no_signal_groups / self.group_count if self.group_count else None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -72,9 +72,19 @@ class EngineSlot:
     """The version last loaded into it (None: none yet; whatever it reports is taken)."""
     loading: bool = False
     probe: asyncio.Task[None] | None = None
+    busy_s: float = 0.0
+    """∫ calls in flight dt up to ``booked``: the slot-seconds its calls held (``occupancy``)."""
+    booked: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         self.client = EngineClient(self.url)
+
+    def book(self) -> float:
+        """Close the busy integral up to now (before ``inflight`` changes); returns it."""
+        now = time.monotonic()
+        self.busy_s += (now - self.booked) * len(self.inflight)
+        self.booked = now
+        return self.busy_s
 
     def available(self, now: float) -> bool:
         return (
@@ -200,6 +210,7 @@ class Router:
         while True:
             slot = await self.acquire(run_id, deadline)
             flight = _Flight(f"{run_id}-{next(self._ids)}-{uuid.uuid4().hex[:6]}")
+            slot.book()
             slot.inflight[flight.rid] = flight
             version = slot.version
             try:
@@ -230,6 +241,7 @@ class Router:
                     raise NoEngine(f"engine {slot.url} failed and no other served in time") from None
                 continue
             finally:
+                slot.book()
                 slot.inflight.pop(flight.rid, None)
                 await self._notify()
             meta = res["meta_info"]
@@ -252,6 +264,11 @@ class Router:
                     moved_kv = (slot, flight.kv_handle, flight.kv_version)
             else:
                 output, logprobs, segments = [], [], []
+
+    def occupancy(self) -> dict[str, float]:
+        """Each engine's busy slot-seconds so far (∫ calls in flight dt; a cell's slots are busy
+        for the share of them its calls held)."""
+        return {url: slot.book() for url, slot in self.engines.items()}
 
     async def drain(self, url: str, mode: DrainMode = "continue") -> int:
         """Stop admitting on ``url`` and move its in-flight calls elsewhere; returns how many."""

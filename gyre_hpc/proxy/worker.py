@@ -81,8 +81,10 @@ def admin_routes(app: web.Application, proxy: Proxy, token: str) -> None:
         elif name == "loaded":
             for url in urls:
                 await proxy.router.loaded(url, int(body["version"]))
+        elif name == "occupancy":
+            return web.json_response(proxy.router.occupancy())
         else:
-            raise web.HTTPNotFound(text=f"no verb {name!r}; valid: sampling, hold, loaded")
+            raise web.HTTPNotFound(text=f"no verb {name!r}; valid: sampling, hold, loaded, occupancy")
         return web.json_response({})
 
     app.router.add_post(ADMIN + "{verb}", verb)

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -103,16 +104,26 @@ class ProxyWorkers:
         self._http = aiohttp.ClientSession(headers={"Authorization": f"Bearer {self.token}"})
         return self.urls
 
-    async def _all(self, verb: str, body: dict[str, object]) -> None:
-        """The verb on every worker at once; a worker that refuses it fails the run."""
+    async def _all(self, verb: str, body: dict[str, object]) -> list[Any]:
+        """The verb on every worker at once, and what each answered; a worker that refuses it
+        fails the run."""
         assert self._http is not None
 
-        async def one(url: str) -> None:
+        async def one(url: str) -> Any:
             async with self._http.post(url + ADMIN + verb, json=body) as resp:  # type: ignore[union-attr]
                 if resp.status != 200:
                     raise GyreError(f"proxy worker {url}: {verb} answered {resp.status}: {await resp.text()}")
+                return await resp.json()
 
-        await asyncio.gather(*(one(u) for u in self.urls))
+        return list(await asyncio.gather(*(one(u) for u in self.urls)))
+
+    async def occupancy(self) -> dict[str, float]:
+        """Busy slot-seconds per engine over every worker (each holds a share of its slots)."""
+        total: dict[str, float] = {}
+        for answer in await self._all("occupancy", {}):
+            for url, seconds in answer.items():
+                total[url] = total.get(url, 0.0) + seconds
+        return total
 
     async def set_sampling(self, urls: set[str], drain_mode: str) -> None:
         await self._all("sampling", {"urls": sorted(urls), "drain_mode": drain_mode})

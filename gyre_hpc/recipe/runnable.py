@@ -8,7 +8,16 @@ from __future__ import annotations
 import importlib.util
 
 from gyre_hpc.errors import RecipeError
-from gyre_hpc.recipe.schema import EngineConfig, TrainerConfig
+from gyre_hpc.recipe.schema import EngineConfig, ObservabilityConfig, TrainerConfig
+
+
+def check_trackers(observability: ObservabilityConfig) -> None:
+    """The trackers the recipe asks for are installed (W&B is an optional extra)."""
+    if observability.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise RecipeError(
+            f"observability.wandb_project = {observability.wandb_project!r} needs wandb: "
+            "pip install 'gyre-hpc[wandb]', or set observability.wandb_project = \"\""
+        )
 
 
 def check_runnable(engine: EngineConfig, trainer: TrainerConfig) -> None:

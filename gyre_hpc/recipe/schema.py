@@ -466,6 +466,22 @@ class SlurmConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ObservabilityConfig:
+    """Experiment trackers fed from the step and evaluation records (``observability.tracking``),
+    beside events.jsonl, metrics.png and cells.png, which every run writes."""
+
+    tensorboard: bool = knob(True, "TensorBoard event files under <run_dir>/tensorboard/.")
+    wandb_project: str = knob(
+        "", "Weights & Biases project to log to; empty: none (needs pip install 'gyre-hpc[wandb]')."
+    )
+    wandb_mode: Literal["offline", "online"] = knob(
+        "offline",
+        "offline: the W&B run is written under <run_dir>/wandb/ (wandb sync uploads it); online: "
+        "streamed to the W&B server (compute nodes need its address).",
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class BenchConfig:
     """Side-by-side comparisons of scheduling modes."""
 
@@ -494,6 +510,7 @@ class Recipe:
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     executors: ExecutorsConfig = field(default_factory=ExecutorsConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
 
     def __post_init__(self) -> None:

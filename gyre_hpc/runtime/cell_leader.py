@@ -254,9 +254,10 @@ class Leader(CellHost):
         state = work_once(s.claims, self.trainer, self.setup.transport)
         if state == "done":
             c = s.claims
-            clipped = sum(x.clipped for x in c.stats)
             seconds = time.monotonic() - s.started
-            done = TrainDone(self.unit, s.step, c.claimed, c.loss_sum, c.tokens, clipped, seconds)
+            done = TrainDone(
+                self.unit, s.step, c.claimed, c.loss_sum, c.tokens, c.token_stats, seconds, c.computed
+            )
             self.to_controller.send(done, CONTROLLER)
             self.session = None
         return state != "waiting"

@@ -3,16 +3,18 @@
 ```
  start ─▶ Hello from every cell (fleet.start) ─▶ proxy + harness up (serving thread)
        ─▶ initial roles (policy) ─▶ every engine loads v (0, or the resumed checkpoint's version)
+       ─▶ held-out evaluation of v0 (tasks.eval_every; not on a resume)
        ─▶ ┌─ step k: the step kind of scheduler.mode (scheduler.steps)────────────────────────┐
           │ dispatch ─▶ harness ⇄ proxy ⇄ engines (d / p / f) ─▶ trajectory trees ─▶ micro-steps │
           │ cells the policy sends train them ─▶ the core applies v+1 (checkpoint when due)       │
           │ ─▶ boundary: engines load v+1, trainers return as the policy says                     │
-          └─▶ step event ─▶ held-out evaluation (tasks.eval_every) ─▶ metrics.png ───────────────┘
+          └─▶ step event + cells' time ─▶ trackers ─▶ held-out evaluation ─▶ metrics.png, cells.png ┘
        ─▶ Shutdown ─▶ barrier                (SIGUSR2: the step under way checkpoints, then this)
 ```
 
-The controller owns the run loop only: which step kind runs a step, what is recorded after it,
-evaluations and the plot. It talks to cells only through its ``Fleet``, to executions only
+The controller owns the run loop only: which step kind runs a step, what is recorded after it
+(the step event, completed with where each cell's time went and the weight loads, and handed to
+the trackers), evaluations and the plots. It talks to cells only through its ``Fleet``, to executions only
 through ``Serving``, and records what happens only through the event log.
 """
 
@@ -24,13 +26,17 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
+from gyre_hpc.cell_time import CellHours
 from gyre_hpc.data_order import DataOrder
 from gyre_hpc.observability import events as ev
-from gyre_hpc.observability.plot import plot_run
+from gyre_hpc.observability.plot import plot_cells, plot_run
+from gyre_hpc.observability.tracking import Trackers
 from gyre_hpc.recipe.schema import RunConfig, SchedulerConfig, TasksConfig, TrainerConfig, TrajectoryConfig
 from gyre_hpc.rundir import RunDir
+from gyre_hpc.runtime.fleet import Loads
 from gyre_hpc.runtime.serving import Serving
 from gyre_hpc.scheduler.fleet import Fleet
 from gyre_hpc.scheduler.policy import Role, initial_roles
@@ -64,12 +70,14 @@ class Controller:
         trainer: TrainerConfig,
         first_step: int = 1,
         checkpoint_now: threading.Event | None = None,
+        watch: Watch | None = None,
     ) -> None:
         self.fleet, self.make_serving, self.events, self.run_dir = fleet, make_serving, events, run_dir
         self.run_cfg, self.scheduler, self.tasks = run, scheduler, tasks
         self.trajectory, self.trainer = trajectory, trainer
         self.first_step = first_step
         self.checkpoint_now = checkpoint_now or threading.Event()
+        self.watch = watch or Watch()
         self._lock = threading.Lock()
         self.counters = Counter[str]()
 
@@ -95,17 +103,17 @@ class Controller:
                 checkpoint_now=self.checkpoint_now,
             )  # fmt: skip
             kind = step_kind(self.scheduler)(ctx)
+            if self.tasks.eval_every and self.first_step == 1:
+                self.evaluate(0)  # where the held-out curve starts: the policy before any update
             for step in range(self.first_step, self.run_cfg.steps + 1):
                 cpu = cpu_seconds()
                 record = kind.run(step)
                 event = step_event(record, ctx.clock(), f.roles)
-                self.events.emit(replace(event, controller_cpu_s=round(cpu_seconds() - cpu, 3)))
+                event = replace(event, controller_cpu_s=round(cpu_seconds() - cpu, 3), **self.watched())
+                self.watch.trackers.record(self.events.emit(event))
                 if self.tasks.eval_every and step % self.tasks.eval_every == 0:
                     self.evaluate(step)
-                try:
-                    plot_run(self.run_dir.read_events(), self.run_dir.metrics_plot, self.run_dir.path.name)
-                except Exception as err:  # a plot must never stop training
-                    log.warning("plot failed: %s", err)
+                self.plot()
                 if self.checkpoint_now.is_set() and record.applied.checkpoint and step < self.run_cfg.steps:
                     self.events.emit(ev.Preempted(step=step, checkpoint=record.applied.checkpoint))
                     self.run_dir.request_requeue(step)
@@ -113,6 +121,7 @@ class Controller:
                     break
             failed = False
         finally:
+            self.watch.trackers.close()
             try:
                 self.serving.stop()
             except Exception:
@@ -120,6 +129,33 @@ class Controller:
                     raise
                 log.exception("stopping the proxy after the run failed")  # the first error is the one told
         f.shutdown(reason)
+
+    def watched(self) -> dict[str, Any]:
+        """The step's fields the step kind does not know: where each cell's time went since the
+        last step, and the weight loads."""
+        w, f = self.watch, self.fleet
+        loads = (w.loads.bytes - w.loads_seen[0], w.loads.seconds - w.loads_seen[1])
+        w.loads_seen = (w.loads.bytes, w.loads.seconds)
+        out: dict[str, Any] = {"weight_bytes": loads[0], "weight_seconds": round(loads[1], 4)}
+        if w.hours is None:
+            return out
+        occupancy = self.serving.occupancy()
+        busy = {
+            u: sum(occupancy.get(a, 0.0) - w.occupancy.get(a, 0.0) for a in h.addresses)
+            for u, h in f.units.items()
+        }
+        w.occupancy = occupancy
+        split = w.hours.take(w.clock(), busy, {u: h.capacity for u, h in f.units.items()})
+        since, w.since = w.since, time.time()
+        return {**out, "cell_seconds": {str(c): t.as_dict() for c, t in split.items()}, "cell_since": since}
+
+    def plot(self) -> None:
+        try:
+            events = self.run_dir.read_events()
+            plot_run(events, self.run_dir.metrics_plot, self.run_dir.path.name)
+            plot_cells(events, self.run_dir.cells_plot, self.run_dir.path.name)
+        except Exception as err:  # a plot must never stop training
+            log.warning("plot failed: %s", err)
 
     def on_run_event(self, kind: str, run_id: str) -> None:
         """d / p / f from the serving thread: the run's counters."""
@@ -137,16 +173,30 @@ class Controller:
         jobs = [(f"eval{step:04d}-{t.id}", t) for t in tasks]
         outcomes = wait_for(self.fleet, self.serving.dispatch(jobs, self.run_dir.step_workspaces(step)))
         rewards = [o.score.reward or 0.0 for o in outcomes if o.score.counts_in_group]
-        self.events.emit(
-            ev.Eval(
-                step=step,
-                version=self.fleet.version,
-                n=len(outcomes),
-                statuses=dict(Counter(o.execution.status for o in outcomes)),
-                pass_rate=sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
-                mean_score=sum(rewards) / max(len(rewards), 1),
-            )
+        event = ev.Eval(
+            step=step,
+            version=self.fleet.version,
+            n=len(outcomes),
+            statuses=dict(Counter(o.execution.status for o in outcomes)),
+            pass_rate=sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
+            mean_score=sum(rewards) / max(len(rewards), 1),
         )
+        self.watch.trackers.record(self.events.emit(event))
+
+
+@dataclass
+class Watch:
+    """What the controller watches beside the steps: the trackers it feeds, the cells' books
+    (kept by the fleet), the fleet's weight loads, and where the last step's window ended."""
+
+    trackers: Trackers = field(default_factory=lambda: Trackers([]))
+    hours: CellHours | None = None
+    loads: Loads = field(default_factory=Loads)
+    clock: Callable[[], float] = time.monotonic
+    """The clock ``hours`` is marked on."""
+    since: float = field(default_factory=time.time)
+    occupancy: dict[str, float] = field(default_factory=dict)
+    loads_seen: tuple[int, float] = (0, 0.0)
 
 
 def cpu_seconds() -> float:

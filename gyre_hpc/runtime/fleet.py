@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gyre_hpc.cell_time import CellHours
 from gyre_hpc.layout import Layout
 from gyre_hpc.observability import events as ev
 from gyre_hpc.pushed import Pushed
@@ -75,6 +76,14 @@ class Waits:
         return cls(cells.hello_timeout_s + engine.start_timeout_s, cells.heartbeat_timeout_s + restart)
 
 
+@dataclass
+class Loads:
+    """Weight loads into engines so far: bytes sent and seconds (the slowest engine of each)."""
+
+    bytes: int = 0
+    seconds: float = 0.0
+
+
 class MpiFleet:
     """The fleet over MPI: rank 0 talks to each unit's leader with ``runtime.protocol`` messages."""
 
@@ -88,9 +97,13 @@ class MpiFleet:
         waits: Waits,
         version: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        hours: CellHours | None = None,
     ) -> None:
         self.comm, self.layout, self.config, self.waits = comm, layout, cells, waits
         self.transport, self.events, self.version, self.clock = transport, events, version, clock
+        self.hours = hours or CellHours(clock())
+        """Each cell's time by state, marked here as cells switch, load and train."""
+        self.loads = Loads()
         self.channel = Channel(comm)
         self.cells = layout.cells
         self.units: dict[int, Hello] = {}
@@ -125,6 +138,8 @@ class MpiFleet:
         msg = self._next()
         if msg is not None and not isinstance(msg, TrainDone):
             raise ProtocolError(f"controller: unexpected {msg!r}")
+        if msg is not None:
+            self.hours.add_computed(msg.cell, msg.computed)
         return msg
 
     def _await(self, want: Callable[[Message], bool], timeout: float, what: str) -> Message:
@@ -154,6 +169,7 @@ class MpiFleet:
             assert isinstance(msg, Hello)
             self.units[msg.cell] = msg
             self.roles[msg.cell] = Role.IDLE
+            self.hours.mark(msg.cell, "idle", self.clock())
             self.last_seen[msg.cell] = self.clock()
             missing.discard(msg.cell)
             self.events.emit(ev.Hello(**dataclasses.asdict(msg)))  # the message, recorded as it came
@@ -167,6 +183,7 @@ class MpiFleet:
             pending[cell] = self._seq
             self.channel.send(SwitchRole(cell, role, self._seq), self.layout.leader(cell))
             self.events.emit(ev.SwitchRole(cell=cell, role=str(role), seq=self._seq))
+            self.hours.mark(cell, "switching", self.clock())
         seconds = {}
         while pending:
             msg = self._await(
@@ -177,6 +194,7 @@ class MpiFleet:
             assert isinstance(msg, RoleSwitched)
             del pending[msg.cell]
             self.roles[msg.cell] = msg.role
+            self.hours.mark(msg.cell, str(msg.role), self.clock())
             seconds[msg.cell] = msg.seconds
             self.events.emit(
                 ev.RoleSwitched(cell=msg.cell, role=str(msg.role), seq=msg.seq, seconds=round(msg.seconds, 6))
@@ -189,6 +207,7 @@ class MpiFleet:
         version = self.version
         for unit in units:
             self.channel.send(LoadWeights(unit, version), self.layout.leader(unit))
+            self.hours.mark(unit, "switching", self.clock())
         pending, slowest, pushed = set(units), 0.0, Pushed()
         while pending:
             msg = self._await(
@@ -198,9 +217,12 @@ class MpiFleet:
             )
             assert isinstance(msg, WeightsLoaded)
             pending.discard(msg.cell)
+            self.hours.mark(msg.cell, str(self.roles[msg.cell]), self.clock())
             slowest = max(slowest, msg.seconds)
             pushed += msg.pushed
         changed = pushed.changed_fraction
+        self.loads.bytes += pushed.sent
+        self.loads.seconds += slowest
         self.events.emit(
             ev.WeightsLoaded(
                 version=version,
@@ -243,6 +265,7 @@ class MpiFleet:
             "StepApplied",
         )
         assert isinstance(msg, StepApplied)
+        self.hours.add_computed(0, msg.seconds)  # the core sums, steps and publishes
         self.version = msg.version
         return msg
 

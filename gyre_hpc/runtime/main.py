@@ -12,23 +12,26 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
 from gyre_hpc.builtin_models import resolve_model
+from gyre_hpc.cell_time import CellHours
 from gyre_hpc.launch.env import JobEnvironment
 from gyre_hpc.layout import CONTROLLER, Layout
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.qwen3 import Qwen3Config
 from gyre_hpc.observability import events as ev
 from gyre_hpc.observability.events import EventLog
+from gyre_hpc.observability.tracking import TensorBoard, Trackers, WandB, Writer
 from gyre_hpc.recipe.schema import Recipe
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.runtime import resume
 from gyre_hpc.runtime.cell import run_cell
 from gyre_hpc.runtime.cell_host import CellSetup
-from gyre_hpc.runtime.controller import Controller
+from gyre_hpc.runtime.controller import Controller, Watch
 from gyre_hpc.runtime.fleet import MpiFleet, Waits
 from gyre_hpc.runtime.serving import Serving
 from gyre_hpc.runtime.world import World
@@ -204,9 +207,25 @@ def controller(
         )
 
     waits = Waits.of(recipe.cells, recipe.engine)
-    fleet = MpiFleet(world.comm, world.layout, recipe.cells, transport, events, waits, point.version)
+    hours, since = CellHours(time.monotonic()), time.time()  # the cells' first window starts here
+    fleet = MpiFleet(
+        world.comm, world.layout, recipe.cells, transport, events, waits, point.version, hours=hours
+    )
     r = recipe
+    watch = Watch(trackers(r, run_dir), hours, fleet.loads, fleet.clock, since)
     return Controller(
         fleet, make_serving, events, run_dir, r.run, r.scheduler, r.tasks, r.trajectory, r.trainer,
-        first_step=point.step + 1, checkpoint_now=checkpoint_now,
+        first_step=point.step + 1, checkpoint_now=checkpoint_now, watch=watch,
     )  # fmt: skip
+
+
+def trackers(recipe: Recipe, run_dir: RunDir) -> Trackers:
+    """The recipe's experiment trackers (``observability``), writing into the run directory."""
+    o = recipe.observability
+    writers: list[Writer] = []
+    if o.tensorboard:
+        writers.append(TensorBoard(run_dir.tensorboard))
+    if o.wandb_project:
+        config = {"recipe": str(run_dir.recipe_path), "name": recipe.run.name, "seed": recipe.run.seed}
+        writers.append(WandB(o.wandb_project, o.wandb_mode, run_dir.wandb, run_dir.path.name, config))
+    return Trackers(writers)

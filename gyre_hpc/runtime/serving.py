@@ -246,6 +246,17 @@ class Serving:
 
         self.call(apply())
 
+    def occupancy(self) -> dict[str, float]:
+        """Each engine's busy slot-seconds since the proxy started (``Router.occupancy``)."""
+
+        async def get() -> dict[str, float]:
+            if self.workers is not None:
+                return await self.workers.occupancy()
+            assert self.proxy is not None
+            return self.proxy.router.occupancy()
+
+        return self.call(get())
+
     def stop(self) -> None:
         if self._thread.is_alive():
             try:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gyre_hpc.scheduler.policy import Role
+from gyre_hpc.token_stats import TokenStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +40,12 @@ class TrainDone:
     claimed: list[int]
     loss_sum: float
     tokens: int
-    clipped: int
+    stats: TokenStats
+    """Clipping, KL, entropy and log-prob mismatch over the cell's trained tokens (sums)."""
     seconds: float
+    """From joining the step to finishing it, waiting included."""
+    computed: float = 0.0
+    """Of them, the seconds its micro-steps took."""
 
 
 @dataclass(frozen=True, slots=True)

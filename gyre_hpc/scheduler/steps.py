@@ -57,6 +57,7 @@ from gyre_hpc.scheduler.policy import (
 )
 from gyre_hpc.step_batch import StepBatch, StreamingBatch, step_batch
 from gyre_hpc.step_stats import staleness, token_staleness
+from gyre_hpc.token_stats import TokenStats
 from gyre_hpc.trajectory.batch import TrainSequence
 from gyre_hpc.trajectory.tree import TrajectoryTree
 
@@ -193,7 +194,8 @@ def step_event(r: StepRecord, now: float, roles: dict[int, Role]) -> ev.Step:
         staleness_tokens=r.staleness_tokens,
         loss=sum(d.loss_sum for d in done) / max(r.loss_runs, 1),
         grad_norm=round(r.applied.grad_norm, 6),
-        clipped_tokens=sum(d.clipped for d in done),
+        clipped_tokens=sum(d.stats.clipped for d in done),
+        token_stats=sum((d.stats for d in done), TokenStats()).summary(),
         claims={str(c): len(d.claimed) for c, d in sorted(r.done.items())},
         train_seconds=round(max((d.seconds for d in done), default=0.0), 3),
         apply_seconds=round(r.applied.seconds, 3),

@@ -30,6 +30,7 @@ from gyre_hpc.outcome import Execution, Outcome, ScoreResult
 from gyre_hpc.scheduler.fleet import Hello, StepApplied, TrainDone
 from gyre_hpc.scheduler.policy import Role
 from gyre_hpc.sim.config import SimConfig
+from gyre_hpc.token_stats import TokenStats
 from gyre_hpc.trajectory.records import CallMeta, TitoRecord
 from gyre_hpc.trajectory.tree import TrajectoryTree
 
@@ -380,7 +381,7 @@ class SimFleet:
     def _done(self, cell: int, s: _Session) -> None:
         del self.sessions[cell]
         seconds = self.clock.now - s.started
-        self.inbox.append(TrainDone(cell, s.step, s.claimed, 0.0, s.tokens, 0, seconds))
+        self.inbox.append(TrainDone(cell, s.step, s.claimed, 0.0, s.tokens, TokenStats(), seconds))
 
     @property
     def s_per_token(self) -> float:

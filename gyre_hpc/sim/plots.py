@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gyre_hpc.cell_time import CATEGORIES
+from gyre_hpc.cell_time import COLORS as SPLIT
 from gyre_hpc.sim.simulate import SimResult
 
-COLORS = {"sampling": "#4c72b0", "training": "#dd8452", "idle": "#cccccc", "switching": "#c44e52"}
-SPLIT = {**COLORS, "idle slots": "#a6bddb"}  # a sampling cell whose slots stand empty
+COLORS = {what: SPLIT[what] for what in ("sampling", "training", "idle", "switching")}
+"""A cell's states over time (the Gantt charts); the split adds a sampling cell's idle slots."""
 
 
 def plot_all(results: dict[str, SimResult], out: Path, title: str, unit: str = "h") -> list[Path]:
@@ -50,7 +52,7 @@ def plot_all(results: dict[str, SimResult], out: Path, title: str, unit: str = "
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     bottom = [0.0] * len(results)
     splits = [r.time_split() for r in results.values()]
-    for what in ("sampling", "idle slots", "training", "idle", "switching"):
+    for what in CATEGORIES:
         share = [split[what] for split in splits]
         ax.bar(list(results), share, bottom=bottom, color=SPLIT[what], label=what)
         bottom = [b + s for b, s in zip(bottom, share, strict=True)]

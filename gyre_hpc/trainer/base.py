@@ -19,7 +19,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from gyre_hpc.loss.diagnostics import entropy_from_logprobs, token_stats
 from gyre_hpc.loss.policy import weighted_policy_loss
+from gyre_hpc.token_stats import TokenStats
 from gyre_hpc.trajectory.batch import TrainSequence
 from gyre_hpc.trajectory.packing import PackedTree
 
@@ -41,8 +43,13 @@ class MicroStats:
     loss_tokens: int
     loss_sum: float
     """Σ weight·loss of the micro-step (divide by R for its share of the batch loss)."""
-    clipped: int
-    """Loss tokens whose importance ratio was clipped."""
+    token_stats: TokenStats = TokenStats()
+    """Clipping, KL, entropy and log-prob mismatch over its loss tokens (sums)."""
+
+    @property
+    def clipped(self) -> int:
+        """Loss tokens whose importance ratio was clipped."""
+        return self.token_stats.clipped
 
 
 @dataclass(frozen=True)
@@ -88,58 +95,76 @@ class Trainer(Protocol):
 
 def policy_micro_step(
     sequences: list[TrainSequence],
-    logprobs_of: Callable[[torch.Tensor], torch.Tensor],
+    logits_of: Callable[[torch.Tensor], torch.Tensor],
     clip_low: float,
     clip_high: float,
+    version: int | None = None,
     device: torch.device | None = None,
 ) -> MicroStats:
     """Forward/backward every sequence with the weighted policy loss, whatever the model:
-    ``logprobs_of(ids [1, T])`` gives the log-prob of each token after the first [T] (as
-    ``loss.policy.token_logprobs``). Gradients accumulate where autograd puts them; the backend
-    moves them to its flat buffer."""
-    loss_sum, clipped = 0.0, 0
+    ``logits_of(ids [1, T])`` gives the logits of each position [T, V]. Gradients accumulate
+    where autograd puts them; the backend moves them to its flat buffer. ``version`` is the one
+    the model holds: tokens it sampled are the ones the log-prob mismatch is measured on."""
+    loss_sum, stats = 0.0, TokenStats()
     for s in sequences:
         ids = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))[None].to(device)
-        loss, out = sequence_loss(s, logprobs_of(ids), clip_low, clip_high)
+        logp, entropy = logprobs_and_entropy(logits_of(ids), ids[0])
+        loss, out = sequence_loss(s, logp, clip_low, clip_high, version, entropy)
         loss.backward()
         loss_sum += float(loss.detach())
-        clipped += out
-    return micro_stats(sequences, loss_sum, clipped)
+        stats += out
+    return micro_stats(sequences, loss_sum, stats)
+
+
+def logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``loss.policy.token_logprobs`` (with its gradient) and the entropy of the distribution
+    each token was drawn from (without), from one log-softmax: [T] each, position 0 gets 0."""
+    logp = torch.log_softmax(logits[..., :-1, :].float(), dim=-1)
+    picked = logp.gather(-1, tokens[..., 1:].unsqueeze(-1)).squeeze(-1)
+    pad = torch.nn.functional.pad
+    return pad(picked, (1, 0)), pad(entropy_from_logprobs(logp.detach()), (1, 0))
 
 
 def sequence_loss(
-    s: TrainSequence, logp: torch.Tensor, clip_low: float, clip_high: float
-) -> tuple[torch.Tensor, int]:
-    """One sequence's weighted policy loss from its token log-probs [T], and how many of its
-    loss tokens had their importance ratio clipped."""
+    s: TrainSequence,
+    logp: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    version: int | None = None,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, TokenStats]:
+    """One sequence's weighted policy loss from its token log-probs [T], and its token stats
+    (the mismatch on tokens sampled at ``version``; entropy where given)."""
     device = logp.device
     mask = torch.from_numpy(np.asarray(s.loss_mask, dtype=np.float32)).to(device)
     behaviour = torch.from_numpy(np.asarray(s.behaviour_logprobs, dtype=np.float32)).to(device)
     adv = torch.full_like(logp, s.advantage)
     weights = torch.full_like(logp, s.token_weight)
     loss = weighted_policy_loss(logp, behaviour, adv, weights, mask, clip_low, clip_high)
-    with torch.no_grad():
-        ratio = torch.exp(logp - behaviour)
-        out = (ratio < 1 - clip_low) | (ratio > 1 + clip_high)
-        clipped = int((out & (mask > 0)).sum())
-    return loss, clipped
+    matched = None
+    if version is not None and s.versions is not None:
+        matched = torch.from_numpy(np.asarray(s.versions) == version).to(device)
+    return loss, token_stats(logp.detach(), behaviour, mask, clip_low, clip_high, matched, entropy)
 
 
 def packed_loss(
-    tree: PackedTree, logp: torch.Tensor, clip_low: float, clip_high: float
-) -> tuple[torch.Tensor, int]:
+    tree: PackedTree,
+    logp: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    version: int | None = None,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, TokenStats]:
     """A packed tree's weighted policy loss from its entries' log-probs [M] (``entry_rows``),
-    and how many entries had their importance ratio clipped: the sum of ``sequence_loss`` over
-    the paths it packs."""
+    and its entries' token stats: the sum of ``sequence_loss`` over the paths it packs."""
     device = logp.device
     behaviour = torch.from_numpy(tree.behaviour).to(device)
     adv = torch.from_numpy(tree.advantages).to(device)
     weights = torch.from_numpy(tree.weights).to(device)
-    loss = weighted_policy_loss(logp, behaviour, adv, weights, torch.ones_like(logp), clip_low, clip_high)
-    with torch.no_grad():
-        ratio = torch.exp(logp - behaviour)
-        clipped = int(((ratio < 1 - clip_low) | (ratio > 1 + clip_high)).sum())
-    return loss, clipped
+    ones = torch.ones_like(logp)
+    loss = weighted_policy_loss(logp, behaviour, adv, weights, ones, clip_low, clip_high)
+    matched = None if version is None else torch.from_numpy(tree.versions == version).to(device)
+    return loss, token_stats(logp.detach(), behaviour, ones, clip_low, clip_high, matched, entropy)
 
 
 def entry_rows(tree: PackedTree, device: torch.device | None = None) -> tuple[torch.Tensor, ...]:
@@ -159,10 +184,13 @@ def tree_inputs(tree: PackedTree, device: torch.device | None = None) -> tuple[t
 
 
 def micro_stats(
-    sequences: list[TrainSequence], loss_sum: float, clipped: int, tokens: int | None = None
+    sequences: list[TrainSequence],
+    loss_sum: float,
+    stats: TokenStats | None = None,
+    tokens: int | None = None,
 ) -> MicroStats:
-    """A micro-step's counts; the loss and clip count come from wherever it was computed, and
+    """A micro-step's counts; the loss and token stats come from wherever it was computed, and
     ``tokens`` (forwarded) defaults to the paths' lengths."""
     tokens = sum(len(s) for s in sequences) if tokens is None else tokens
     loss_tokens = int(sum(float(np.asarray(s.loss_mask).sum()) for s in sequences))
-    return MicroStats(len(sequences), tokens, loss_tokens, loss_sum, clipped)
+    return MicroStats(len(sequences), tokens, loss_tokens, loss_sum, stats or TokenStats())

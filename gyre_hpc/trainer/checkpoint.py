@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from gyre_hpc.diskspace import DiskFull, ensure_room, free_bytes, is_disk_full, message
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.qwen3 import Qwen3Config
 from gyre_hpc.rundir import checkpoint_dir, checkpoint_dirs, checkpoint_state
@@ -36,8 +37,12 @@ log = logging.getLogger(__name__)
 
 
 def save(root: Path, step: int, trainer: Trainer, model_dir: Path, **state: Any) -> Path:
+    """Write the checkpoint of ``step``; ``DiskFull`` (naming the directory and what is free)
+    before it starts when it would not fit, or when the disk fills while it is written."""
     final, tmp = checkpoint_dir(root, step), checkpoint_dir(root, step, writing=True)
     shutil.rmtree(tmp, ignore_errors=True)
+    root.mkdir(parents=True, exist_ok=True)
+    ensure_room(root, expected_size(root, trainer.numel, model_dir))
     try:
         FlatLayout.of(Qwen3Config.load(model_dir)).save(trainer.weights(), model_dir, tmp)  # any backend
         torch.save(trainer.optimizer_state(), tmp / "optimizer.pt")
@@ -45,8 +50,10 @@ def save(root: Path, step: int, trainer: Trainer, model_dir: Path, **state: Any)
         checkpoint_state(tmp).write_text(
             json.dumps({"step": step, "version": trainer.version, "sha256": digests, **state}) + "\n"
         )
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)  # a checkpoint is complete or absent, never half there
+        if is_disk_full(err):  # torch's zip writer says only "unexpected pos …"
+            raise DiskFull(message(root, free_bytes(root))) from err
         raise
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
@@ -54,6 +61,16 @@ def save(root: Path, step: int, trainer: Trainer, model_dir: Path, **state: Any)
 
 
 CHECKED = ("model.safetensors", "optimizer.pt")
+
+
+def expected_size(root: Path, numel: int, model_dir: Path) -> int:
+    """Bytes the next checkpoint takes: the newest one's size, or before the first, float32
+    weights and AdamW's two moments (12 bytes a parameter) and the model directory's other files."""
+    newest = next(iter(checkpoint_dirs(root)), None)
+    if newest is not None:
+        return sum(f.stat().st_size for f in newest.iterdir() if f.is_file())
+    files = [f for f in model_dir.iterdir() if f.is_file() and f.name != "model.safetensors"]
+    return 12 * numel + sum(f.stat().st_size for f in files)
 
 
 def sha256(path: Path) -> str:

@@ -16,11 +16,13 @@ counter hands it out once. Gradients are pulled and summed by the core (no remot
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from gyre_hpc.token_stats import TokenStats
 from gyre_hpc.trainer.base import ApplyStats, MicroStats, Trainer
 from gyre_hpc.trajectory.batch import TrainSequence
 from gyre_hpc.transport.base import Transport
@@ -43,6 +45,8 @@ class Claims:
     stats: list[MicroStats] = field(default_factory=list)
     stopped: bool = False
     """The step ended before the queue was exhausted: claim nothing more."""
+    computed: float = 0.0
+    """Seconds its micro-steps took (the rest of the session it waited)."""
 
     @classmethod
     def of(cls, queue: Sequence[list[TrainSequence]], closed: bool = True) -> Claims:
@@ -59,6 +63,10 @@ class Claims:
     def tokens(self) -> int:
         return sum(s.tokens for s in self.stats)
 
+    @property
+    def token_stats(self) -> TokenStats:
+        return sum((s.token_stats for s in self.stats), TokenStats())
+
 
 def work_once(claims: Claims, trainer: Trainer, transport: Transport) -> str:
     """Claim an index and train its micro-step: ``trained``, ``waiting`` (its micro-step is not
@@ -71,7 +79,9 @@ def work_once(claims: Claims, trainer: Trainer, transport: Transport) -> str:
         claims.pending = transport.claim()
     i = claims.pending
     if i < len(claims.queue):
+        started = time.monotonic()
         claims.stats.append(trainer.micro_step(claims.queue[i]))
+        claims.computed += time.monotonic() - started
         claims.claimed.append(i)
         claims.pending = None
         return "trained"

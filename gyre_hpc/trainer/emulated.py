@@ -21,4 +21,4 @@ class EmulatedTrainer(TorchTrainer):
     def micro_step(self, sequences: list[TrainSequence]) -> MicroStats:
         tokens = forwarded_tokens(sequences) if self.packing == "tree" else sum(len(s) for s in sequences)
         time.sleep(tokens * self.config.emulated_s_per_token)
-        return micro_stats(sequences, 0.0, 0, tokens)
+        return micro_stats(sequences, 0.0, tokens=tokens)

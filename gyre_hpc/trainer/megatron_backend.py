@@ -33,6 +33,7 @@ the two take the summed gradient of both uses, so they stay equal.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -45,9 +46,11 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from gyre_hpc.loss.diagnostics import entropy_from_logprobs
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.qwen3 import Qwen3Config
 from gyre_hpc.recipe.schema import TrainerConfig
+from gyre_hpc.token_stats import TokenStats
 from gyre_hpc.trainer.base import (
     ApplyStats,
     MicroStats,
@@ -203,7 +206,7 @@ class _Unit:
     positions: torch.Tensor
     hidden: Any
     """[1, 1, T, T], True = hidden; or a FlexAttention block mask (True = attend)."""
-    loss: Callable[[torch.Tensor], tuple[torch.Tensor, int]]
+    loss: Callable[[torch.Tensor], tuple[torch.Tensor, TokenStats]]
 
     @property
     def length(self) -> int:
@@ -457,10 +460,11 @@ class MegatronTrainer:
         positions = torch.arange(n, device=self.device)[None]
         c = self.config
 
-        def loss(logits: torch.Tensor) -> tuple[torch.Tensor, int]:
+        def loss(logits: torch.Tensor) -> tuple[torch.Tensor, TokenStats]:
             rows = torch.arange(n - 1, device=self.device)
-            logp = F.pad(self._logprobs(logits, rows, ids[0, 1:]), (1, 0))
-            return sequence_loss(s, logp, c.clip_low, c.clip_high)
+            logp, entropy = self._logprobs(logits, rows, ids[0, 1:])
+            entropy = None if entropy is None else F.pad(entropy, (1, 0))
+            return sequence_loss(s, F.pad(logp, (1, 0)), c.clip_low, c.clip_high, self.version, entropy)
 
         return _Unit(ids, positions, hidden, loss)
 
@@ -477,10 +481,12 @@ class MegatronTrainer:
             hidden = ~dense_mask(ends, self.device)[None, None]
         c = self.config
 
-        def loss(logits: torch.Tensor) -> tuple[torch.Tensor, int]:
+        def loss(logits: torch.Tensor) -> tuple[torch.Tensor, TokenStats]:
             rows, tokens, has_parent = entry_rows(tree, self.device)
-            logp = torch.where(has_parent, self._logprobs(logits, rows, tokens), 0.0)
-            return packed_loss(tree, logp, c.clip_low, c.clip_high)
+            logp, entropy = self._logprobs(logits, rows, tokens)
+            logp = torch.where(has_parent, logp, 0.0)
+            entropy = None if entropy is None else torch.where(has_parent, entropy, 0.0)
+            return packed_loss(tree, logp, c.clip_low, c.clip_high, self.version, entropy)
 
         return _Unit(ids, positions, hidden, loss)
 
@@ -501,15 +507,15 @@ class MegatronTrainer:
         self.model.tree_mask.mask = unit.hidden if blocks else None
         return blocks
 
-    def _forward_backward(self, units: list[_Unit]) -> tuple[float, int, int]:
-        loss_sum, clipped = 0.0, 0
+    def _forward_backward(self, units: list[_Unit]) -> tuple[float, TokenStats, int]:
+        loss_sum, stats = 0.0, TokenStats()
         for u in units:
             loss, out = u.loss(self._forward(u))
             loss.backward()  # recomputed layers, if any, still see u's mask
-            loss_sum, clipped = loss_sum + float(loss.detach()), clipped + out
-        return loss_sum, clipped, sum(u.length for u in units)
+            loss_sum, stats = loss_sum + float(loss.detach()), stats + out
+        return loss_sum, stats, sum(u.length for u in units)
 
-    def _pipeline(self, units: list[_Unit]) -> tuple[float, int, int]:
+    def _pipeline(self, units: list[_Unit]) -> tuple[float, TokenStats, int]:
         """The GPipe schedule of the module doc: every forward, then every backward, in order."""
         dist = torch.distributed
         first, last = self.stage == 0, self.stage == self.layout.pp - 1
@@ -528,13 +534,13 @@ class MegatronTrainer:
             else:
                 dist.send(out.detach().contiguous(), self.next_rank)
             kept.append((x, out))
-        loss_sum, clipped = 0.0, 0
+        loss_sum, stats = 0.0, TokenStats()
         for u, (x, out) in zip(units, kept, strict=True):
             self._attend(u)
             if last:
-                loss, n_clipped = out
+                loss, unit_stats = out
                 loss.backward()
-                loss_sum, clipped = loss_sum + float(loss.detach()), clipped + n_clipped
+                loss_sum, stats = loss_sum + float(loss.detach()), stats + unit_stats
             else:
                 grad = torch.empty_like(out)
                 dist.recv(grad, self.next_rank)
@@ -542,34 +548,41 @@ class MegatronTrainer:
             if not first:
                 dist.send(x.grad.contiguous(), self.prev_rank)
         # The loss is known on the last stage; every rank reports it.
-        totals = torch.tensor([loss_sum, float(clipped)], dtype=torch.float64, device=self.device)
+        totals = torch.tensor([loss_sum, *stats.as_list()], dtype=torch.float64, device=self.device)
         dist.broadcast(totals, dist.get_global_rank(self.pp_group, self.layout.pp - 1), group=self.pp_group)
-        return float(totals[0]), int(totals[1]), sum(u.length for u in units)
+        return float(totals[0]), TokenStats.from_list(totals[1:].tolist()), sum(u.length for u in units)
 
-    def _logprobs(self, logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def _logprobs(
+        self, logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The log-prob of ``tokens`` [M] under the logits of ``rows`` [M], from this rank's
         vocabulary shard: the softmax is reduced over the tensor-parallel group, so no rank holds
-        the whole vocabulary. Padding columns are excluded, as the engines' logits have none."""
+        the whole vocabulary. Padding columns are excluded, as the engines' logits have none.
+        With the whole vocabulary here (tp 1) also each row's entropy; None across shards."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         vocab = self.model_config.vocab_size
         if self.layout.tp == 1:
             logp = torch.log_softmax(logits[0, rows, :vocab].float(), -1)
-            return logp.gather(-1, tokens[:, None])[:, 0]
+            return logp.gather(-1, tokens[:, None])[:, 0], entropy_from_logprobs(logp.detach())
         shard = logits[0, rows].float()
         first = self.tp_rank * shard.shape[-1]
         padding = torch.arange(first, first + shard.shape[-1], device=shard.device) >= vocab
         shard = shard.masked_fill(padding, float("-inf"))
-        return -vocab_parallel_cross_entropy(shard[:, None], tokens[:, None])[:, 0]
+        return -vocab_parallel_cross_entropy(shard[:, None], tokens[:, None])[:, 0], None
 
     def _sum_over_replicas(self, sequences: list[TrainSequence], mine: MicroStats) -> MicroStats:
         """The micro-step's loss and counts summed over the data-parallel replicas of the cell
         (their gradients are summed once a step, in ``gradient``)."""
         dist = torch.distributed
-        totals = [mine.loss_sum, float(mine.clipped), float(mine.tokens)]
+        totals = [mine.loss_sum, float(mine.tokens), *mine.token_stats.as_list()]
         totals = torch.tensor(totals, dtype=torch.float64, device=self.device)
         dist.all_reduce(totals, group=self.dp_group)
-        return micro_stats(sequences, float(totals[0]), int(totals[1]), int(totals[2]))
+        largest = torch.tensor([mine.token_stats.mismatch_max], dtype=torch.float64, device=self.device)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.dp_group)
+        stats = TokenStats.from_list(totals[2:].tolist())
+        stats = dataclasses.replace(stats, mismatch_max=float(largest[0]))
+        return micro_stats(sequences, float(totals[0]), stats, int(totals[1]))
 
     def _sum_tied_embedding_grads(self) -> None:
         """A tied embedding's two copies (first stage: embedding, last: output layer) take the sum

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gyre_hpc.loss.policy import token_logprobs
+from gyre_hpc.loss.diagnostics import entropy_from_logprobs
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.qwen3 import KV, Qwen3ForCausalLM
 from gyre_hpc.recipe.schema import TrainerConfig
@@ -94,20 +94,22 @@ class TorchTrainer:
         c = self.config
         if self.packing == "tree":
             return self._tree_micro_step(sequences)
-        logprobs = lambda ids: token_logprobs(self.model(ids)[0][0], ids[0])  # noqa: E731
-        return policy_micro_step(sequences, logprobs, c.clip_low, c.clip_high, self.device)
+        logits = lambda ids: self.model(ids)[0][0]  # noqa: E731
+        return policy_micro_step(sequences, logits, c.clip_low, c.clip_high, self.version, self.device)
 
     def _tree_micro_step(self, sequences: list[TrainSequence]) -> MicroStats:
         c = self.config
         tree = pack_tree(sequences)
         if not len(tree):
-            return micro_stats(sequences, 0.0, 0, 0)
+            return micro_stats(sequences, 0.0, tokens=0)
         logits = self._tree_logits(tree)
         rows, targets, has_parent = entry_rows(tree, self.device)
-        logp = torch.log_softmax(logits[rows].float(), -1).gather(-1, targets[:, None])[:, 0]
-        loss, clipped = packed_loss(tree, torch.where(has_parent, logp, 0.0), c.clip_low, c.clip_high)
+        all_logp = torch.log_softmax(logits[rows].float(), -1)
+        logp = torch.where(has_parent, all_logp.gather(-1, targets[:, None])[:, 0], 0.0)
+        entropy = torch.where(has_parent, entropy_from_logprobs(all_logp.detach()), 0.0)
+        loss, stats = packed_loss(tree, logp, c.clip_low, c.clip_high, self.version, entropy)
         loss.backward()
-        return micro_stats(sequences, float(loss.detach()), clipped, len(tree))
+        return micro_stats(sequences, float(loss.detach()), stats, len(tree))
 
     def _tree_logits(self, tree: PackedTree) -> torch.Tensor:
         """Logits of every packed token [N, V]: the chains in order, each forwarded over the keys

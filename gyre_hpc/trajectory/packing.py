@@ -26,7 +26,7 @@ Pure NumPy: the trainers turn the mask into whatever their attention computes wi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -55,6 +55,8 @@ class PackedTree:
     paths: int
     path_tokens: int
     """Tokens the paths would forward one by one."""
+    versions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    """[M] int64: the version that sampled each entry's token (-1: not known)."""
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -161,7 +163,7 @@ def pack_tree(sequences: Sequence[TrainSequence]) -> PackedTree:
     for a in arrays:
         trie.add(a)
     tokens, positions, parents, ends = trie.layout()
-    targets, behaviour, advantages, weights = [], [], [], []
+    targets, behaviour, advantages, weights, versions = [], [], [], [], []
     for s, a in zip(sequences, arrays, strict=True):
         index = np.concatenate([seg.start + np.arange(len(seg.tokens)) for seg in trie.chain(a)] or [[]])
         loss = np.flatnonzero(np.asarray(s.loss_mask) > 0)
@@ -169,6 +171,7 @@ def pack_tree(sequences: Sequence[TrainSequence]) -> PackedTree:
         behaviour.append(np.asarray(s.behaviour_logprobs, dtype=np.float32)[loss])
         advantages.append(np.full(len(loss), s.advantage, dtype=np.float32))
         weights.append(np.full(len(loss), s.token_weight, dtype=np.float32))
+        versions.append(np.full(len(loss), -1) if s.versions is None else np.asarray(s.versions)[loss])
     cat = lambda parts, dtype: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)  # noqa: E731
     return PackedTree(
         tokens,
@@ -181,6 +184,7 @@ def pack_tree(sequences: Sequence[TrainSequence]) -> PackedTree:
         cat(weights, np.float32),
         len(sequences),
         sum(len(s) for s in sequences),
+        cat(versions, np.int64),
     )
 
 

@@ -13,6 +13,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from gyre_hpc.cell_time import CATEGORIES, cell_totals
 from gyre_hpc.launch.slurm import JobState
 from gyre_hpc.observability import events as ev
 
@@ -175,7 +176,9 @@ def render(view: RunView, job: JobState | None, run_path: str) -> RenderableType
     )
     if view.last_load is not None:
         parts.append(Text(_load_line(view.last_load)))
-    parts += [_cells_table(view), _engines_table(view), _steps_table(view)]
+    parts += [_cells_table(view), _engines_table(view), _steps_table(view), _diagnostics_table(view)]
+    if any(e.cell_seconds for e in view.steps):
+        parts.append(_cell_time_table(view))
     if view.switches:
         parts.append(_switches_table(view.switches[-6:]))
     parts.append(_events_table(view.recent))
@@ -219,6 +222,58 @@ def _steps_table(view: RunView) -> Table:
             f"{e.cached_tokens / e.input_tokens:.0%}" if e.input_tokens else "",
         )
     return table
+
+
+def _diagnostics_table(view: RunView) -> Table:
+    """The rollout and the update, step by step: what RL engineers check first."""
+    table = Table(title="diagnostics", title_justify="left", expand=False)
+    columns = ("step", "calls/exec p50·max", "tokens/exec", "cut", "no-signal groups", "tool errors", "clip",
+               "KL", "entropy", "mismatch mean·max", "sampled tok/s", "trained tok/s", "weights")  # fmt: skip
+    for col in columns:
+        table.add_column(col, justify="right")
+    for e in view.steps[-8:]:
+        calls, tokens, ts = e.calls_per_execution, e.tokens_per_execution, e.token_stats
+        mismatch = ""
+        if ts.get("mismatch_mean") is not None:
+            mismatch = f"{ts['mismatch_mean']:.2g}·{ts['mismatch_max']:.2g}"
+        table.add_row(
+            str(e.step),
+            f"{calls['p50']:g}·{calls['max']:g}" if calls else "",
+            f"{tokens['mean']:.0f}" if tokens else "",
+            _share(e.cut_share),
+            f"{e.no_signal_groups}/{e.group_count}" if e.group_count else "",
+            str(e.tool_errors),
+            _share(ts.get("clip_fraction")),
+            _num(ts.get("approx_kl")),
+            _num(ts.get("entropy")),
+            mismatch,
+            f"{e.sampled_tokens / e.seconds:.0f}" if e.seconds else "",
+            f"{e.forwarded_tokens / e.train_seconds:.0f}" if e.train_seconds else "",
+            f"{e.weight_bytes / 1e6:.1f} MB {e.weight_seconds:.2f} s" if e.weight_bytes else "",
+        )
+    return table
+
+
+def _cell_time_table(view: RunView) -> Table:
+    """Where each cell's time went over the run (``cell_time``): shares and hours."""
+    table = Table(title="where the cell time went", title_justify="left", expand=False)
+    for col in ("cell", *CATEGORIES, "seconds"):
+        table.add_column(col, justify="right")
+    cells = sorted({c for e in view.steps for c in e.cell_seconds}, key=int)
+    per_cell = {c: cell_totals([e.cell_seconds.get(c, {}) for e in view.steps]) for c in cells}
+    for name, split in (*per_cell.items(), ("all", cell_totals(per_cell.values()))):
+        total = sum(split.values())
+        shares = [f"{split[what] / total:.0%}" if total else "" for what in CATEGORIES]
+        table.add_row(name, *shares, f"{total:.1f}")
+    return table
+
+
+def _share(value: float | None) -> str:
+    return "" if value is None else f"{value:.0%}"
+
+
+def _num(value: float | None) -> str:
+    return "" if value is None else f"{value:.3g}"
 
 
 def staleness_shares(histogram: dict[str, int]) -> str:

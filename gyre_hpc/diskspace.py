@@ -1,0 +1,58 @@
+"""A full disk, named: checked before a large write whose size is known, and recognised after a
+write that failed for want of space (torch's zip writer says only ``unexpected pos …``).
+
+It knows nothing of checkpoints: callers give the path and the bytes they are about to write.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+from gyre_hpc.errors import GyreError
+
+MIB = 1 << 20
+MARGIN = 1.05
+"""Room asked beyond the estimate: file-system blocks and metadata."""
+
+
+class DiskFull(GyreError):
+    """There is no room for a write; the message names the directory and what is free."""
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes an unprivileged writer may still use on ``path``'s file system (its nearest
+    existing ancestor's)."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def message(where: Path, free: int, needed: int | None = None) -> str:
+    need = f"; the write needs {needed / MIB:.0f} MiB" if needed else ""
+    return f"no space left on device under {where} ({free / MIB:.0f} MiB free{need})"
+
+
+def ensure_room(where: Path, needed: int) -> None:
+    """Raise ``DiskFull`` unless ``needed`` bytes (and a margin) fit under ``where``."""
+    free = free_bytes(where)
+    if free < needed * MARGIN:
+        raise DiskFull(message(where, free, needed))
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether ``err`` (or what caused it) is a write that ran out of space."""
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, DiskFull) or (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)):
+            return True
+        text = str(e)
+        if "No space left on device" in text or "unexpected pos" in text:  # torch's zip writer
+            return True
+        e = e.__cause__ or e.__context__
+    return False

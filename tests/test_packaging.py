@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-OPTIONAL = {"sglang", "megatron", "pyverbs"}  # extras, imported only where they are used
+OPTIONAL = {"sglang", "megatron", "pyverbs", "wandb"}  # extras, imported only where they are used
 
 
 def imported_top_level_modules() -> set[str]:

@@ -57,7 +57,8 @@ def test_colocate_steps_train_on_every_cell_and_checkpoint(tmp_path: Path, polic
         assert e.roles == {"0": "sampling", "1": "sampling"} and e.staleness == {"0": e.calls}
     events = read_events(rd.events)
     evals = [e for e in events if e.kind == "eval"]
-    assert [e.step for e in evals] == [1, 2] and all(e.statuses == {"finished": 3} for e in evals)
+    # The held-out curve starts before any update (step 0), then after each step.
+    assert [e.step for e in evals] == [0, 1, 2] and all(e.statuses == {"finished": 3} for e in evals)
     loaded = [e.version for e in events if e.kind == "weights_loaded"]
     assert loaded == [0, *(e.version for e in done)]  # every engine serves the newest version
     # A checkpoint is a plain model directory the engines load, holding the trained weights.

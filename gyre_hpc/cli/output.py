@@ -1,11 +1,11 @@
 """How the CLI prints: consoles that keep every column when piped, and result tables as a table,
 JSON or CSV.
 
-Rich sizes a console off a terminal at 80 columns and cuts what does not fit (``1.0…`` where a
-ratio was); a console here is as wide as its widest line instead, unless ``COLUMNS`` says
-otherwise. A result table goes to stdout as drawn, or with ``--json`` (one object per table:
-its title and its rows by column) or ``--csv`` (a ``# title`` line, a header, the rows); the
-lines around it then go to stderr, so stdout holds the result only.
+Rich sizes a console off a terminal at 80 columns (or ``COLUMNS``) and cuts what does not fit
+(``1.0…`` where a ratio was); off a terminal a console here is never narrower than its widest
+line. A result table goes to stdout as drawn, or with ``--json`` (one object per table: its
+title and its rows by column) or ``--csv`` (a ``# title`` line, a header, the rows); the lines
+around it then go to stderr, so stdout holds the result only.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ def console(stderr: bool = False, **kw: object) -> Console:
     """A console on stdout (or stderr) that prints tables whole when it is not a terminal."""
     stream = sys.stderr if stderr else sys.stdout
     width = None
-    if not stream.isatty() and not os.environ.get("COLUMNS"):
-        width = OFF_TERMINAL_WIDTH
+    if not stream.isatty():  # a COLUMNS of 80 inherited from some terminal library must not cut it
+        columns = os.environ.get("COLUMNS", "")
+        width = max(int(columns) if columns.isdigit() else 0, OFF_TERMINAL_WIDTH)
     return Console(stderr=stderr, width=width, **kw)  # type: ignore[arg-type]
 
 

@@ -104,7 +104,7 @@ def plot_cells(events: list[ev.Event], out: Path, title: str) -> Path | None:
         left_edge = [a + b for a, b in zip(left_edge, share, strict=True)]
     left.invert_yaxis()
     left.set(xlabel="share of the cell's time", xlim=(0, 1), title=f"{title}: where the cell-hours went")
-    left.legend(fontsize=7, loc="lower right")
+    left.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=len(CATEGORIES))
     x = [e.step for e in steps]
     bottom = [0.0] * len(steps)
     for what in CATEGORIES:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from gyre_hpc.observability import events as ev
 from gyre_hpc.recipe.schema import CellsConfig
-from gyre_hpc.replay import measured_costs, slotted_dispatches
+from gyre_hpc.replay import measured_costs, uncontended_dispatches
 from gyre_hpc.scheduler.policy import Role
 from gyre_hpc.scheduler.steps import StepRecord
 from gyre_hpc.sim.bound import run_bound, step_bound, work_bound
@@ -289,29 +289,39 @@ def test_in_flight_closes_steps_before_their_longest_execution() -> None:
 
 
 def test_a_replay_charges_no_execution_the_wait_for_a_slot_as_overhead() -> None:
-    """Async with one of two cells sampling, 2 slots: of four executions dispatched at once, two
-    wait for a slot. Their wait is the queue the simulator models; the overhead comes only from
-    the two that were served at once (0.1 s each beyond their tokens)."""
+    """Async with one of two cells sampling, 2 slots: of four executions dispatched at once, the
+    engine served the last two first (calls reach it in whatever order their agents make them)
+    and the first two waited 1.1 s. None of the four is known to have had a slot at once, so the
+    least overhead any showed (0.1 s) stands in; an execution dispatched once the queue had
+    drained is measured as it is (0.2 s), and the queued ones no longer count."""
     cells = CellsConfig(count=2, capacity=2)
     runs = [f"s0001-emulated-1-0-g{i}" for i in range(4)]
-    events: list[ev.Event] = [
+    late = "s0001-emulated-1-1-g0"
+    served = [runs[2], runs[3], runs[0], runs[1]]
+    step = ev.Step(
+        step=1,
+        version=1,
+        seconds=2.0,
+        sample_seconds=1.5,
+        roles={"0": "training", "1": "sampling"},
+        groups=[
+            {"task": "emulated-1-0", "run_tokens": [10] * 4, "sequence_tokens": [10] * 4},
+            {"task": "emulated-1-1", "run_tokens": [10], "sequence_tokens": [10]},
+        ],
+        apply_seconds=0.5,
+        t=9.0,
+    )
+    burst: list[ev.Event] = [
         ev.SwitchRole(cell=0, role="training", seq=1, t=0.0),
         ev.RoleSwitched(cell=0, role="training", seq=1, seconds=0.1, t=0.1),
         *(ev.Dispatched(run=r, d=i + 1, p=0, f=0, t=1.0) for i, r in enumerate(runs)),
-        # 10 tokens at 0.1 s each: 1.0 s served, then 0.1 s of overhead; the last two waited 1.1 s
-        *(ev.Finished(run=r, d=4, p=4, f=i + 1, t=2.1 + 1.1 * (i // 2)) for i, r in enumerate(runs)),
-        ev.Step(
-            step=1,
-            version=1,
-            seconds=2.0,
-            sample_seconds=1.5,
-            roles={"0": "training", "1": "sampling"},
-            groups=[{"task": "emulated-1-0", "run_tokens": [10] * 4, "sequence_tokens": [10] * 4}],
-            apply_seconds=0.5,
-            t=3.0,
-        ),
+        # 10 tokens at 0.1 s each: 1.0 s served, then 0.1 s of overhead
+        *(ev.Finished(run=r, d=4, p=4, f=i + 1, t=2.1 + 1.1 * (i // 2)) for i, r in enumerate(served)),
     ]
-    assert set(slotted_dispatches(events, cells)) == set(runs[:2])
-    assert measured_costs(events, cells, 0.1)["exec_overhead_s"] == pytest.approx(0.1)
-    # Both cells sampling: all four had a slot.
-    assert set(slotted_dispatches(events[2:], cells)) == set(runs)
+    assert uncontended_dispatches([*burst, step], cells) == {}
+    assert measured_costs([*burst, step], cells, 0.1)["exec_overhead_s"] == pytest.approx(0.1)
+    alone = [ev.Dispatched(run=late, d=5, p=4, f=4, t=4.0), ev.Finished(run=late, d=5, p=5, f=5, t=5.2)]
+    assert set(uncontended_dispatches([*burst, *alone, step], cells)) == {late}
+    assert measured_costs([*burst, *alone, step], cells, 0.1)["exec_overhead_s"] == pytest.approx(0.2)
+    # Both cells sampling: four slots, none of the four waited.
+    assert set(uncontended_dispatches(burst[2:], cells)) == set(runs)

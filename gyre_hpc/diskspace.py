@@ -56,3 +56,15 @@ def is_disk_full(err: BaseException) -> bool:
             return True
         e = e.__cause__ or e.__context__
     return False
+
+
+def describe(err: BaseException, where: Path) -> str:
+    """``err`` on one line, as a rank reports why it failed; a write that ran out of space (any
+    writer's: the event log, a log, a checkpoint) names the disk and what is left on it."""
+    plain = f"{type(err).__name__}: {err}"
+    if isinstance(err, DiskFull) or not is_disk_full(err):
+        return plain
+    try:
+        return f"DiskFull: {message(where, free_bytes(where))} ({plain})"
+    except OSError:  # on the way down: the reason as it came is better than none
+        return plain

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import gyre
 
-from gyre_hpc.diskspace import DiskFull, ensure_room, free_bytes, is_disk_full
+from gyre_hpc.diskspace import DiskFull, describe, ensure_room, free_bytes, is_disk_full, message
 from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.recipe.schema import TrainerConfig
 from gyre_hpc.trainer import checkpoint
@@ -44,6 +44,17 @@ def test_what_counts_as_a_full_disk() -> None:
     assert is_disk_full(wrapped)
     assert not is_disk_full(OSError(errno.EACCES, "Permission denied"))
     assert not is_disk_full(ValueError("unexpected token"))
+
+
+def test_a_rank_that_ran_out_of_space_names_the_disk_whoever_wrote(tmp_path: Path) -> None:
+    """The event log or a rank's log hits the full disk before any checkpoint check can: the
+    rank's reason names the disk all the same, and any other error reads as it came."""
+    said = describe(OSError(errno.ENOSPC, "No space left on device"), tmp_path)
+    assert said.startswith(f"DiskFull: no space left on device under {tmp_path} (") and "MiB free" in said
+    assert said.endswith("(OSError: [Errno 28] No space left on device)")
+    assert describe(ValueError("bad token"), tmp_path) == "ValueError: bad token"
+    full = DiskFull(message(tmp_path, 0, 10 << 20))
+    assert describe(full, tmp_path) == f"DiskFull: {full}"  # already named: not twice
 
 
 @pytest.mark.root

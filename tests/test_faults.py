@@ -92,8 +92,10 @@ def test_a_full_disk_ends_the_run_within_a_bound_and_says_why(small_disk: Path) 
         proc.kill()
     # The failing rank aborts the world at once: well before cells.heartbeat_timeout_s (60 s).
     assert proc.returncode == 1 and time.monotonic() - started < 45
-    # Whichever rank writes first fails first (the controller's event log or the core's checkpoint).
-    assert "run failed: rank " in err and "No space left on device" in err, err[-2000:]
+    # Whichever rank writes first fails first (the controller's event log, a rank's log or a
+    # checkpoint); each names the disk.
+    assert "run failed: rank " in err and "no space left on device under " in err, err[-2000:]
+    assert str(small_disk) in err.split("no space left on device under ")[1], err[-2000:]
     assert not list(run.checkpoints.glob(".tmp-*"))  # a checkpoint is whole or absent
     assert processes_of(run) == []
 

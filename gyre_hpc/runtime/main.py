@@ -19,6 +19,7 @@ from types import FrameType
 
 from gyre_hpc.builtin_models import resolve_model
 from gyre_hpc.cell_time import CellHours
+from gyre_hpc.diskspace import describe
 from gyre_hpc.launch.env import JobEnvironment
 from gyre_hpc.layout import CONTROLLER, Layout
 from gyre_hpc.models.flat import FlatLayout
@@ -113,11 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         # Nothing here may stop the abort: the disk that failed the rank may fail these writes too.
         best_effort(log.exception, "rank %d failed", rank)
         cell = world.unit if world is not None else None
-        error = f"{type(err).__name__}: {err}"
+        error = describe(err, run_dir.path)
         best_effort(
             events.emit, ev.RankFailed(rank=rank, task=env.rank, cell=cell, host=env.node_name, error=error)
         )
-        best_effort(print, f"gyre-hpc: rank {rank} failed: {err}", file=sys.stderr, flush=True)
+        best_effort(print, f"gyre-hpc: rank {rank} failed: {error}", file=sys.stderr, flush=True)
         best_effort(run_dir.write_exit, rank, 1)
         comm.Abort(1)
     run_dir.write_exit(rank, 0)

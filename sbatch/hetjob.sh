@@ -2,7 +2,7 @@
 # gyre-hpc heterogeneous job, rendered by `gyre-hpc submit` (gyre_hpc/launch/sbatch.py).
 # One MPI world across all components: rank 0 is the controller, then the cells.
 @{header}
-# The engine replicas of each cell (each started by the cell rank named; gyre_hpc/placement.py):
+# The engine replicas of each cell (each started by the cell rank named; gyre_hpc/plan/placement.py):
 @{engines}
 set -u
 @{setup}
@@ -80,7 +80,7 @@ while :; do
   run_world
   if [ "$rc" = 0 ] || [ -n "$interrupted" ] || [ "$restarts" -ge "$MAX_RESTARTS" ]; then break; fi
   restarts=$((restarts + 1))
-  "$PYTHON" -m gyre_hpc.launch.outcome "$RUN_DIR" "$rc" restarting "$RUN_DIR/@{slurm_out}"
+  "$PYTHON" -m gyre_hpc.launch.ending "$RUN_DIR" "$rc" restarting "$RUN_DIR/@{slurm_out}"
 done
 # The executor nodes end their executions (and their processes) on SIGTERM; KILL after a grace.
 if [ -n "$executors_pid" ]; then
@@ -88,7 +88,7 @@ if [ -n "$executors_pid" ]; then
   for _ in $(seq @{srun_grace_s}); do kill -0 "$executors_pid" 2>/dev/null || break; sleep 1; done
   kill -KILL "$executors_pid" 2>/dev/null; wait "$executors_pid" 2>/dev/null
 fi
-"$PYTHON" -m gyre_hpc.launch.outcome "$RUN_DIR" "$rc" "${interrupted:-ended}" "$RUN_DIR/@{slurm_out}"
+"$PYTHON" -m gyre_hpc.launch.ending "$RUN_DIR" "$rc" "${interrupted:-ended}" "$RUN_DIR/@{slurm_out}"
 if [ -e "$RUN_DIR/@{requeue}" ] && [ -z "$interrupted" ]; then
   rm -f "$RUN_DIR/@{requeue}"
   scontrol requeue "$SLURM_JOB_ID" && echo "gyre-hpc: job $SLURM_JOB_ID requeued; it resumes by itself"

@@ -23,12 +23,12 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from gyre_hpc.outcome import Execution, Outcome, ScoreResult
+from gyre_hpc.execution.outcome import Execution, Outcome, ScoreResult
+from gyre_hpc.loss.token_stats import TokenStats
 from gyre_hpc.runtime.protocol import Hello, StepApplied, TrainDone
 from gyre_hpc.scheduler.policy import Role
 from gyre_hpc.sim.fleet import Clock
 from gyre_hpc.tasks.task import Task
-from gyre_hpc.token_stats import TokenStats
 from gyre_hpc.trainer.base import MicroStats, micro_stats
 from gyre_hpc.trainer.data_parallel import Claims, work_once
 from gyre_hpc.trajectory.records import CallMeta, TitoRecord
@@ -133,7 +133,15 @@ class FakeFleet:
         self.clock = clock
         self.cells = len(capacities)
         self.units = {
-            u: Hello(u, u + 1, "fake", 0, (f"fake://{u}",), cap, standalone=u >= self.cells)
+            u: Hello(
+                cell=u,
+                rank=u + 1,
+                host="fake",
+                pid=0,
+                addresses=(f"fake://{u}",),
+                capacity=cap,
+                standalone=u >= self.cells,
+            )
             for u, cap in enumerate([*capacities, *pool])
         }
         self.roles = dict.fromkeys(self.units, Role.IDLE)

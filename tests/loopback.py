@@ -10,7 +10,7 @@ import torch
 from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 from gyre_hpc.models.tiny import init_tiny, save_weights
 from gyre_hpc.models.tokenizer import ChatTokenizer
-from gyre_hpc.proxy.local import LocalServing
+from gyre_hpc.proxy.loopback import LocalServing
 from gyre_hpc.recipe.schema import ProxyConfig
 
 

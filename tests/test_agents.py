@@ -199,7 +199,7 @@ def test_built_in_suites_are_deterministic_and_split() -> None:
 def test_warm_start_is_deterministic_for_a_seed(tmp_path: Path) -> None:
     import hashlib
 
-    from gyre_hpc.warmstart import warmstart
+    from gyre_hpc.builtin_models.warmstart import warmstart
 
     shown: list[tuple[int, int]] = []
     digests = [

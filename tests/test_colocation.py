@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gyre_hpc.engines.client import EngineError
-from gyre_hpc.engines.colocation import CONTINUE, LOAD, PAUSE, RELEASE, RESUME, Refused, State, step
+from gyre_hpc.engines.colocation import CONTINUE, LOAD, PAUSE, RELEASE, RESUME, State, VerbNotAllowed, step
 from gyre_hpc.engines.hosted import SGLangHost
 from gyre_hpc.engines.sglang import SGLangServer
 from gyre_hpc.models.flat import FlatLayout
@@ -48,7 +48,7 @@ def test_the_colocation_table(state: State, verb: str, saver: bool, after: State
 
 
 def test_a_load_into_released_memory_and_an_unknown_verb_are_refused() -> None:
-    with pytest.raises(Refused, match="released memory"):
+    with pytest.raises(VerbNotAllowed, match="released memory"):
         step(R, "load", True)
     with pytest.raises(ValueError, match="valid: train, sample, load, restarted"):
         step(S, "evict", True)
@@ -84,7 +84,7 @@ def test_a_cell_that_trains_releases_its_server_s_memory_and_takes_it_back(host)
         "update_weights_from_disk 200", "pause_generation 200", "release_memory_occupation 200"
     ]  # fmt: skip
     h.pause()  # again: nothing to do
-    with pytest.raises(Refused):
+    with pytest.raises(VerbNotAllowed):
         h.load(flat, 2)
     assert said(log) == []
     h.resume()
@@ -162,7 +162,7 @@ def test_the_gpus_change_hands_in_an_order_that_never_needs_both_at_once() -> No
     the engine lets go first, then every trainer takes its memory back."""
     from gyre_hpc.recipe.schema import CellsConfig
     from gyre_hpc.runtime.cell_leader import Leader
-    from gyre_hpc.runtime.protocol import SwitchRole
+    from gyre_hpc.runtime.protocol import TakeRole
     from gyre_hpc.scheduler.policy import Role
 
     calls: list[str] = []
@@ -184,25 +184,25 @@ def test_the_gpus_change_hands_in_an_order_that_never_needs_both_at_once() -> No
     cell._forward = lambda msg: calls.append(f"members told {msg.role}")
     cell._await_members = lambda seq: calls.append("members acknowledged")
     cell._hosting_members = lambda: []  # one replica: the leader's
-    cell.switch(SwitchRole(0, Role.SAMPLING, 1))
+    cell.switch(TakeRole(0, Role.SAMPLING, 1))
     assert calls == [
         "trainer.weights", "members told sampling", "members acknowledged",
         "trainer.release_memory", "engine.resume",
     ]  # fmt: skip
     calls.clear()
-    cell.switch(SwitchRole(0, Role.TRAINING, 2))
+    cell.switch(TakeRole(0, Role.TRAINING, 2))
     assert calls == ["engine.pause", "members told training", "members acknowledged", "trainer.resume_memory"]
     # Two replicas: every replica lets go before any trainer takes memory back, and every
     # trainer lets go before any replica resumes.
     cell.in_cell, cell._hosting_members = Members(), lambda: [1]
     calls.clear()
-    cell.switch(SwitchRole(0, Role.SAMPLING, 3))
+    cell.switch(TakeRole(0, Role.SAMPLING, 3))
     assert calls == [
         "trainer.weights", "members told sampling", "members acknowledged", "trainer.release_memory",
         "member 1 told resume", "member 1 done", "engine.resume",
     ]  # fmt: skip
     calls.clear()
-    cell.switch(SwitchRole(0, Role.TRAINING, 4))
+    cell.switch(TakeRole(0, Role.TRAINING, 4))
     assert calls == [
         "member 1 told pause", "member 1 done", "engine.pause",
         "members told training", "members acknowledged", "trainer.resume_memory",

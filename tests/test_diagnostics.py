@@ -11,17 +11,17 @@ import numpy as np
 import pytest
 import torch
 
-from gyre_hpc.cell_time import CATEGORIES, RoleClock, cell_time
 from gyre_hpc.engines.embedded import Engine
 from gyre_hpc.engines.sampling import SamplingParams
+from gyre_hpc.execution.outcome import Execution, Outcome, ScoreResult
 from gyre_hpc.loss.diagnostics import token_stats
+from gyre_hpc.loss.token_stats import MISMATCH_AT, TokenStats
 from gyre_hpc.models.tiny import init_tiny
-from gyre_hpc.outcome import Execution, Outcome, ScoreResult
+from gyre_hpc.observability.cell_time import CATEGORIES, RoleClock, cell_time
 from gyre_hpc.recipe.schema import TrainerConfig
-from gyre_hpc.step_stats import rollout_shape, spread
-from gyre_hpc.token_stats import MISMATCH_AT, TokenStats
+from gyre_hpc.step.stats import rollout_shape, spread
 from gyre_hpc.trainer.torch_backend import TorchTrainer
-from gyre_hpc.trajectory.batch import TrainSequence
+from gyre_hpc.trajectory.sequences import TrainSequence
 
 PROMPTS = [[1, 2, 3, 4], list(range(40, 70)), [7] * 12]
 

@@ -12,13 +12,13 @@ from statistics import mean
 import pytest
 from conftest import gyre
 
-from gyre_hpc.builtin_models import resolve_model
+from gyre_hpc.bench.replay import observed, replay, run_tokens
+from gyre_hpc.builtin_models.resolve import resolve_model
 from gyre_hpc.engines.emulated import EmulatedEngine, planned_tokens
 from gyre_hpc.engines.sampling import SamplingParams
 from gyre_hpc.observability.events import read_events
 from gyre_hpc.proxy.chat import parse_reply
 from gyre_hpc.recipe.schema import ScoringConfig
-from gyre_hpc.replay import observed, replay, run_tokens
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.scoring.builtin import CoinScorer
 from gyre_hpc.scoring.contract import RunArtifacts

@@ -77,7 +77,7 @@ def test_concurrent_requests_decode_together(tiny: Path) -> None:
 
 def test_batched_log_probs_hold_when_sequences_finish_at_different_steps(tiny: Path) -> None:
     """A sequence leaving the batch mid-step must not shift its neighbours' keys/values."""
-    from gyre_hpc.loss.policy import token_logprobs
+    from gyre_hpc.loss.policy_loss import token_logprobs
     from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 
     prompts = [prompt(tiny, "word " * (3 + 5 * i)) for i in range(6)]
@@ -319,8 +319,8 @@ def test_a_decode_step_copies_its_logits_to_the_host_once_for_the_whole_batch(
 
 def test_an_embedded_engine_on_a_gpu_sizes_its_prefix_cache_from_free_memory() -> None:
     from gyre_hpc.engines.hosted import cache_tokens
-    from gyre_hpc.memory_plan import Shape
     from gyre_hpc.models.catalog import model_shape
+    from gyre_hpc.plan.memory import Shape
 
     c = Shape.of(model_shape("/models/Qwen3-8B"))
     gib = 1 << 30

@@ -13,11 +13,11 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from gyre_hpc.execution.outcome import Execution, Outcome, ScoreResult
 from gyre_hpc.executors.hub import Hub
 from gyre_hpc.executors.job import HubAddress, Job
 from gyre_hpc.executors.slots import place
 from gyre_hpc.observability import events as ev
-from gyre_hpc.outcome import Execution, Outcome, ScoreResult
 from gyre_hpc.proxy.keys import KeyRing
 from gyre_hpc.recipe.schema import ExecutorsConfig
 from gyre_hpc.tasks.task import Task

@@ -19,9 +19,9 @@ from test_local_run import SMOKE
 from gyre_hpc.agents.dispatch import Dispatcher, make_harness
 from gyre_hpc.agents.external import Endpoint, load_entry
 from gyre_hpc.errors import GyreError, RecipeError
+from gyre_hpc.execution.outcome import Outcome
 from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.observability import events as ev
-from gyre_hpc.outcome import Outcome
 from gyre_hpc.recipe import load_recipe
 from gyre_hpc.recipe.schema import AgentConfig, ScoringConfig
 from gyre_hpc.rundir import RunDir

@@ -17,7 +17,7 @@ from test_local_run import FAST, ROOT_OK, SMOKE, processes_of, wait_for
 
 from gyre_hpc.agents.journal import Journal
 from gyre_hpc.observability import events as ev
-from gyre_hpc.run_shard import shard_of
+from gyre_hpc.proxy.run_shard import shard_of
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.trajectory.codec import by_run, read_records
 from gyre_hpc.trajectory.records import TitoRecord

@@ -11,31 +11,33 @@ from pathlib import Path
 
 import pytest
 
-from gyre_hpc.layout import Layout
 from gyre_hpc.observability import events as ev
+from gyre_hpc.plan.ranks import RankLayout
 from gyre_hpc.recipe.schema import CellsConfig, EngineConfig
 from gyre_hpc.runtime.fleet import CellLost, MpiFleet, Waits
-from gyre_hpc.runtime.protocol import Heartbeat, Hello, Message, ProtocolError, RoleSwitched, SwitchRole
+from gyre_hpc.runtime.protocol import Heartbeat, Hello, Message, ProtocolError, RoleTaken, TakeRole
 from gyre_hpc.scheduler.policy import Role
 
 CELLS = CellsConfig(count=1, ranks_per_cell=1, heartbeat_timeout_s=60, hello_timeout_s=120)
 
 
 class ScriptedCell:
-    """Cell 0: heartbeats every second until ``silent_at``; answers a SwitchRole ``answer_after``
+    """Cell 0: heartbeats every second until ``silent_at``; answers a TakeRole ``answer_after``
     seconds after it was sent (as a cell does once its restarting server is back)."""
 
     def __init__(self, answer_after: float, silent_at: float = float("inf"), hello_at: float = 0) -> None:
         self.now, self.answer_after, self.silent_at, self.hello_at = 0.0, answer_after, silent_at, hello_at
-        self.outbox: list[Message] = [Hello(0, 1, "node-a", 1, ("http://node-a:1",), 4)]
+        self.outbox: list[Message] = [
+            Hello(cell=0, rank=1, host="node-a", pid=1, addresses=("http://node-a:1",), capacity=4)
+        ]
         self.answer: tuple[float, Message] | None = None
 
     def clock(self) -> float:
         return self.now
 
     def send(self, message: Message, dest: int) -> None:
-        if isinstance(message, SwitchRole):
-            reply = RoleSwitched(message.cell, message.role, message.seq, self.answer_after)
+        if isinstance(message, TakeRole):
+            reply = RoleTaken(message.cell, message.role, message.seq, self.answer_after)
             self.answer = (self.now + self.answer_after, reply)
 
     def poll(self, source: int | None = None) -> tuple[int, Message] | None:
@@ -52,7 +54,7 @@ class ScriptedCell:
 
 def fleet_of(tmp_path: Path, cell: ScriptedCell, waits: Waits) -> MpiFleet:
     events = ev.EventLog(tmp_path / "events.jsonl")
-    fleet = MpiFleet(None, Layout(1, 1), CELLS, None, events, waits, 0, cell.clock)
+    fleet = MpiFleet(None, RankLayout(1, 1), CELLS, None, events, waits, 0, cell.clock)
     fleet.channel = cell  # type: ignore[assignment]
     fleet.start()
     return fleet
@@ -69,7 +71,7 @@ def test_without_a_server_to_restart_the_answer_is_due_within_the_heartbeat_time
     embedded = Waits.of(CELLS, EngineConfig(backend="embedded", start_timeout_s=300))
     assert embedded.reply_s == 60
     fleet = fleet_of(tmp_path, ScriptedCell(answer_after=200), embedded)
-    with pytest.raises(ProtocolError, match=r"no RoleSwitched from cells \[0\] within 60 s"):
+    with pytest.raises(ProtocolError, match=r"no RoleTaken from cells \[0\] within 60 s"):
         fleet.switch({0: Role.TRAINING})
 
 

@@ -22,7 +22,7 @@ from gyre_hpc.agents.dispatch import Dispatcher, make_harness
 from gyre_hpc.agents.external import Endpoint
 from gyre_hpc.agents.tools import MAIN_TOOLS, execute, parse_call
 from gyre_hpc.agents.workspace import Workspace
-from gyre_hpc.outcome import ScoreResult
+from gyre_hpc.execution.outcome import ScoreResult
 from gyre_hpc.recipe.schema import AgentConfig, ScoringConfig
 from gyre_hpc.sandbox import untrusted
 from gyre_hpc.sandbox.confine import Sandbox, for_run

@@ -14,16 +14,33 @@ from pathlib import Path
 
 from conftest import REPO
 
-PURE = ("scheduler", "trajectory", "loss", "sim", "step_batch", "step_stats")
-"""Policy and the step kinds, trajectories, losses, the simulator and a step's batch: shared by
-the runtime and the simulator."""
+PURE = ("scheduler", "trajectory", "loss", "sim", "step")
+"""Concepts shared by the runtime and the simulator: the policy and the step kinds, trajectories,
+losses, the simulator, and what one optimizer step is made of."""
 
-BENEATH = (
-    "recipe", "errors", "outcome", "run_id", "token_stats", "cell_time", "placement", "observability.events",
-)  # fmt: skip
-"""What the pure floors may reach besides each other: the recipe's config sections (and the
-engine-shape arithmetic it checks them with, ``placement``), the errors, and the value types
-(an execution's outcome, run ids, the event schema)."""
+BENEATH = ("recipe", "errors", "execution", "plan", "observability")
+"""Concepts the pure floors may reach besides each other: the recipe's config sections, the
+errors, an execution as a value, the plan of the hardware (engine replicas a cell serves), and
+the run's records (the event schema, where a cell's time went). What those reach in turn is
+held to the same rule."""
+
+ROOT = {"__init__", "__main__", "errors", "rundir", "diskspace"}
+"""The package root: what every floor uses and a newcomer finds by name; everything else lives
+in a folder named after its concept."""
+
+SHARED_STEMS = {
+    "base": "a component's interface (trainer, transport)",
+    "emulated": "a component whose compute is a calibrated delay (engines, trainer)",
+    "fleet": "the Fleet a step kind drives (scheduler) and its MPI and simulated implementations",
+    "server": "a component's HTTP server (the engine's SGLang-native API, the proxy's OpenAI API)",
+    "harbor": "the Harbor task format: its tasks (tasks) and its reward rule (scoring)",
+    "swe": "the SWE-bench format: its tasks (tasks) and its scoring rule (scoring)",
+    "slurm": "Slurm: its command group (cli) and its commands (launch)",
+    "status": "a run's status: its command (cli) and its frames (tui)",
+    "__main__": "a package's entry point",
+}
+"""Module names that stand in more than one folder, each for the same concept seen by another
+component. A new name in two folders is two concepts under one name: rename one."""
 
 
 def modules() -> dict[str, Path]:
@@ -137,6 +154,20 @@ def allowed(module: str) -> bool:
 
 def test_the_pure_floors_reach_only_each_other_the_recipe_errors_and_value_types() -> None:
     assert climbs(imports(modules())) == {}
+
+
+def test_the_root_holds_only_what_every_floor_uses() -> None:
+    loose = {p.stem for p in (REPO / "gyre_hpc").glob("*.py")}
+    assert loose == ROOT
+
+
+def test_a_module_name_in_two_folders_names_one_concept() -> None:
+    folders: dict[str, set[str]] = {}
+    for path in (REPO / "gyre_hpc").rglob("*.py"):
+        if path.stem != "__init__":
+            folders.setdefault(path.stem, set()).add(path.parent.name)
+    shared = {stem for stem, where in folders.items() if len(where) > 1}
+    assert shared == set(SHARED_STEMS), {s: sorted(folders[s]) for s in shared ^ set(SHARED_STEMS)}
 
 
 def test_the_checks_see_a_cycle_and_a_climb() -> None:

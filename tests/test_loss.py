@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from gyre_hpc.loss.policy import ppo_clip_loss, token_logprobs, weighted_policy_loss
+from gyre_hpc.loss.policy_loss import ppo_clip_loss, token_logprobs, weighted_policy_loss
 from gyre_hpc.trajectory import TitoRecord, TrajectoryTree, select_paths
-from gyre_hpc.trajectory.batch import Batch, TrainSequence, build_batch, pack_micro_steps
+from gyre_hpc.trajectory.sequences import Batch, TrainSequence, build_batch, pack_micro_steps
 
 VOCAB = 32
 

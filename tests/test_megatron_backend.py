@@ -15,13 +15,13 @@ import pytest
 import torch
 from conftest import flat_of, gyre
 
-from gyre_hpc.builtin_models import resolve_model
+from gyre_hpc.builtin_models.resolve import resolve_model
 from gyre_hpc.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from gyre_hpc.models.tiny import init_tiny, save_weights
 from gyre_hpc.observability.events import read_events
 from gyre_hpc.recipe.schema import AgentConfig, CellsConfig, EngineConfig, TrainerConfig
 from gyre_hpc.trainer.torch_backend import TorchTrainer
-from gyre_hpc.trajectory.batch import TrainSequence
+from gyre_hpc.trajectory.sequences import TrainSequence
 
 pytestmark = pytest.mark.megatron
 
@@ -276,7 +276,7 @@ def test_a_released_trainer_hands_back_what_the_memory_plan_counts_and_trains_on
     """What ``release_memory`` moves to the host on a GPU (here moved by hand: on the CPU there is
     nothing to hand back): every resident tensor, the bytes the plan counts for weights, fp32
     masters and Adam, and the step after it is the step of a trainer that never let go."""
-    from gyre_hpc.memory_plan import plan
+    from gyre_hpc.plan.memory import plan
     from gyre_hpc.trainer import megatron_backend
 
     model_dir = init_tiny(tmp_path / "tiny")
@@ -338,7 +338,7 @@ def rendezvous(port: int, delay_s: float, start_timeout_s: float) -> list[subpro
 def test_a_member_waits_at_the_rendezvous_as_long_as_its_leader_s_engine_may_take_to_start() -> None:
     """torch's own store timeout (300 s) is shorter than an 8B server's start; the members'
     wait is the engine's start timeout instead: past it, one line, not a hang."""
-    from gyre_hpc.trainer.megatron_backend import free_port
+    from gyre_hpc.launch.ports import free_port
 
     member, leader = rendezvous(free_port("127.0.0.1"), delay_s=4, start_timeout_s=20)
     said = {}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gyre_hpc.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
-from gyre_hpc.trainer.megatron_weights import Layout, hf_to_megatron, megatron_to_hf
+from gyre_hpc.trainer.megatron_weights import MegatronLayout, hf_to_megatron, megatron_to_hf
 
 
 def config(tie: bool) -> Qwen3Config:
@@ -32,7 +32,9 @@ def hf_state(c: Qwen3Config) -> dict[str, torch.Tensor]:
     return state
 
 
-def to_megatron(state: dict[str, torch.Tensor], layout: Layout) -> dict[int, list[dict[str, torch.Tensor]]]:
+def to_megatron(
+    state: dict[str, torch.Tensor], layout: MegatronLayout
+) -> dict[int, list[dict[str, torch.Tensor]]]:
     return {
         s: [dict(hf_to_megatron(state.__getitem__, layout, r, s)) for r in range(layout.tp)]
         for s in range(layout.pp)
@@ -44,7 +46,7 @@ def to_megatron(state: dict[str, torch.Tensor], layout: Layout) -> dict[int, lis
 def test_hf_to_megatron_to_hf_is_bit_identical(tie: bool, tp: int, pp: int) -> None:
     c = config(tie)
     state = hf_state(c)
-    layout = Layout(c, tp=tp, pp=pp)
+    layout = MegatronLayout(c, tp=tp, pp=pp)
     shards = to_megatron(state, layout)
     back: dict[str, torch.Tensor] = {}
     for s in range(pp):
@@ -56,7 +58,7 @@ def test_hf_to_megatron_to_hf_is_bit_identical(tie: bool, tp: int, pp: int) -> N
 def test_megatron_shapes_and_fused_orders() -> None:
     c = config(tie=False)
     state = hf_state(c)
-    layout = Layout(c, tp=2)
+    layout = MegatronLayout(c, tp=2)
     r0, r1 = to_megatron(state, layout)[0]
     d = c.head_dim
     qkv = r0["decoder.layers.0.self_attention.linear_qkv.weight"]
@@ -81,32 +83,32 @@ def test_each_source_tensor_is_read_once_per_rank() -> None:
     c = config(tie=False)
     state = hf_state(c)
     reads: list[str] = []
-    for _ in hf_to_megatron(lambda n: reads.append(n) or state[n], Layout(c, tp=2), 0, 0):
+    for _ in hf_to_megatron(lambda n: reads.append(n) or state[n], MegatronLayout(c, tp=2), 0, 0):
         pass
     assert sorted(reads) == sorted(state)
 
 
 def test_a_cut_that_does_not_divide_the_model_is_refused() -> None:
     with pytest.raises(ValueError, match="tensor parallel size 3 must divide the 4 attention heads"):
-        Layout(config(tie=False), tp=3)
+        MegatronLayout(config(tie=False), tp=3)
     with pytest.raises(ValueError, match="pipeline size 3 must divide the 4 layers"):
-        Layout(config(tie=False), pp=3)
+        MegatronLayout(config(tie=False), pp=3)
 
 
 def test_a_tied_embedding_is_copied_to_the_last_stage_as_its_output_layer() -> None:
     c = config(tie=True)
     state = hf_state(c)
-    shards = to_megatron(state, Layout(c, tp=2, pp=2))
+    shards = to_megatron(state, MegatronLayout(c, tp=2, pp=2))
     for r in range(2):
         first, last = shards[0][r], shards[1][r]
         assert torch.equal(last["output_layer.weight"], first["embedding.word_embeddings.weight"])
-    assert "output_layer.weight" not in to_megatron(state, Layout(c, tp=2))[0][0]  # one stage: shared
+    assert "output_layer.weight" not in to_megatron(state, MegatronLayout(c, tp=2))[0][0]  # one stage: shared
 
 
 def test_every_hugging_face_tensor_has_one_stage() -> None:
     c = config(tie=False)
     state = hf_state(c)
-    layout = Layout(c, pp=2)
+    layout = MegatronLayout(c, pp=2)
     shards = to_megatron(state, layout)
     held = {s: {n for n, _ in megatron_to_hf(lambda n, s=s: [shards[s][0][n]], layout, s)} for s in range(2)}
     assert all(layout.stage_of(name) == s for s, names in held.items() for name in names)

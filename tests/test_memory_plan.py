@@ -10,9 +10,9 @@ import pytest
 from conftest import REPO, assert_golden, gyre
 
 from gyre_hpc.errors import RecipeError
-from gyre_hpc.memory_plan import Shape, check_memory, plan
 from gyre_hpc.models.catalog import KNOWN, model_shape
 from gyre_hpc.models.flat import FlatLayout
+from gyre_hpc.plan.memory import Shape, check_memory, plan
 from gyre_hpc.recipe import load_recipe
 
 FLAGSHIP = REPO / "recipes" / "qwen3-8b-8cells.toml"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gyre_hpc.launch.outcome import conclude, diagnose
+from gyre_hpc.launch.ending import conclude, diagnose
 from gyre_hpc.observability import events as ev
 from gyre_hpc.recipe import load_recipe
 from gyre_hpc.rundir import RunDir

@@ -9,7 +9,7 @@ from conftest import assert_golden
 
 from gyre_hpc.engines.sglang import Span, sglang_command
 from gyre_hpc.errors import RecipeError
-from gyre_hpc.placement import EnginePart, check_engine_plan, engine_plan
+from gyre_hpc.plan.placement import EnginePart, check_engine_plan, engine_plan
 from gyre_hpc.recipe.load import load_recipe
 from gyre_hpc.recipe.schema import EngineConfig
 from gyre_hpc.rundir import engine_part_dir

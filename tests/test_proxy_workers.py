@@ -14,11 +14,11 @@ from aiohttp import web
 
 from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.proxy.keys import KeyRing
+from gyre_hpc.proxy.run_shard import shard_of
 from gyre_hpc.proxy.server import Proxy
 from gyre_hpc.proxy.tito_log import TitoTail
 from gyre_hpc.proxy.worker import ADMIN, admin_routes, share
 from gyre_hpc.recipe.schema import ProxyConfig
-from gyre_hpc.run_shard import shard_of
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.trajectory.codec import encode_frame
 from gyre_hpc.trajectory.records import CallMeta, TitoRecord

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gyre_hpc.pushed import Pushed
+from gyre_hpc.engines.pushed import Pushed
 
 
 def test_loads_add_up_and_a_part_that_loads_nothing_adds_nothing() -> None:

@@ -9,7 +9,7 @@ import torch
 from conftest import gyre
 from safetensors.torch import load_file
 
-from gyre_hpc.builtin_models import resolve_model
+from gyre_hpc.builtin_models.resolve import resolve_model
 from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 from gyre_hpc.observability.events import read_events
 from gyre_hpc.rundir import RunDir

@@ -28,7 +28,7 @@ from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.recipe.schema import AgentConfig, ScoringConfig
 from gyre_hpc.sandbox import apptainer, bwrap
 from gyre_hpc.sandbox.confine import Sandbox, for_run
-from gyre_hpc.sandbox.policy import Mount, Policy, ProxyReach, System, policy
+from gyre_hpc.sandbox.spec import Mount, Policy, ProxyReach, System, policy
 from gyre_hpc.scoring import RunArtifacts, ScoringRunners, load_scorer
 from gyre_hpc.tasks.task import Task
 

@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO, assert_golden, gyre
 
 from gyre_hpc.launch.sbatch import render_sbatch
-from gyre_hpc.layout import Layout
+from gyre_hpc.plan.ranks import RankLayout
 from gyre_hpc.recipe import load_recipe
 
 FIXED = ["--set", "run.runs_dir=/shared/runs", "--set", "slurm.python=/opt/gyre/bin/python"]
@@ -74,7 +74,9 @@ def test_components_follow_the_rank_order() -> None:
     r = load_recipe(
         REPO / "recipes" / "qwen3-8b-8cells.toml", ["cells.rollout_pool=2", "slurm.nodes_per_cell=2"]
     )
-    text = render_sbatch(r.slurm, Layout.from_config(r.cells), job_name="j", run_dir=Path("/r"), python="py")
+    text = render_sbatch(
+        r.slurm, RankLayout.from_config(r.cells), job_name="j", run_dir=Path("/r"), python="py"
+    )
     components = text.split("#SBATCH hetjob")
     assert len(components) == 3
     assert "--ntasks=1\n" in components[0] and "--partition=cpu" in components[0]
@@ -109,7 +111,7 @@ def run_script_with_fake_srun(
     script = tmp_path / "job.sh"
     script.write_text(
         render_sbatch(
-            r.slurm, Layout.from_config(r.cells), job_name="fake", run_dir=run.path, python=sys.executable
+            r.slurm, RankLayout.from_config(r.cells), job_name="fake", run_dir=run.path, python=sys.executable
         )
     )
     bin_dir = tmp_path / "bin"

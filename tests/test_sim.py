@@ -9,14 +9,14 @@ from conftest import gyre
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gyre_hpc.bench.replay import measured_costs, uncontended_dispatches
 from gyre_hpc.observability import events as ev
 from gyre_hpc.recipe.schema import CellsConfig
-from gyre_hpc.replay import measured_costs, uncontended_dispatches
 from gyre_hpc.scheduler.policy import Role
 from gyre_hpc.scheduler.steps import StepRecord
 from gyre_hpc.sim.bound import run_bound, step_bound, work_bound
 from gyre_hpc.sim.config import CONFIGS, SimConfig, ablations, variants
-from gyre_hpc.sim.simulate import Group, Simulation, Workload, sampled, simulate
+from gyre_hpc.sim.simulate import PromptGroup, Simulation, Workload, sampled, simulate
 
 LONG_TAIL = SimConfig(cells=4, capacity=8, prompts=8, group_size=4, steps=5, duration_sigma=1.0)
 
@@ -106,7 +106,10 @@ def test_bench_sim_prints_ratios_and_plots(tmp_path: Path) -> None:
     assert "total / bound" in proc.stdout and "idle slots" in proc.stdout and "h a step" in proc.stdout
     assert {p.name for p in tmp_path.iterdir()} >= {"step_times.png", "gantt_elastic.png", "time_split.png"}
     bad = gyre("bench", "sim", "--set", "cels=3")
-    assert bad.returncode == 2 and "unknown simulator key; valid: cells" in bad.stderr
+    assert (
+        bad.returncode == 2
+        and "unknown simulator key (did you mean cells?); valid keys: cells = 4" in bad.stderr
+    )
     bad = gyre("bench", "sim", "--set", "cells=0")
     assert bad.returncode == 2 and "cells = 0; valid: 1 or more" in bad.stderr
 
@@ -169,12 +172,12 @@ def one_outlier(cfg: SimConfig, times: float, steps: range | None = None) -> Wor
     None) ``times`` the median."""
     base = sampled(cfg)
 
-    def groups(step: int) -> list[Group]:
+    def groups(step: int) -> list[PromptGroup]:
         first, *rest = base(step)
         if steps is not None and step not in steps:
             return [first, *rest]
         outlier = (cfg.duration_median_s * times, *first.durations[1:])
-        return [Group(outlier, first.micro_steps), *rest]
+        return [PromptGroup(outlier, first.micro_steps), *rest]
 
     return groups
 

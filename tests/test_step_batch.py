@@ -6,10 +6,10 @@ from pathlib import Path
 
 import numpy as np
 
-from gyre_hpc.data_order import step_jobs, step_tasks
-from gyre_hpc.outcome import Execution, Outcome, ScoreResult
+from gyre_hpc.execution.outcome import Execution, Outcome, ScoreResult
 from gyre_hpc.recipe.schema import TasksConfig, TrajectoryConfig
-from gyre_hpc.step_batch import step_batch
+from gyre_hpc.step.batch import step_batch
+from gyre_hpc.tasks.data_order import step_jobs, step_tasks
 from gyre_hpc.tasks.jsonl import write_jsonl
 from gyre_hpc.tasks.task import Task
 from gyre_hpc.trajectory.packing import forwarded_tokens

@@ -18,14 +18,14 @@ import pytest
 from conftest import REPO
 from fleet_fake import FakeFleet, FakeSampler
 
-from gyre_hpc.data_order import DataOrder
+from gyre_hpc.loss.token_stats import TokenStats
 from gyre_hpc.observability import events as ev
 from gyre_hpc.recipe.schema import RunConfig, SchedulerConfig, TasksConfig, TrainerConfig, TrajectoryConfig
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.scheduler.policy import initial_roles
 from gyre_hpc.scheduler.steps import StepContext, step_event, step_kind
 from gyre_hpc.sim.fleet import Clock
-from gyre_hpc.token_stats import TokenStats
+from gyre_hpc.tasks.data_order import DataOrder
 
 DURATIONS = [[1, 1, 1, 1], [2, 2, 2, 3], [4, 4, 5, 9]]  # per prompt, per run of its group
 S, T = "sampling", "training"

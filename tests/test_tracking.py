@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from conftest import REPO, gyre
 
-from gyre_hpc.cell_time import CATEGORIES, COLORS
 from gyre_hpc.observability import events as ev
+from gyre_hpc.observability.cell_time import CATEGORIES, COLORS
 from gyre_hpc.observability.events import EventLog, read_events
 from gyre_hpc.observability.plot import SERIES
 from gyre_hpc.observability.tracking import TensorBoard, Trackers, WandB, scalars

@@ -11,10 +11,10 @@ import random
 import numpy as np
 import pytest
 
-from gyre_hpc.step_stats import token_staleness
+from gyre_hpc.step.stats import token_staleness
 from gyre_hpc.trajectory import TitoRecord, TrajectoryTree, select_paths
-from gyre_hpc.trajectory.batch import build_batch, group_advantages, pack_micro_steps
 from gyre_hpc.trajectory.records import CallMeta
+from gyre_hpc.trajectory.sequences import build_batch, group_advantages, pack_micro_steps
 
 
 def rec(call: str, inp: list[int], out: list[int], role: str = "main", run: str = "r") -> TitoRecord:

@@ -20,7 +20,6 @@ from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.recipe.schema import TrainerConfig
 from gyre_hpc.trainer.torch_backend import TorchTrainer
 from gyre_hpc.trainer.tree_attention import block_mask, dense_mask
-from gyre_hpc.trajectory.batch import TrainSequence
 from gyre_hpc.trajectory.packing import (
     PrefixTrie,
     forwarded_tokens,
@@ -28,6 +27,7 @@ from gyre_hpc.trajectory.packing import (
     pack_tree_micro_steps,
     unique_tokens,
 )
+from gyre_hpc.trajectory.sequences import TrainSequence
 
 HERE = Path(__file__).parent
 CFG = TrainerConfig(lr=1e-3, grad_clip=0.0)

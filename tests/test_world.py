@@ -7,15 +7,15 @@ import importlib.util
 import pytest
 
 from gyre_hpc.errors import RecipeError
+from gyre_hpc.launch.check import check_runnable
 from gyre_hpc.launch.env import JobEnvironment
-from gyre_hpc.layout import Layout
-from gyre_hpc.recipe.runnable import check_runnable
+from gyre_hpc.plan.ranks import RankLayout
 from gyre_hpc.recipe.schema import EngineConfig, TrainerConfig
 from gyre_hpc.runtime.world import WorldError, check_world_size
 
 
 def test_layout_assigns_ranks_to_cells_then_pool() -> None:
-    layout = Layout(cells=2, ranks_per_cell=3, pool=2)
+    layout = RankLayout(cells=2, ranks_per_cell=3, pool=2)
     assert layout.world_size == 9
     assert [layout.unit_of(r) for r in range(9)] == [None, 0, 0, 0, 1, 1, 1, 2, 3]
     assert [layout.leader(u) for u in range(layout.units)] == [1, 4, 7, 8]
@@ -25,7 +25,7 @@ def test_layout_assigns_ranks_to_cells_then_pool() -> None:
 
 
 def test_every_rank_has_exactly_one_place() -> None:
-    layout = Layout(cells=3, ranks_per_cell=2, pool=1)
+    layout = RankLayout(cells=3, ranks_per_cell=2, pool=1)
     owned = sorted(r for u in range(layout.units) for r in layout.ranks_of(u))
     assert owned == list(range(1, layout.world_size))
     with pytest.raises(ValueError):
@@ -35,16 +35,16 @@ def test_every_rank_has_exactly_one_place() -> None:
 def test_size_one_world_under_srun_names_the_mpi_plugin() -> None:
     env = JobEnvironment.from_environ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "2", "SLURM_NTASKS": "3"})
     with pytest.raises(WorldError, match=r"MPI world has 1 rank but slurm started 3 tasks .*--mpi=pmix"):
-        check_world_size(1, Layout(2, 1), env)
+        check_world_size(1, RankLayout(2, 1), env)
 
 
 def test_world_must_match_the_recipe() -> None:
     env = JobEnvironment.from_environ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4"})
     with pytest.raises(WorldError, match=r"recipe needs 3 \(1 controller \+ 2 cells × 1 ranks\)"):
-        check_world_size(4, Layout(2, 1), env)
+        check_world_size(4, RankLayout(2, 1), env)
     check_world_size(
         3,
-        Layout(2, 1),
+        RankLayout(2, 1),
         JobEnvironment.from_environ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "3"}),
     )
 

@@ -106,7 +106,7 @@ def broadcaster(rank: int, port: int, numel: int, device: str, out: mp.Queue) ->
 
 
 def push_by_broadcast(device: str, numel: int) -> dict:
-    from gyre_hpc.engines.sglang import free_port
+    from gyre_hpc.launch.ports import free_port
 
     ctx = mp.get_context("spawn")
     out, port = ctx.Queue(), free_port("127.0.0.1")

@@ -34,7 +34,7 @@ from gyre_hpc.recipe.schema import TrainerConfig  # noqa: E402
 from gyre_hpc.trainer import megatron_backend  # noqa: E402
 from gyre_hpc.trainer.megatron_backend import MegatronTrainer  # noqa: E402
 from gyre_hpc.trainer.megatron_weights import megatron_to_hf  # noqa: E402
-from gyre_hpc.trajectory.batch import TrainSequence  # noqa: E402
+from gyre_hpc.trajectory.sequences import TrainSequence  # noqa: E402
 
 SIZES = {
     # Qwen3-1.7B's shape.

@@ -30,7 +30,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,10 +42,11 @@ from aiohttp import web
 from rich.console import Console
 from rich.table import Table
 
+from gyre_hpc.launch.ports import free_port
 from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.models.tokenizer import ChatTokenizer
 from gyre_hpc.proxy.keys import KeyRing
-from gyre_hpc.run_shard import shard_of
+from gyre_hpc.proxy.run_shard import shard_of
 from gyre_hpc.rundir import RunDir
 
 REPLY = "I will run the tests now.<|im_end|>"
@@ -79,12 +79,6 @@ def null_engine(reply_ids: list[int], delay_s: float) -> web.Application:
     app.router.add_post("/generate", generate)
     app.router.add_get("/get_model_info", info)
     return app
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_s(pids: list[int]) -> float:
@@ -128,7 +122,7 @@ async def bench(args: argparse.Namespace, model: Path, run_dir: Path) -> list[tu
     app["model"] = str(model)
     runner = web.AppRunner(app)
     await runner.setup()
-    engine_port = free_port()
+    engine_port = free_port("127.0.0.1")
     await web.TCPSite(runner, "127.0.0.1", engine_port).start()
     engine_url = f"http://127.0.0.1:{engine_port}"
     rows = []
@@ -145,7 +139,7 @@ async def bench_workers(
 ) -> list[tuple]:
     run_dir.mkdir()
     keys = KeyRing.load(RunDir(run_dir).proxy_secret)  # before the workers: one secret for all
-    ports = [free_port() for _ in range(workers)]
+    ports = [free_port("127.0.0.1") for _ in range(workers)]
     procs = [
         subprocess.Popen(
             [

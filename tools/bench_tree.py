@@ -45,9 +45,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 
 from gyre_hpc.models.qwen3 import Qwen3Config  # noqa: E402
-from gyre_hpc.step_batch import pack  # noqa: E402
+from gyre_hpc.step.batch import pack  # noqa: E402
 from gyre_hpc.trajectory import TitoRecord, TrajectoryTree, select_paths  # noqa: E402
-from gyre_hpc.trajectory.batch import TrainSequence, build_batch  # noqa: E402
 from gyre_hpc.trajectory.codec import by_run as encoded_by_run  # noqa: E402
 from gyre_hpc.trajectory.codec import read_records  # noqa: E402
 from gyre_hpc.trajectory.packing import (  # noqa: E402
@@ -57,6 +56,7 @@ from gyre_hpc.trajectory.packing import (  # noqa: E402
     pack_tree_micro_steps,
     unique_tokens,
 )
+from gyre_hpc.trajectory.sequences import TrainSequence, build_batch  # noqa: E402
 
 JMAX = {"1": 1, "5": 5, "∞": 10**9}
 PAPER = {"5": 0.748, "1": 0.414}
@@ -148,7 +148,7 @@ def measure(args: argparse.Namespace) -> None:
     """Child: forward-backward every micro-step of one side; time and peak memory as JSON."""
     import torch
 
-    from gyre_hpc.builtin_models import resolve_model
+    from gyre_hpc.builtin_models.resolve import resolve_model
     from gyre_hpc.models.qwen3 import Qwen3Config
     from gyre_hpc.recipe.schema import TrainerConfig
     from gyre_hpc.trainer.torch_backend import TorchTrainer
@@ -221,7 +221,7 @@ def main() -> None:
     if args.child:
         return measure(args)
 
-    from gyre_hpc.builtin_models import resolve_model
+    from gyre_hpc.builtin_models.resolve import resolve_model
     from gyre_hpc.models.qwen3 import Qwen3Config
 
     console = Console(width=140)

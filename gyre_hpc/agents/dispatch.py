@@ -20,7 +20,7 @@ from gyre_hpc.agents.external import CommandHarness, Endpoint, PythonHarness
 from gyre_hpc.agents.harness import Harness
 from gyre_hpc.agents.journal import Journal
 from gyre_hpc.errors import GyreError
-from gyre_hpc.outcome import Execution, Outcome
+from gyre_hpc.execution.outcome import Execution, Outcome
 from gyre_hpc.recipe.schema import AgentConfig
 from gyre_hpc.sandbox import supervise, untrusted
 from gyre_hpc.sandbox.confine import UNCONFINED, Sandbox

@@ -52,17 +52,17 @@ from urllib.parse import urlsplit
 
 import openai
 
-from gyre_hpc.agents.journal import Entry, Journal
+from gyre_hpc.agents.journal import Journal, JournalEntry
 from gyre_hpc.agents.stops import REASON, Stopped, within
 from gyre_hpc.agents.workspace import CommandResult, Workspace
 from gyre_hpc.errors import GyreError
-from gyre_hpc.outcome import Execution
+from gyre_hpc.execution.outcome import Execution
+from gyre_hpc.proxy.run_shard import shard_of
 from gyre_hpc.recipe.schema import AgentConfig
-from gyre_hpc.run_shard import shard_of
 from gyre_hpc.sandbox import relay, supervise
 from gyre_hpc.sandbox.confine import UNCONFINED, Launch, Sandbox
 from gyre_hpc.sandbox.limits import Group
-from gyre_hpc.sandbox.policy import ProxyReach
+from gyre_hpc.sandbox.spec import ProxyReach
 from gyre_hpc.tasks.task import Task
 
 ROLES = ("main", "main-summary", "sub-agent", "sub-agent-summary")
@@ -177,7 +177,7 @@ class CommandHarness:
         workspace: Path,
         run_id: str,
         journal: Journal | None = None,
-        resume: Entry | None = None,
+        resume: JournalEntry | None = None,
         stop: asyncio.Event | None = None,
         group: Group | None = None,
     ) -> Execution:
@@ -299,7 +299,7 @@ class PythonHarness:
         workspace: Path,
         run_id: str,
         journal: Journal | None = None,
-        resume: Entry | None = None,
+        resume: JournalEntry | None = None,
         stop: asyncio.Event | None = None,
         group: Group | None = None,
     ) -> Execution:

@@ -28,11 +28,11 @@ from typing import Any
 
 import openai
 
-from gyre_hpc.agents.journal import Entry, Journal
+from gyre_hpc.agents.journal import Journal, JournalEntry
 from gyre_hpc.agents.stops import REASON, Stopped, within
 from gyre_hpc.agents.tools import MAIN_TOOLS, SPECS, SUB_AGENT_TOOLS, execute, parse_call
 from gyre_hpc.agents.workspace import ToolError, Workspace
-from gyre_hpc.outcome import Execution
+from gyre_hpc.execution.outcome import Execution
 from gyre_hpc.recipe.schema import AgentConfig
 from gyre_hpc.sandbox import supervise
 from gyre_hpc.sandbox.confine import UNCONFINED, Sandbox
@@ -80,7 +80,7 @@ class Harness:
         workspace: Path,
         run_id: str,
         journal: Journal | None = None,
-        resume: Entry | None = None,
+        resume: JournalEntry | None = None,
         stop: asyncio.Event | None = None,
         group: Group | None = None,
     ) -> Execution:

@@ -13,7 +13,7 @@ earlier ones stay: a compaction keeps fewer), its call counts and elapsed time. 
 on disk already. A line holds only what is new, so an execution of 800 calls over a 1M-token
 context writes each message once, not 800 times.
 
-After a restart the dispatcher hands a running execution's ``Entry`` back to the harness, which
+After a restart the dispatcher hands a running execution's ``JournalEntry`` back to the harness, which
 sends the same messages again: the proxy recognises the recorded transcript and extends its ids
 exactly, so the trajectory tree continues where it stopped. A finished execution is not run again;
 its scored outcome is returned as it was. A line torn by a crash is ignored (the call it described
@@ -33,7 +33,7 @@ from typing import Any
 
 
 @dataclass
-class Entry:
+class JournalEntry:
     """One execution as its journal leaves it."""
 
     run_id: str
@@ -81,12 +81,12 @@ class Journal:
         finally:
             os.close(fd)
 
-    def load(self, run_id: str) -> Entry | None:
+    def load(self, run_id: str) -> JournalEntry | None:
         try:
             raw = self.file(run_id).read_bytes()
         except FileNotFoundError:
             return None
-        entry, good = Entry(run_id), 0
+        entry, good = JournalEntry(run_id), 0
         for text in raw.splitlines(keepends=True):
             try:
                 line = json.loads(text)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from gyre_hpc.agents.workspace import Workspace
 from gyre_hpc.sandbox.confine import Sandbox
-from gyre_hpc.sandbox.policy import Mount
+from gyre_hpc.sandbox.spec import Mount
 from gyre_hpc.tasks.task import Task
 
 SOLUTION = Path("/solution")

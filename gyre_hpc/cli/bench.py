@@ -7,7 +7,6 @@ recipe's ``bench.async_splits``) and compare elastic against the best one, never
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -17,11 +16,11 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from gyre_hpc.bench.replay import measured_costs, observed, replay
 from gyre_hpc.cli.output import CsvOption, JsonOption, Results, chosen
 from gyre_hpc.errors import GyreError
 from gyre_hpc.observability import events as ev
-from gyre_hpc.recipe.load import load_recipe
-from gyre_hpc.replay import measured_costs, observed, replay
+from gyre_hpc.recipe.load import load_recipe, with_sets
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.sim.config import (
     CONFIGS,
@@ -38,24 +37,6 @@ from gyre_hpc.sim.plots import plot_all
 from gyre_hpc.sim.simulate import SimResult, simulate
 
 app = typer.Typer(help="Compare scheduling modes.", no_args_is_help=True)
-
-
-def parse_sets(base: SimConfig, sets: list[str]) -> SimConfig:
-    fields = {f.name: f for f in dataclasses.fields(SimConfig)}
-    changes = {}
-    for item in sets:
-        key, sep, value = item.partition("=")
-        if not sep or key not in fields:
-            raise GyreError(f"--set {item}: unknown simulator key; valid: {', '.join(fields)}")
-        kind = type(getattr(base, key))
-        try:
-            changes[key] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
-        except ValueError:
-            raise GyreError(f"--set {item}: {key} must be a {kind.__name__}") from None
-    try:
-        return base.with_(**changes)
-    except ValueError as err:
-        raise GyreError(f"--set: {err}") from None
 
 
 def best_async(times: dict[str, float]) -> str | None:
@@ -101,7 +82,7 @@ def sim(
     results_out = Results(chosen(as_json, as_csv))
     if config not in CONFIGS:
         raise GyreError(f"--config {config}: unknown; valid: {', '.join(CONFIGS)}")
-    cfg = parse_sets(CONFIGS[config], set_ or [])
+    cfg = with_sets(CONFIGS[config], set_ or [], "simulator")
     runs = variants(cfg)
     results = {name: simulate(c, mode) for name, (mode, c) in runs.items()}
     times = {name: r.total_s for name, r in results.items()}

@@ -18,9 +18,10 @@ from gyre_hpc.cli import output
 from gyre_hpc.cli.model import resolve_shown
 from gyre_hpc.cli.output import CsvOption, JsonOption, Results, chosen
 from gyre_hpc.cli.recipe import RecipeArg, SetOption, load
+from gyre_hpc.execution.outcome import Outcome, group_rewards, mean_reward, pass_rate
+from gyre_hpc.execution.run_id import eval_run_id
 from gyre_hpc.observability import events as ev
-from gyre_hpc.outcome import Outcome
-from gyre_hpc.proxy.local import LocalServing
+from gyre_hpc.proxy.loopback import LocalServing
 from gyre_hpc.recipe.schema import Recipe
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.sandbox.confine import for_run
@@ -118,23 +119,22 @@ async def _run(
                 r.cells.count * r.cells.capacity,
                 on_event,
             )
-            jobs = [(f"{t.id}-g{g}", t) for t in tasks for g in range(1)]
+            jobs = [(eval_run_id(t.id), t) for t in tasks]
             outcomes = await dispatcher.run_all(jobs)
     events.close()
     return outcomes
 
 
 def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
-    counted = [o for o in outcomes if o.score.counts_in_group]
-    rewards = [o.score.reward or 0.0 for o in counted]
+    rewards = group_rewards(outcomes)
     kinds: dict[str, int] = {}
     for o in outcomes:
         kinds[o.score.kind] = kinds.get(o.score.kind, 0) + 1
     n = max(len(outcomes), 1)
     return {
         "tasks": len(outcomes),
-        "pass_rate": sum(1 for x in rewards if x >= 1.0) / max(len(rewards), 1),
-        "mean_score": sum(rewards) / max(len(rewards), 1),
+        "pass_rate": pass_rate(rewards),
+        "mean_score": mean_reward(rewards),
         "scoring": ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())),
         "statuses": ", ".join(
             f"{s} {sum(1 for o in outcomes if o.execution.status == s)}"

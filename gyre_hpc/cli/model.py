@@ -16,7 +16,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from gyre_hpc.builtin_models import needs_build, resolve_model
+from gyre_hpc.builtin_models.resolve import needs_build, resolve_model
 from gyre_hpc.errors import GyreError
 
 model_app = typer.Typer(help="Build and inspect models.", no_args_is_help=True)
@@ -56,9 +56,9 @@ def init_tiny(
 
     Example: `gyre-hpc model init-tiny models/tiny --seed 0`
     """
+    from gyre_hpc.builtin_models.warmstart import warmstart as warm
     from gyre_hpc.models.tiny import init_tiny as build
     from gyre_hpc.tasks.suites import WORDS
-    from gyre_hpc.warmstart import warmstart as warm
 
     if warmstart is not None and warmstart != "smoke":
         raise GyreError(f"--warmstart {warmstart!r}: only the smoke suite has demonstrations (valid: smoke)")

@@ -10,12 +10,9 @@ from rich.console import Console
 from rich.syntax import Syntax
 
 from gyre_hpc.errors import GyreError, RecipeError
-from gyre_hpc.memory_plan import MemoryPlan, check_memory
-from gyre_hpc.models.catalog import model_shape
-from gyre_hpc.placement import engine_plan
+from gyre_hpc.launch.check import check_launch
 from gyre_hpc.recipe import Recipe, load_recipe, to_toml
 from gyre_hpc.recipe.load import schema_lines
-from gyre_hpc.recipe.runnable import check_runnable, check_trackers
 from gyre_hpc.rundir import RunDir
 
 RecipeArg = Annotated[Path, typer.Argument(help="Recipe TOML file.", show_default=False)]
@@ -29,14 +26,6 @@ app = typer.Typer(help="Check and inspect recipes.", no_args_is_help=True)
 
 def load(path: Path, sets: list[str] | None) -> Recipe:
     return load_recipe(path, sets or [])
-
-
-def check_launchable(r: Recipe) -> MemoryPlan | None:
-    """What ``check``, ``run`` and ``submit`` ask before a launch: the backends this runtime drives
-    and the memory plan (returned); a ``RecipeError`` (one line) for either."""
-    check_runnable(r.engine, r.trainer)
-    check_trackers(r.observability)
-    return check_memory(model_shape(r.run.model), r.cells, r.engine, r.trainer, r.agent)
 
 
 def load_resumed(path: Path, sets: list[str] | None) -> tuple[RunDir, Recipe]:
@@ -59,7 +48,7 @@ def check(recipe: RecipeArg, set_: SetOption = None) -> None:
     """
     r = load(recipe, set_)
     try:
-        plan = check_launchable(r)
+        launch = check_launch(r)
     except RecipeError as err:
         raise RecipeError(f"{recipe}: valid, but not runnable: {err}") from None
     cells = r.cells
@@ -67,12 +56,12 @@ def check(recipe: RecipeArg, set_: SetOption = None) -> None:
         f"{recipe}: ok — {r.scheduler.mode}, {cells.count} cells × {cells.ranks_per_cell} ranks, "
         f"engine {r.engine.backend}, trainer {r.trainer.backend}, model {r.run.model}"
     )
-    engines = engine_plan(cells.ranks_per_cell, r.slurm.nodes_per_cell, r.engine.tp_size)
+    engines = launch.engines
     typer.echo(f"engine replicas a cell: {engines.replicas}, tensor-parallel {r.engine.tp_size}")
     if cells.ranks_per_cell > 1:
         typer.echo("\n".join(f"  {line}" for line in engines.describe().splitlines()))
-    if plan is not None:
-        typer.echo("\n".join(plan.lines()))
+    if launch.memory is not None:
+        typer.echo("\n".join(launch.memory.lines()))
     elif r.cells.gpu_memory_gib:
         typer.echo(f"memory plan: none (the shape of {r.run.model} is not known here)")
 

@@ -18,12 +18,13 @@ from rich.progress import (
 )
 
 from gyre_hpc.cli.model import resolve_shown
-from gyre_hpc.cli.recipe import SetOption, check_launchable, load, load_resumed
+from gyre_hpc.cli.recipe import SetOption, load, load_resumed
 from gyre_hpc.diskspace import MIB, free_bytes
 from gyre_hpc.errors import GyreError
+from gyre_hpc.launch.check import check_launch
 from gyre_hpc.launch.local import LocalRun
-from gyre_hpc.layout import Layout
 from gyre_hpc.observability import events as ev
+from gyre_hpc.plan.ranks import RankLayout
 from gyre_hpc.rundir import RunDir
 
 EXIT = {"completed": 0, "failed": 1, "interrupted": 130, "preempted": 75}
@@ -54,14 +55,14 @@ def run(
         raise GyreError("give a RECIPE, or --resume RUN_DIR (not both)")
     if resume is not None:
         run_dir, r = load_resumed(resume, set_)
-        check_launchable(r)
+        check_launch(r)
         run_dir.add_resume(set_ or [], "mpirun")  # recipe.toml stays as the run was created
     else:
         r = load(recipe, set_)  # type: ignore[arg-type]
-        check_launchable(r)
+        check_launch(r)
         run_dir = RunDir.create(r.run.runs_dir, r.run.name)
         run_dir.write_recipe(r)
-    layout = Layout.from_config(r.cells)
+    layout = RankLayout.from_config(r.cells)
     console = Console(stderr=True, soft_wrap=True)
     resolve_shown(r.run.model, console)  # built once here, not by every rank at once
     verb = "resuming" if resume is not None else "gyre-hpc run"

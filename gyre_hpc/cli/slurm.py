@@ -11,14 +11,15 @@ from rich.console import Console
 
 from gyre_hpc.cli import output
 from gyre_hpc.cli.model import resolve_shown
-from gyre_hpc.cli.recipe import SetOption, check_launchable, load, load_resumed
+from gyre_hpc.cli.recipe import SetOption, load, load_resumed
 from gyre_hpc.cli.status import TargetArg, resolve
 from gyre_hpc.errors import GyreError, LaunchError
 from gyre_hpc.launch import slurm
+from gyre_hpc.launch.check import check_launch
 from gyre_hpc.launch.sbatch import render_sbatch
-from gyre_hpc.layout import Layout
 from gyre_hpc.observability import events as ev
-from gyre_hpc.placement import engine_plan
+from gyre_hpc.plan.placement import cell_engines
+from gyre_hpc.plan.ranks import RankLayout
 from gyre_hpc.rundir import RunDir
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -49,7 +50,7 @@ def submit(
     if (recipe is None) == (resume is None):
         raise GyreError("give a RECIPE, or --resume RUN_DIR (not both)")
     run_dir, r = load_resumed(resume, set_) if resume is not None else (None, load(recipe, set_))  # type: ignore[arg-type]
-    layout = Layout.from_config(r.cells)
+    layout = RankLayout.from_config(r.cells)
     python = r.slurm.python or sys.executable
     if r.executors.nodes and r.proxy.host in LOOPBACK:
         raise GyreError(
@@ -65,7 +66,7 @@ def submit(
             run_dir=where,
             python=python,
             max_restarts=r.run.max_restarts,
-            engines=engine_plan(r.cells.ranks_per_cell, r.slurm.nodes_per_cell, r.engine.tp_size).describe(),
+            engines=cell_engines(r.cells, r.slurm, r.engine).describe(),
             executors=r.executors,
         )
 
@@ -75,7 +76,7 @@ def submit(
             nl=False,
         )
         return
-    check_launchable(r)
+    check_launch(r)
     resolve_shown(r.run.model, output.console(stderr=True))  # built here once, not by every rank
     if run_dir is None:
         run_dir = RunDir.create(r.run.runs_dir, r.run.name)

@@ -41,7 +41,7 @@ LOAD = "load"
 TO_SERVING = {State.SERVING: (), State.PAUSED: (CONTINUE,), State.RELEASED: (RESUME, CONTINUE)}
 
 
-class Refused(RuntimeError):
+class VerbNotAllowed(RuntimeError):
     """A verb the state does not allow (a load into released memory)."""
 
 
@@ -58,7 +58,7 @@ def step(state: State, verb: str, saver: bool) -> tuple[State, tuple[str, ...]]:
         return State.SERVING, TO_SERVING[state]
     if verb == "load":
         if state == State.RELEASED:
-            raise Refused("a load into released memory: the server must resume it first")
+            raise VerbNotAllowed("a load into released memory: the server must resume it first")
         return state, (LOAD,)
     if verb == "restarted":
         back = step(State.SERVING, "train", saver) if state != State.SERVING else (State.SERVING, ())

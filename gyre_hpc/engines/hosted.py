@@ -31,12 +31,12 @@ from aiohttp import web
 from gyre_hpc.engines.colocation import LOAD, State, step
 from gyre_hpc.engines.embedded import Engine
 from gyre_hpc.engines.emulated import EmulatedEngine
+from gyre_hpc.engines.pushed import Pushed
 from gyre_hpc.engines.server import make_app
 from gyre_hpc.engines.sglang import SGLangServer, Span
 from gyre_hpc.errors import LaunchError
-from gyre_hpc.memory_plan import Shape
 from gyre_hpc.models.qwen3 import Qwen3Config
-from gyre_hpc.pushed import Pushed
+from gyre_hpc.plan.memory import Shape
 from gyre_hpc.recipe.schema import EngineConfig
 
 log = logging.getLogger(__name__)

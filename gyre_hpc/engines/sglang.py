@@ -29,7 +29,6 @@ import logging
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -45,11 +44,12 @@ import numpy as np
 
 from gyre_hpc.engines import weight_delta as wd
 from gyre_hpc.engines.client import EngineClient, EngineError
+from gyre_hpc.engines.pushed import Pushed
 from gyre_hpc.engines.weight_delta import LOADER
 from gyre_hpc.errors import LaunchError
+from gyre_hpc.launch.ports import free_port
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.qwen3 import Qwen3Config
-from gyre_hpc.pushed import Pushed
 from gyre_hpc.recipe.schema import EngineConfig
 
 T = TypeVar("T")
@@ -131,12 +131,6 @@ def cpu_threads_bind(cores: list[int], ranks: int) -> str:
         return "|".join(str(cores[r % len(cores)]) for r in range(ranks))
     size = len(cores) // ranks
     return "|".join(",".join(map(str, cores[r * size : (r + 1) * size])) for r in range(ranks))
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def call(url: str, verb: Callable[[EngineClient], Awaitable[T]], timeout_s: float = 600.0) -> T:

@@ -34,10 +34,10 @@ from typing import Any
 from aiohttp import web
 
 from gyre_hpc.errors import GyreError
+from gyre_hpc.execution.outcome import Outcome
 from gyre_hpc.executors.job import Job
 from gyre_hpc.executors.slots import place
 from gyre_hpc.observability import events as ev
-from gyre_hpc.outcome import Outcome
 from gyre_hpc.proxy.keys import bearer_is
 from gyre_hpc.recipe.schema import ExecutorsConfig
 from gyre_hpc.tasks.task import Task

@@ -29,10 +29,10 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
-from gyre_hpc.launch.outcome import diagnose, record
-from gyre_hpc.layout import Layout
+from gyre_hpc.launch.ending import diagnose, record
+from gyre_hpc.launch.orphans import die_with_parent
 from gyre_hpc.observability import events as ev
-from gyre_hpc.orphans import die_with_parent
+from gyre_hpc.plan.ranks import RankLayout
 from gyre_hpc.rundir import RunDir
 
 # Ranks outnumber cores on a laptop: busy-polling MPI would starve the controller.
@@ -44,7 +44,7 @@ MPI_ENV = {
 }
 
 
-def mpirun_command(layout: Layout, python: str, run_dir: Path, as_root: bool) -> list[str]:
+def mpirun_command(layout: RankLayout, python: str, run_dir: Path, as_root: bool) -> list[str]:
     """The mpirun line that starts every rank of ``layout`` on this machine."""
     root = ["--allow-run-as-root"] if as_root else []
     return [
@@ -65,7 +65,7 @@ def mpirun_command(layout: Layout, python: str, run_dir: Path, as_root: bool) ->
 @dataclass
 class LocalRun:
     run_dir: RunDir
-    layout: Layout
+    layout: RankLayout
     grace_s: float = 5.0
     python: str = sys.executable
     max_restarts: int = 0

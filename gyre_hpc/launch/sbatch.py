@@ -10,7 +10,7 @@
 
 One ``srun --mpi=pmix`` of ``:``-separated parts, ``--het-group=0 … : --het-group=1 …``, then
 starts one MPI world across the components, in that order, which is exactly the rank order
-``layout.Layout`` expects. Executor nodes are not in that world: a second ``srun`` of their
+``layout.RankLayout`` expects. Executor nodes are not in that world: a second ``srun`` of their
 component starts one ``executors.node`` per node, so a lost executor node leaves the world (and
 its step) going; they serve every world of the job and stop when the script ends. Output goes to
 ``<run_dir>/logs/slurm.out``: never ``%j`` in a path shared by components, it expands per component.
@@ -23,7 +23,7 @@ import string
 from pathlib import Path
 
 from gyre_hpc.errors import LaunchError
-from gyre_hpc.layout import Layout
+from gyre_hpc.plan.ranks import RankLayout
 from gyre_hpc.recipe.schema import ExecutorsConfig, SlurmConfig
 from gyre_hpc.rundir import EXIT, RunDir
 
@@ -39,7 +39,7 @@ class _Template(string.Template):
 
 def render_sbatch(
     slurm: SlurmConfig,
-    layout: Layout,
+    layout: RankLayout,
     *,
     job_name: str,
     run_dir: Path,
@@ -150,7 +150,7 @@ def _controller(slurm: SlurmConfig) -> list[str]:
     ]
 
 
-def _cells(slurm: SlurmConfig, layout: Layout) -> list[str]:
+def _cells(slurm: SlurmConfig, layout: RankLayout) -> list[str]:
     nodes = layout.cells * slurm.nodes_per_cell
     per_node = layout.ranks_per_cell // slurm.nodes_per_cell
     return [
@@ -162,7 +162,7 @@ def _cells(slurm: SlurmConfig, layout: Layout) -> list[str]:
     ]
 
 
-def _pool(slurm: SlurmConfig, layout: Layout) -> list[str]:
+def _pool(slurm: SlurmConfig, layout: RankLayout) -> list[str]:
     return [
         f"--nodes={layout.pool}",
         f"--ntasks={layout.pool}",

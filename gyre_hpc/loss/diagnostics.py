@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from gyre_hpc.token_stats import MISMATCH_AT, TokenStats
+from gyre_hpc.loss.token_stats import MISMATCH_AT, TokenStats
 
 
 @torch.no_grad()

@@ -80,7 +80,9 @@ class SandboxUp(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class Hello(Event):
-    """A cell (or standalone engine) is up."""
+    """A cell (or standalone rollout engine) is up and says where it serves: the URL of each of its
+    engine replicas, in replica order. Its leader sends it (``runtime.protocol``); the controller
+    records it as it came."""
 
     kind: ClassVar[str] = "hello"
     cell: int

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gyre_hpc.cell_time import CATEGORIES, COLORS, cell_totals
 from gyre_hpc.observability import events as ev
+from gyre_hpc.observability.cell_time import CATEGORIES, COLORS, cell_totals
 
 SERIES = {
     "training reward (mean)": "#1f77b4",

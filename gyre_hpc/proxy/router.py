@@ -221,9 +221,9 @@ class Router:
                 res = await slot.client.generate(
                     input_ids + output, left, rid=flight.rid, extra_key=f"v{version}"
                 )
-            except EngineError as err:
-                if err.refused:  # never the engine's fault: the client hears it at once
-                    raise Refused(_reason(err)) from None
+            except (EngineError, aiohttp.ClientError, TimeoutError) as err:
+                if isinstance(err, EngineError) and err.refused:  # never the engine's fault:
+                    raise Refused(_reason(err)) from None  # the client hears it at once
                 slot.down_until = time.monotonic() + self.retry_down_s  # try the others first
                 self._unsure(slot)
                 output, logprobs, segments, rerouted = [], [], [], True
@@ -233,13 +233,6 @@ class Router:
             except asyncio.CancelledError:  # the client went away: the engine stops too
                 await _abort(slot, flight.rid)
                 raise
-            except (aiohttp.ClientError, TimeoutError):
-                slot.down_until = time.monotonic() + self.retry_down_s  # try the others first
-                self._unsure(slot)
-                output, logprobs, segments, rerouted = [], [], [], True
-                if time.monotonic() >= deadline:
-                    raise NoEngine(f"engine {slot.url} failed and no other served in time") from None
-                continue
             finally:
                 slot.book()
                 slot.inflight.pop(flight.rid, None)

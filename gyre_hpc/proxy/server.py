@@ -45,9 +45,9 @@ from gyre_hpc.proxy.chat import RunChats, parse_reply
 from gyre_hpc.proxy.keys import KeyRing
 from gyre_hpc.proxy.request import BadChat, bounded, chat_request, token_request
 from gyre_hpc.proxy.router import EngineSlot, NoEngine, Router
+from gyre_hpc.proxy.run_shard import shard_of
 from gyre_hpc.proxy.tito_log import TitoLog
 from gyre_hpc.recipe.schema import ProxyConfig
-from gyre_hpc.run_shard import shard_of
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.trajectory.records import CallMeta, TitoRecord
 

@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 
 from gyre_hpc.errors import GyreError
-from gyre_hpc.orphans import die_with_parent
+from gyre_hpc.launch.orphans import die_with_parent
 from gyre_hpc.proxy.tito_log import TitoTail
 from gyre_hpc.proxy.worker import ADMIN, WorkerSpec, share
 from gyre_hpc.rundir import RunDir

@@ -14,7 +14,7 @@ import tomllib
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import tomli_w
 
@@ -22,6 +22,7 @@ from gyre_hpc.errors import RecipeError
 from gyre_hpc.recipe.schema import SECTIONS, Recipe
 
 Origins = dict[tuple[str, str], str]
+C = TypeVar("C")
 
 
 def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recipe:
@@ -47,6 +48,25 @@ def parse_override(text: str) -> tuple[str, str, str]:
     if not sep or not dot or not section or not key or "." in key:
         raise RecipeError(f"--set {text!r}: expected section.key=value, e.g. --set cells.count=3")
     return section, key, raw.strip()
+
+
+def with_sets(config: C, overrides: Sequence[str], what: str) -> C:
+    """One config dataclass with ``key=value`` overrides (``bench sim --set``): each value read as
+    a recipe key's is (TOML, or a bare string) and checked against its field's type and range."""
+    cls = type(config)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    changes = {}
+    for text in overrides:
+        key, sep, raw = (part.strip() for part in text.partition("="))
+        if not sep or key not in fields:
+            valid = describe_section(cls)
+            raise RecipeError(f"--set {text}: unknown {what} key{_suggest(key, fields)}; valid keys: {valid}")
+        changes[key] = _check(_parse_raw(raw, hints[key]), hints[key], fields[key].metadata, f"--set {key}")
+    try:
+        return dataclasses.replace(config, **changes)
+    except ValueError as err:  # the dataclass's own checks
+        raise RecipeError(f"--set: {err}") from None
 
 
 def build_recipe(data: dict[str, Any], origins: Origins, source: str) -> Recipe:

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gyre_hpc.errors import RecipeError
-from gyre_hpc.placement import check_engine_plan, engine_plan
 from gyre_hpc.trajectory.records import ROLE_PRIORITY
 
 Mode = Literal["elastic", "async", "colocate"]
@@ -536,14 +535,6 @@ class Recipe:
             raise RecipeError(
                 f"cells.ranks_per_cell = {cells.ranks_per_cell} must be a multiple of "
                 f"slurm.nodes_per_cell = {self.slurm.nodes_per_cell}"
-            )
-        plan = engine_plan(cells.ranks_per_cell, self.slurm.nodes_per_cell, self.engine.tp_size)
-        check_engine_plan(plan, self.engine.allow_idle_gpus)
-        if any(p.nnodes > 1 for p in plan.parts) and self.engine.weight_sync in ("tensor", "delta"):
-            raise RecipeError(
-                f"engine.tp_size = {self.engine.tp_size} spans nodes: its weights cannot go by "
-                f'reference (engine.weight_sync = "{self.engine.weight_sync}" shares memory within '
-                'a node); set engine.weight_sync = "broadcast"'
             )
         if cells.ranks_per_cell % (trainer.tp_size * trainer.pp_size):
             raise RecipeError(

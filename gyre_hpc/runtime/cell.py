@@ -1,10 +1,10 @@
 """A cell: a fixed group of ranks holding one model replica; its leader talks to the controller.
 
 ```
-   IDLE ──SwitchRole──▶ SAMPLING ◀──SwitchRole──▶ TRAINING
+   IDLE ──TakeRole──▶ SAMPLING ◀──TakeRole──▶ TRAINING
      │                   │ engine serves            │ engine paused; TrainStep → claim
      │                   │ LoadWeights → pull v     │ micro-steps; core: ApplyStep → v+1
-     └──────── Shutdown ─┴──────── Shutdown ────────┘
+     └──────── Goodbye ─┴──────── Goodbye ────────┘
 ```
 
 The engine is one replica per tensor-parallel group of the cell's GPUs (``placement``),
@@ -33,7 +33,7 @@ from gyre_hpc.runtime.world import World
 def run_cell(
     world: World, cells: CellsConfig, engine: EngineConfig, trainer: TrainerConfig, setup: CellSetup | None
 ) -> None:
-    """This rank's part of its cell, until the controller's Shutdown: placed with the others
+    """This rank's part of its cell, until the controller's Goodbye: placed with the others
     (collective), then its loop; its engine stopped and its messages flushed however it ends."""
     rank = (Leader if world.is_leader else Member)(world, cells, engine, trainer, setup)
     rank.place()

@@ -22,9 +22,10 @@ import numpy as np
 import torch
 
 from gyre_hpc.engines.hosted import HostedEngine, host_engine, resolve_device
-from gyre_hpc.engines.sglang import Span, free_port
-from gyre_hpc.placement import EnginePart, EnginePlan, engine_plan, replica_capacity
-from gyre_hpc.pushed import Pushed
+from gyre_hpc.engines.pushed import Pushed
+from gyre_hpc.engines.sglang import Span
+from gyre_hpc.launch.ports import free_port
+from gyre_hpc.plan.placement import EnginePart, EnginePlan, engine_plan, replica_capacity
 from gyre_hpc.recipe.schema import CellsConfig, EngineConfig, TrainerConfig
 from gyre_hpc.rundir import engine_part_dir
 from gyre_hpc.runtime.protocol import (
@@ -115,7 +116,7 @@ class CellHost:
         self.part, self.span = self._engine_part()
 
     def serve(self) -> None:
-        """This rank's loop (``Leader.lead``, ``Member.follow``) until Shutdown."""
+        """This rank's loop (``Leader.lead``, ``Member.follow``) until Goodbye."""
         raise NotImplementedError
 
     def _engine_part(self) -> tuple[EnginePart | None, Span | None]:
@@ -181,7 +182,7 @@ class CellHost:
 
     def _megatron_world(self):  # noqa: ANN202 - a MegatronWorld (megatron-core is optional)
         """Collective over the cell: the leader picks where the rendezvous store listens."""
-        from gyre_hpc.trainer.megatron_backend import MegatronWorld, free_port
+        from gyre_hpc.trainer.megatron_backend import MegatronWorld
 
         comm, env = self.world.cell_comm, self.world.env
         host = env.hostname if env.launcher == "slurm" else "127.0.0.1"

@@ -1,10 +1,10 @@
 """A cell's leader: the rank that talks to the controller for its cell.
 
 ```
-   IDLE ──SwitchRole──▶ SAMPLING ◀──SwitchRole──▶ TRAINING
+   IDLE ──TakeRole──▶ SAMPLING ◀──TakeRole──▶ TRAINING
      │                   │ engine serves            │ engine paused; TrainStep → claim
      │                   │ LoadWeights → pull v     │ micro-steps; core: ApplyStep → v+1
-     └──────── Shutdown ─┴──────── Shutdown ────────┘
+     └──────── Goodbye ─┴──────── Goodbye ────────┘
 ```
 
 It says Hello with every replica's URL, beats its heart, supervises its engine, and answers
@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gyre_hpc.layout import CONTROLLER
-from gyre_hpc.pushed import Pushed
+from gyre_hpc.engines.pushed import Pushed
+from gyre_hpc.plan.ranks import CONTROLLER
 from gyre_hpc.runtime.cell_host import CellHost, hand_over
 from gyre_hpc.runtime.protocol import (
     POLL_INTERVAL_S,
@@ -32,19 +32,19 @@ from gyre_hpc.runtime.protocol import (
     CloseQueue,
     EnginesUp,
     EngineVerb,
+    Goodbye,
     Heartbeat,
     Hello,
+    Loaded,
     LoadWeights,
     Message,
     MicroSteps,
     ProtocolError,
-    RoleSwitched,
-    Shutdown,
+    RoleTaken,
     StepApplied,
-    SwitchRole,
+    TakeRole,
     TrainDone,
     TrainStep,
-    WeightsLoaded,
 )
 from gyre_hpc.runtime.replica import MirroredTrainer
 from gyre_hpc.scheduler.policy import Role
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class Session:
+class StepTraining:
     """This cell's part in one step's training."""
 
     step: int
@@ -67,14 +67,14 @@ class Session:
 class Leader(CellHost):
     """Rank 0 of a cell."""
 
-    session: Session | None = None
+    session: StepTraining | None = None
     trained_step = -1
 
     @property
     def handlers(self) -> dict[type, Callable[[Any, float], None]]:
-        """The controller's verbs (Shutdown ends ``lead`` itself)."""
+        """The controller's verbs (Goodbye ends ``lead`` itself)."""
         return {
-            SwitchRole: self.on_switch,
+            TakeRole: self.on_switch,
             LoadWeights: self.on_load,
             TrainStep: self.on_train_step,
             MicroSteps: self.on_micro_steps,
@@ -116,13 +116,13 @@ class Leader(CellHost):
         layout = self.world.layout
         self.to_controller.send(
             Hello(
-                self.unit,
-                self.world.rank,
-                self.world.env.node_name,
-                os.getpid(),
-                self.addresses,
-                self.cells.capacity,
-                layout.is_standalone(self.unit),
+                cell=self.unit,
+                rank=self.world.rank,
+                host=self.world.env.node_name,
+                pid=os.getpid(),
+                addresses=self.addresses,
+                capacity=self.cells.capacity,
+                standalone=layout.is_standalone(self.unit),
             ),
             CONTROLLER,
         )
@@ -143,10 +143,10 @@ class Leader(CellHost):
                     time.sleep(POLL_INTERVAL_S)
                 continue
             msg = got[1]
-            if isinstance(msg, SwitchRole | LoadWeights) and (self.engine.restarting or deferred):
+            if isinstance(msg, TakeRole | LoadWeights) and (self.engine.restarting or deferred):
                 deferred.append(msg)  # in order, once the engine is back (heartbeats go on meanwhile)
                 continue
-            if isinstance(msg, Shutdown):
+            if isinstance(msg, Goodbye):
                 self._forward(msg)
                 log.info("cell %d: shutdown (%s)", self.unit, msg.reason)
                 return
@@ -157,16 +157,16 @@ class Leader(CellHost):
 
     # ---- the controller's verbs, one handler each ---------------------------------------------
 
-    def on_switch(self, msg: SwitchRole, started: float) -> None:
+    def on_switch(self, msg: TakeRole, started: float) -> None:
         self.switch(msg)
         seconds = time.monotonic() - started
-        self.to_controller.send(RoleSwitched(self.unit, msg.role, msg.seq, seconds), CONTROLLER)
+        self.to_controller.send(RoleTaken(self.unit, msg.role, msg.seq, seconds), CONTROLLER)
         log.info("cell %d: role %s (%.3f s)", self.unit, msg.role, seconds)
 
     def on_load(self, msg: LoadWeights, started: float) -> None:
         pushed = self.load_weights(msg.version)
         seconds = time.monotonic() - started
-        self.to_controller.send(WeightsLoaded(self.unit, msg.version, seconds, pushed), CONTROLLER)
+        self.to_controller.send(Loaded(self.unit, msg.version, seconds, pushed), CONTROLLER)
 
     def on_train_step(self, msg: TrainStep, started: float) -> None:
         self.session = self.open_session(msg)
@@ -182,7 +182,7 @@ class Leader(CellHost):
     def on_apply(self, msg: ApplyStep, started: float) -> None:
         self.to_controller.send(self.apply(msg, started), CONTROLLER)
 
-    def switch(self, msg: SwitchRole) -> None:
+    def switch(self, msg: TakeRole) -> None:
         """The GPUs change hands in an order that never needs both at once: to sample, every
         rank's trainer lets go before any engine replica resumes; to train, every replica lets
         go before any trainer takes its memory back."""
@@ -224,8 +224,8 @@ class Leader(CellHost):
             pushed = self.load_pulled(version)
         wait = self.engine_cfg.start_timeout_s + self.cells.heartbeat_timeout_s  # a restarting replica
         for rank in hosts:
-            _, ack = self.in_cell.recv(wait, rank, f"WeightsLoaded from cell member {rank}")
-            if not (isinstance(ack, WeightsLoaded) and ack.version == version):
+            _, ack = self.in_cell.recv(wait, rank, f"Loaded from cell member {rank}")
+            if not (isinstance(ack, Loaded) and ack.version == version):
                 raise ProtocolError(f"cell {self.unit}: member {rank} answered {ack!r}")
             pushed += ack.pushed
         return pushed
@@ -235,7 +235,7 @@ class Leader(CellHost):
         them from its head's weight group)."""
         return sorted({p.host_rank for p in self.plan.parts if p.head and p.host_rank != 0})
 
-    def open_session(self, msg: TrainStep) -> Session:
+    def open_session(self, msg: TrainStep) -> StepTraining:
         """Join a step: its snapshot, a zero gradient, then claim micro-steps (``work_once``)."""
         assert self.trainer is not None, "a standalone engine never trains"
         if self.trainer.version != msg.version:
@@ -245,7 +245,7 @@ class Leader(CellHost):
             self.scratch_version = msg.version
         self.trainer.zero_grad()
         self.trained_step = msg.step
-        return Session(msg.step, Claims.of(msg.queue, msg.closed), time.monotonic())
+        return StepTraining(msg.step, Claims.of(msg.queue, msg.closed), time.monotonic())
 
     def work_once(self) -> bool:
         """One claim or one micro-step of the open session; False while waiting for data."""
@@ -281,7 +281,7 @@ class Leader(CellHost):
             )
         return StepApplied(msg.step, stats.version, stats.grad_norm, time.monotonic() - started, saved)
 
-    def _forward(self, msg: SwitchRole | Shutdown) -> None:
+    def _forward(self, msg: TakeRole | Goodbye) -> None:
         for member in range(1, self.world.cell_comm.Get_size()):
             self.in_cell.send(msg, member)
 
@@ -290,5 +290,5 @@ class Leader(CellHost):
             _, ack = self.in_cell.recv(
                 self.cells.heartbeat_timeout_s, member, f"ack from cell member {member}"
             )
-            if not (isinstance(ack, RoleSwitched) and ack.seq == seq):
+            if not (isinstance(ack, RoleTaken) and ack.seq == seq):
                 raise ProtocolError(f"cell {self.unit}: member {member} answered {ack!r}")

@@ -1,11 +1,11 @@
 """A cell's member: a rank other than the leader, following what its leader forwards.
 
 ```
- leader ──SwitchRole──▶ member: its trainer's memory handed over, then acknowledged
+ leader ──TakeRole──▶ member: its trainer's memory handed over, then acknowledged
         ──EngineVerb──▶ its engine part paused or resumed, acknowledged
-        ──LoadWeights─▶ its engine part pulls the core's snapshot, WeightsLoaded
+        ──LoadWeights─▶ its engine part pulls the core's snapshot, Loaded
         ──Mirror──────▶ its part of a megatron trainer's collective verb (``runtime.replica``)
-        ──Shutdown────▶ done
+        ──Goodbye────▶ done
 ```
 
 Each verb has one handler (``handlers``). It never talks to the controller: a leader that dies
@@ -25,14 +25,14 @@ from gyre_hpc.runtime.protocol import (
     POLL_INTERVAL_S,
     EnginesUp,
     EngineVerb,
+    Goodbye,
+    Loaded,
     LoadWeights,
     Message,
     Mirror,
     ProtocolError,
-    RoleSwitched,
-    Shutdown,
-    SwitchRole,
-    WeightsLoaded,
+    RoleTaken,
+    TakeRole,
 )
 from gyre_hpc.runtime.replica import mirror
 
@@ -46,9 +46,9 @@ class Member(CellHost):
 
     @property
     def handlers(self) -> dict[type, Callable[[Any], None]]:
-        """The leader's verbs (Shutdown ends ``serve`` itself)."""
+        """The leader's verbs (Goodbye ends ``serve`` itself)."""
         return {
-            SwitchRole: self.on_switch,
+            TakeRole: self.on_switch,
             EngineVerb: self.on_engine_verb,
             LoadWeights: self.on_load,
             Mirror: self.on_mirror,
@@ -69,7 +69,7 @@ class Member(CellHost):
                 time.sleep(POLL_INTERVAL_S)
                 continue
             msg = got[1]
-            if isinstance(msg, Shutdown):
+            if isinstance(msg, Goodbye):
                 return
             handler = self.handlers.get(type(msg))
             if handler is None or (handler != self.on_switch and not self.can(msg)):
@@ -82,12 +82,12 @@ class Member(CellHost):
 
     # ---- the leader's verbs, one handler each ---------------------------------------------------
 
-    def on_switch(self, msg: SwitchRole) -> None:
+    def on_switch(self, msg: TakeRole) -> None:
         # Acknowledged only once done: to sample, the engines resume after every member's
         # release; to train, the leader forwards this after they let go.
         hand_over(self.mirrored, msg.role)
         self.role = msg.role
-        self.in_cell.send(RoleSwitched(self.unit, msg.role, msg.seq, 0.0), 0)
+        self.in_cell.send(RoleTaken(self.unit, msg.role, msg.seq, 0.0), 0)
 
     def on_engine_verb(self, msg: EngineVerb) -> None:
         getattr(self.engine, msg.verb)()
@@ -101,7 +101,7 @@ class Member(CellHost):
             time.sleep(POLL_INTERVAL_S)
         pushed = self.load_pulled(msg.version)
         seconds = time.monotonic() - started
-        self.in_cell.send(WeightsLoaded(self.unit, msg.version, seconds, pushed), 0)
+        self.in_cell.send(Loaded(self.unit, msg.version, seconds, pushed), 0)
 
     def on_mirror(self, msg: Mirror) -> None:
         mirror(self.mirrored, msg, self.world.cell_comm, self.scratch)

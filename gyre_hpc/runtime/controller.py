@@ -29,9 +29,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gyre_hpc.cell_time import CellHours
-from gyre_hpc.data_order import DataOrder
+from gyre_hpc.execution.outcome import group_rewards, mean_reward, pass_rate
+from gyre_hpc.execution.run_id import eval_run_id
 from gyre_hpc.observability import events as ev
+from gyre_hpc.observability.cell_time import CellHours
 from gyre_hpc.observability.plot import plot_cells, plot_run
 from gyre_hpc.observability.tracking import Trackers
 from gyre_hpc.recipe.schema import RunConfig, SchedulerConfig, TasksConfig, TrainerConfig, TrajectoryConfig
@@ -49,6 +50,7 @@ from gyre_hpc.scheduler.steps import (
     step_kind,
     wait_for,
 )
+from gyre_hpc.tasks.data_order import DataOrder
 from gyre_hpc.tasks.suites import load_suite
 
 log = logging.getLogger(__name__)
@@ -170,16 +172,16 @@ class Controller:
     def evaluate(self, step: int) -> None:
         """Held-out tasks on the engines sampling now, with the version just published."""
         tasks = load_suite(self.tasks.suite, self.tasks.eval_n, seed=self.run_cfg.seed, split="heldout")
-        jobs = [(f"eval{step:04d}-{t.id}", t) for t in tasks]
+        jobs = [(eval_run_id(t.id, step), t) for t in tasks]
         outcomes = wait_for(self.fleet, self.serving.dispatch(jobs, self.run_dir.step_workspaces(step)))
-        rewards = [o.score.reward or 0.0 for o in outcomes if o.score.counts_in_group]
+        rewards = group_rewards(outcomes)
         event = ev.Eval(
             step=step,
             version=self.fleet.version,
             n=len(outcomes),
             statuses=dict(Counter(o.execution.status for o in outcomes)),
-            pass_rate=sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
-            mean_score=sum(rewards) / max(len(rewards), 1),
+            pass_rate=pass_rate(rewards),
+            mean_score=mean_reward(rewards),
         )
         self.watch.trackers.record(self.events.emit(event))
 

@@ -4,8 +4,8 @@
  step kinds (scheduler.steps) ──▶ Fleet ┬─ MpiFleet: control messages to cell leaders (runtime.protocol)
  controller (start, shutdown)           └─ tests: an in-process fake on a scripted clock
    start()            every cell's Hello (address, capacity)
-   switch(roles)      SwitchRole → every RoleSwitched           (several cells switch in parallel)
-   load_weights(v)    LoadWeights → every WeightsLoaded         (engines pull snapshot v)
+   switch(roles)      TakeRole → every RoleTaken           (several cells switch in parallel)
+   load_weights(v)    LoadWeights → every Loaded         (engines pull snapshot v)
    train / extend / close_queue                                 (a step's micro-step queue)
    receive()          the one wait: books heartbeats, checks liveness, returns the next TrainDone
    apply(step, …)     ApplyStep to the core → StepApplied        (version v+1)
@@ -20,35 +20,34 @@ dropped.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gyre_hpc.cell_time import CellHours
-from gyre_hpc.layout import Layout
+from gyre_hpc.engines.pushed import Pushed
 from gyre_hpc.observability import events as ev
-from gyre_hpc.pushed import Pushed
+from gyre_hpc.observability.cell_time import CellHours
+from gyre_hpc.plan.ranks import RankLayout
 from gyre_hpc.recipe.schema import CellsConfig, EngineConfig
 from gyre_hpc.runtime.protocol import (
     POLL_INTERVAL_S,
     ApplyStep,
     Channel,
     CloseQueue,
+    Goodbye,
     Heartbeat,
     Hello,
+    Loaded,
     LoadWeights,
     Message,
     MicroSteps,
     ProtocolError,
-    RoleSwitched,
-    Shutdown,
+    RoleTaken,
     StepApplied,
-    SwitchRole,
+    TakeRole,
     TrainDone,
     TrainStep,
-    WeightsLoaded,
     wait_barrier,
 )
 from gyre_hpc.scheduler.policy import Role
@@ -90,7 +89,7 @@ class MpiFleet:
     def __init__(
         self,
         comm: object,
-        layout: Layout,
+        layout: RankLayout,
         cells: CellsConfig,
         transport: Transport,
         events: ev.EventLog,
@@ -172,7 +171,7 @@ class MpiFleet:
             self.hours.mark(msg.cell, "idle", self.clock())
             self.last_seen[msg.cell] = self.clock()
             missing.discard(msg.cell)
-            self.events.emit(ev.Hello(**dataclasses.asdict(msg)))  # the message, recorded as it came
+            self.events.emit(msg)  # the message, recorded as it came
 
     def switch(self, roles: dict[int, Role]) -> dict[int, float]:
         pending: dict[int, int] = {}
@@ -181,17 +180,17 @@ class MpiFleet:
                 continue
             self._seq += 1
             pending[cell] = self._seq
-            self.channel.send(SwitchRole(cell, role, self._seq), self.layout.leader(cell))
+            self.channel.send(TakeRole(cell, role, self._seq), self.layout.leader(cell))
             self.events.emit(ev.SwitchRole(cell=cell, role=str(role), seq=self._seq))
             self.hours.mark(cell, "switching", self.clock())
         seconds = {}
         while pending:
             msg = self._await(
-                lambda m: isinstance(m, RoleSwitched) and pending.get(m.cell) == m.seq,
+                lambda m: isinstance(m, RoleTaken) and pending.get(m.cell) == m.seq,
                 self.waits.reply_s,
-                f"RoleSwitched from cells {sorted(pending)}",
+                f"RoleTaken from cells {sorted(pending)}",
             )
-            assert isinstance(msg, RoleSwitched)
+            assert isinstance(msg, RoleTaken)
             del pending[msg.cell]
             self.roles[msg.cell] = msg.role
             self.hours.mark(msg.cell, str(msg.role), self.clock())
@@ -211,11 +210,11 @@ class MpiFleet:
         pending, slowest, pushed = set(units), 0.0, Pushed()
         while pending:
             msg = self._await(
-                lambda m: isinstance(m, WeightsLoaded) and m.version == version and m.cell in pending,
+                lambda m: isinstance(m, Loaded) and m.version == version and m.cell in pending,
                 self.waits.reply_s,
-                f"WeightsLoaded from {sorted(pending)}",
+                f"Loaded from {sorted(pending)}",
             )
-            assert isinstance(msg, WeightsLoaded)
+            assert isinstance(msg, Loaded)
             pending.discard(msg.cell)
             self.hours.mark(msg.cell, str(self.roles[msg.cell]), self.clock())
             slowest = max(slowest, msg.seconds)
@@ -271,7 +270,7 @@ class MpiFleet:
 
     def shutdown(self, reason: str) -> None:
         for unit in range(self.layout.units):
-            self.channel.send(Shutdown(reason), self.layout.leader(unit))
+            self.channel.send(Goodbye(reason), self.layout.leader(unit))
         self.events.emit(ev.Shutdown(reason=reason))
         self.channel.flush(self.config.heartbeat_timeout_s)
         wait_barrier(self.comm, self.config.heartbeat_timeout_s)

@@ -17,16 +17,16 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from gyre_hpc.builtin_models import resolve_model
-from gyre_hpc.cell_time import CellHours
+from gyre_hpc.builtin_models.resolve import resolve_model
 from gyre_hpc.diskspace import describe
 from gyre_hpc.launch.env import JobEnvironment
-from gyre_hpc.layout import CONTROLLER, Layout
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.qwen3 import Qwen3Config
 from gyre_hpc.observability import events as ev
+from gyre_hpc.observability.cell_time import CellHours
 from gyre_hpc.observability.events import EventLog
 from gyre_hpc.observability.tracking import TensorBoard, Trackers, WandB, Writer
+from gyre_hpc.plan.ranks import CONTROLLER, RankLayout
 from gyre_hpc.recipe.schema import Recipe
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.runtime import resume
@@ -42,7 +42,7 @@ from gyre_hpc.transport import Transport, TransportPlan, make_transport
 log = logging.getLogger("gyre_hpc.runtime")
 
 
-class Interrupted(BaseException):
+class SignalInterrupt(BaseException):
     """SIGTERM or SIGINT reached this rank (scancel, Ctrl-C on the launcher, mpirun)."""
 
     def __init__(self, signum: int) -> None:
@@ -51,7 +51,7 @@ class Interrupted(BaseException):
 
 
 def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
-    raise Interrupted(signum)
+    raise SignalInterrupt(signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGUSR2, on_usr2)
     try:
-        world = World(comm, Layout.from_config(recipe.cells), env)
+        world = World(comm, RankLayout.from_config(recipe.cells), env)
         kind = "controller" if world.is_controller else "cell"
         run_dir.write_rank(rank, pid=os.getpid(), host=env.node_name, kind=kind, cell=world.unit)
         model_dir = resolve_model(recipe.run.model)  # built by the launcher: a cache hit here
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             run_cell(world, recipe.cells, recipe.engine, recipe.trainer, setup)
         transport.close()  # collective: only on the way out of a run every rank completed
-    except Interrupted as sig:
+    except SignalInterrupt as sig:
         log.warning("rank %d interrupted by %s", rank, sig)
         if world is not None and world.is_controller:
             best_effort(events.emit, ev.Interrupted(rank=rank, signal=str(sig)))
@@ -133,7 +133,7 @@ def best_effort(fn: Callable[..., object], *args: object, **kwargs: object) -> N
         pass
 
 
-def transport_plan(layout: Layout, model_dir: Path) -> TransportPlan:
+def transport_plan(layout: RankLayout, model_dir: Path) -> TransportPlan:
     """Same on every rank: sizes come from the model's config, without building the model."""
     params = FlatLayout.of(Qwen3Config.load(model_dir)).numel
     satellites = tuple(layout.leader(c) for c in range(1, layout.cells))

@@ -4,16 +4,16 @@
  controller (rank 0)                         cell leader            cell members
    │                                          │◀── EnginesUp ──────────┤  members hosting a replica
    │◀──────────────── Hello ──────────────────┤                        │
-   ├──────────────── SwitchRole ─────────────▶├── SwitchRole ─────────▶│
-   │◀─────────────── RoleSwitched ────────────┤◀── RoleSwitched ───────┤
+   ├──────────────── TakeRole ─────────────▶├── TakeRole ─────────▶│
+   │◀─────────────── RoleTaken ────────────┤◀── RoleTaken ───────┤
    │◀─────────────── Heartbeat (every heartbeat_s) ─┤                   │
    ├──────────────── LoadWeights(v) ─────────▶├── LoadWeights(v) ─────▶│  every replica pulls
-   │◀─────────────── WeightsLoaded ───────────┤◀── WeightsLoaded ──────┤  snapshot v from the core
+   │◀─────────────── Loaded ───────────┤◀── Loaded ──────┤  snapshot v from the core
    ├──────────────── TrainStep(v, queue) ────▶│  claim micro-steps until the queue is empty
    │◀─────────────── TrainDone(claimed) ──────┤
    ├──────────────── ApplyStep ──────────────▶│  core only: pull, sum, step, publish v+1
    │◀─────────────── StepApplied(v+1) ────────┤
-   ├──────────────── Shutdown ───────────────▶├── Shutdown ───────────▶│
+   ├──────────────── Goodbye ───────────────▶├── Goodbye ───────────▶│
                                               ├── Mirror(verb) ───────▶│  trainer verbs of a replica
                                                                           spread over the cell
 ```
@@ -29,8 +29,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from gyre_hpc.pushed import Pushed
-from gyre_hpc.scheduler.fleet import Hello, ProtocolError, StepApplied, TrainDone
+from gyre_hpc.engines.pushed import Pushed
+from gyre_hpc.observability.events import Hello
+from gyre_hpc.scheduler.fleet import ProtocolError, StepApplied, TrainDone
 from gyre_hpc.scheduler.policy import Role
 
 CONTROL_TAG = 17
@@ -55,14 +56,14 @@ class EnginesUp:
 
 
 @dataclass(frozen=True, slots=True)
-class SwitchRole:
+class TakeRole:
     cell: int
     role: Role
     seq: int
 
 
 @dataclass(frozen=True, slots=True)
-class RoleSwitched:
+class RoleTaken:
     cell: int
     role: Role
     seq: int
@@ -77,7 +78,7 @@ class Heartbeat:
 
 
 @dataclass(frozen=True, slots=True)
-class Shutdown:
+class Goodbye:
     reason: str
 
 
@@ -90,7 +91,7 @@ class LoadWeights:
 
 
 @dataclass(frozen=True, slots=True)
-class WeightsLoaded:
+class Loaded:
     cell: int
     version: int
     seconds: float
@@ -152,12 +153,12 @@ Message = (
     Hello
     | EnginesUp
     | EngineVerb
-    | SwitchRole
-    | RoleSwitched
+    | TakeRole
+    | RoleTaken
     | Heartbeat
-    | Shutdown
+    | Goodbye
     | LoadWeights
-    | WeightsLoaded
+    | Loaded
     | TrainStep
     | MicroSteps
     | CloseQueue
@@ -170,12 +171,12 @@ MESSAGE_TYPES = (
     Hello,
     EnginesUp,
     EngineVerb,
-    SwitchRole,
-    RoleSwitched,
+    TakeRole,
+    RoleTaken,
     Heartbeat,
-    Shutdown,
+    Goodbye,
     LoadWeights,
-    WeightsLoaded,
+    Loaded,
     TrainStep,
     MicroSteps,
     CloseQueue,

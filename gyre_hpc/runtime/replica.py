@@ -25,7 +25,7 @@ import numpy as np
 
 from gyre_hpc.runtime.protocol import Channel, Mirror, ProtocolError
 from gyre_hpc.trainer.base import ApplyStats, MicroStats, Trainer
-from gyre_hpc.trajectory.batch import TrainSequence
+from gyre_hpc.trajectory.sequences import TrainSequence
 
 
 class MirroredTrainer:

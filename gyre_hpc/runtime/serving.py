@@ -32,10 +32,10 @@ from aiohttp import web
 from gyre_hpc.agents.dispatch import Dispatcher, make_harness
 from gyre_hpc.agents.external import Endpoint
 from gyre_hpc.agents.journal import Journal
+from gyre_hpc.execution.outcome import Outcome
 from gyre_hpc.executors.hub import Hub
 from gyre_hpc.executors.job import HubAddress
 from gyre_hpc.observability import events as ev
-from gyre_hpc.outcome import Outcome
 from gyre_hpc.proxy.address import reachable_url
 from gyre_hpc.proxy.keys import KeyRing
 from gyre_hpc.proxy.server import Proxy, admission_limits

@@ -1,4 +1,4 @@
-"""The world: the MPI world checked once against the ``Layout`` and split into communicators once.
+"""The world: the MPI world checked once against the ``RankLayout`` and split into communicators once.
 
 Communicators are built here at start and never rebuilt: a role switch changes what a cell
 does, not whom it talks to. The world knows nothing about roles or the recipe beyond its shape.
@@ -9,14 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 from gyre_hpc.launch.env import JobEnvironment
-from gyre_hpc.layout import Layout
+from gyre_hpc.plan.ranks import RankLayout
 
 
 class WorldError(RuntimeError):
     """The MPI world does not have the shape the recipe and the launcher promised."""
 
 
-def check_world_size(size: int, layout: Layout, env: JobEnvironment) -> None:
+def check_world_size(size: int, layout: RankLayout, env: JobEnvironment) -> None:
     """Fail loudly, on every rank, when the world is not what it should be (never hang)."""
     if env.launcher != "none" and size != env.ntasks:
         hint = (
@@ -35,7 +35,7 @@ def check_world_size(size: int, layout: Layout, env: JobEnvironment) -> None:
 class World:
     """This rank's place in the world, and the communicators built once for it."""
 
-    def __init__(self, comm: Any, layout: Layout, env: JobEnvironment) -> None:
+    def __init__(self, comm: Any, layout: RankLayout, env: JobEnvironment) -> None:
         check_world_size(comm.Get_size(), layout, env)
         self.comm = comm
         self.layout = layout

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from gyre_hpc.errors import GyreError
 from gyre_hpc.sandbox.bwrap import RELAY
-from gyre_hpc.sandbox.policy import INSIDE, Policy
+from gyre_hpc.sandbox.spec import INSIDE, Policy
 
 
 def argv(policy: Policy, image: str, command: list[str], python: str = "python3") -> list[str]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gyre_hpc.sandbox.policy import INSIDE, Policy, System
+from gyre_hpc.sandbox.spec import INSIDE, Policy, System
 
 RELAY = Path(__file__).with_name("relay.py")
 SECCOMP_FD = 9

@@ -34,7 +34,7 @@ from gyre_hpc.sandbox import apptainer, bwrap, seccomp, untrusted
 from gyre_hpc.sandbox.image import Image
 from gyre_hpc.sandbox.image import resolve as resolve_image
 from gyre_hpc.sandbox.limits import Group, Groups, Limits, choose
-from gyre_hpc.sandbox.policy import Mount, ProxyReach, System, host_system, image_system, policy
+from gyre_hpc.sandbox.spec import Mount, ProxyReach, System, host_system, image_system, policy
 from gyre_hpc.tasks.suites import private_paths
 from gyre_hpc.tasks.task import Task
 

@@ -47,7 +47,7 @@ WAKE_S = 0.1
 
 
 @dataclass(frozen=True)
-class Finished:
+class ProcessEnded:
     exit_code: int
     """The process's exit status; -9 when it was killed."""
     output: bytes
@@ -117,7 +117,7 @@ def run(
     report: tuple[int, int] | None = None,
     sink: BinaryIO | None = None,
     sink_bytes: int = 0,
-) -> Finished:
+) -> ProcessEnded:
     """Run ``argv`` (``popen``: env, cwd, user) to its end, as described above. ``report``: a
     ``report_pipe`` whose write end ``argv`` names; ``sink``: also write the first ``sink_bytes``
     of the output there (a log)."""
@@ -192,7 +192,7 @@ def run(
         if proc.poll() is None:
             _kill(proc, group)
         proc.wait()
-    return Finished(
+    return ProcessEnded(
         -9 if killed else proc.returncode, out.text(), out.printed, killed == "time limit", killed, bytes(got)
     )
 

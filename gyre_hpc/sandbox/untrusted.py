@@ -31,7 +31,7 @@ _OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
-class Entry:
+class WalkEntry:
     rel: str
     """Path below the root, ``/``-separated."""
     kind: str
@@ -40,7 +40,7 @@ class Entry:
     depth: int
 
 
-def walk(root: Path, max_depth: int = MAX_DEPTH, max_entries: int | None = None) -> Iterator[Entry]:
+def walk(root: Path, max_depth: int = MAX_DEPTH, max_entries: int | None = None) -> Iterator[WalkEntry]:
     """Every entry below ``root``, breadth first, without following links; directories deeper than
     ``max_depth`` are not entered, and the walk stops after ``max_entries``. A directory that cannot
     be read is skipped."""
@@ -60,7 +60,7 @@ def walk(root: Path, max_depth: int = MAX_DEPTH, max_entries: int | None = None)
                 continue
             kind = _kind(st.st_mode)
             sub = f"{rel}/{e.name}" if rel else e.name
-            yield Entry(sub, kind, st.st_size if kind == "file" else 0, depth)
+            yield WalkEntry(sub, kind, st.st_size if kind == "file" else 0, depth)
             count += 1
             if max_entries is not None and count >= max_entries:
                 return

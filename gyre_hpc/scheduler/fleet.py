@@ -6,8 +6,9 @@
 ```
 
 ``runtime.fleet.MpiFleet`` carries these over MPI to cell leaders (``runtime.protocol``); the
-tests' fleet and the simulator carry them on a simulated clock. This module holds only the
-interface and the three reports; it knows nothing of MPI, ranks or time.
+simulator carries them on a simulated clock. This module holds only the interface and two of the
+reports (a cell's ``Hello`` is the event it is recorded as); it knows nothing of MPI, ranks or
+time.
 """
 
 from __future__ import annotations
@@ -15,22 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from gyre_hpc.loss.token_stats import TokenStats
+from gyre_hpc.observability.events import Hello
 from gyre_hpc.scheduler.policy import Role
-from gyre_hpc.token_stats import TokenStats
-
-
-@dataclass(frozen=True, slots=True)
-class Hello:
-    """A cell (or standalone rollout engine) is up and says where it serves: the URL of each of
-    its engine replicas (``placement``), in replica order."""
-
-    cell: int
-    rank: int
-    host: str
-    pid: int
-    addresses: tuple[str, ...]
-    capacity: int
-    standalone: bool = False
 
 
 @dataclass(frozen=True, slots=True)

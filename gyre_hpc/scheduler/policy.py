@@ -155,7 +155,7 @@ def sched_state(
 
 
 @dataclass(frozen=True)
-class Switch:
+class RoleChange:
     cell: int
     role: Role
     reason: str
@@ -191,19 +191,19 @@ def carries_tail(
     )
 
 
-def decide(s: SchedState) -> list[Switch]:
+def decide(s: SchedState) -> list[RoleChange]:
     """The next role switches (serial: at most one while elastic; none while one is under way)."""
     if s.switching:
         return []
     if s.mode == "async":
         want = initial_roles("async", len(s.roles), s.async_train_cells)
-        return [Switch(c, r, "fixed split") for c, r in enumerate(want) if s.roles[c] != r]
+        return [RoleChange(c, r, "fixed split") for c, r in enumerate(want) if s.roles[c] != r]
     if s.mode == "colocate":
         return _colocate(s)
     return _elastic(s)
 
 
-def _colocate(s: SchedState) -> list[Switch]:
+def _colocate(s: SchedState) -> list[RoleChange]:
     if s.water > 0:
         target, why = Role.SAMPLING, "executions running"
     elif s.step_open and s.queued > 0:
@@ -212,20 +212,20 @@ def _colocate(s: SchedState) -> list[Switch]:
         target, why = Role.SAMPLING, "step closed"
     else:  # the queue is being trained out
         return []
-    return [Switch(c, target, why) for c, r in enumerate(s.roles) if r != target]
+    return [RoleChange(c, target, why) for c, r in enumerate(s.roles) if r != target]
 
 
-def _elastic(s: SchedState) -> list[Switch]:
+def _elastic(s: SchedState) -> list[RoleChange]:
     k, c_r, w = s.training_prefix, s.rollout_capacity, s.water
     if k > 0:
         if w > c_r:
-            return [Switch(k - 1, Role.SAMPLING, f"w={w} > C_R={c_r}")]
+            return [RoleChange(k - 1, Role.SAMPLING, f"w={w} > C_R={c_r}")]
         if not s.step_open:
-            return [Switch(k - 1, Role.SAMPLING, "step closed")]
+            return [RoleChange(k - 1, Role.SAMPLING, "step closed")]
     # While executions run, some engine must keep serving them (C_R − C_e > 0); after the
     # burst every cell may train.
     left = c_r - s.capacity[k] if k < len(s.roles) else 0
     enough = s.queued >= s.min_queued or (w == 0 and s.queued > 0)  # after the burst: any work
     if k < len(s.roles) and enough and w <= left and (left > 0 or w == 0):
-        return [Switch(k, Role.TRAINING, f"w={w} <= C_R-C_e={c_r - s.capacity[k]}, {s.queued} queued")]
+        return [RoleChange(k, Role.TRAINING, f"w={w} <= C_R-C_e={c_r - s.capacity[k]}, {s.queued} queued")]
     return []

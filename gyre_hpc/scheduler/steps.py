@@ -39,26 +39,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from gyre_hpc.execution.outcome import Outcome
+from gyre_hpc.loss.token_stats import TokenStats
 from gyre_hpc.observability import events as ev
-from gyre_hpc.outcome import Outcome
-from gyre_hpc.placement import replica_capacity
+from gyre_hpc.observability.events import Hello
+from gyre_hpc.plan.placement import replica_capacity
 from gyre_hpc.recipe.schema import RunConfig, SchedulerConfig, TasksConfig, TrainerConfig, TrajectoryConfig
-from gyre_hpc.scheduler.fleet import Fleet, Hello, ProtocolError, StepApplied, TrainDone
+from gyre_hpc.scheduler.fleet import Fleet, ProtocolError, StepApplied, TrainDone
 from gyre_hpc.scheduler.inflight import closes, in_flight, lookahead, to_stop
 from gyre_hpc.scheduler.policy import (
     Role,
+    RoleChange,
     SchedState,
     StepCounters,
-    Switch,
     carries_tail,
     decide,
     sched_state,
     writes_checkpoint,
 )
-from gyre_hpc.step_batch import StepBatch, StreamingBatch, step_batch
-from gyre_hpc.step_stats import staleness, token_staleness
-from gyre_hpc.token_stats import TokenStats
-from gyre_hpc.trajectory.batch import TrainSequence
+from gyre_hpc.step.batch import StepBatch, StreamingBatch, step_batch
+from gyre_hpc.step.stats import staleness, token_staleness
+from gyre_hpc.trajectory.sequences import TrainSequence
 from gyre_hpc.trajectory.tree import TrajectoryTree
 
 T = TypeVar("T")
@@ -256,7 +257,7 @@ class StepKind:
         return sched_state(self.ctx.scheduler, [f.roles[c] for c in cells], capacity, pool, counters)
 
     def to_training(
-        self, step: int, switches: list[Switch], queue: list, closed: bool, water: int
+        self, step: int, switches: list[RoleChange], queue: list, closed: bool, water: int
     ) -> list[int]:
         """Drain the cells (their calls continue elsewhere), switch them, hand them the queue."""
         c, f = self.ctx, self.ctx.fleet
@@ -271,7 +272,7 @@ class StepKind:
             self.record(step, s, "sampling→training", drain_s=t1 - t0, switch_s=t2 - t1, w=water)
         return cells
 
-    def to_sampling(self, step: int, switches: list[Switch]) -> None:
+    def to_sampling(self, step: int, switches: list[RoleChange]) -> None:
         """Switch the cells back, load the current version into their engines, admit calls."""
         c, f = self.ctx, self.ctx.fleet
         cells = [s.cell for s in switches]
@@ -286,7 +287,7 @@ class StepKind:
                 step, s, "training→sampling", switch_s=t1 - t0, load_s=t2 - t1, admit_s=c.clock() - t2
             )
 
-    def record(self, step: int, s: Switch, direction: str, w: int | None = None, **phases: float) -> None:
+    def record(self, step: int, s: RoleChange, direction: str, w: int | None = None, **phases: float) -> None:
         event = ev.Switch(
             step=step,
             cell=s.cell,

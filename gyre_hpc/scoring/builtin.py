@@ -23,7 +23,7 @@ from gyre_hpc.sandbox import untrusted
 from gyre_hpc.scoring import checks as hidden_checks
 from gyre_hpc.scoring.contract import EvaluationError, RunArtifacts, Scorer, WorkspaceFault
 from gyre_hpc.scoring.pytest_run import passed, run_tests
-from gyre_hpc.scoring.session import Session, bench, command
+from gyre_hpc.scoring.session import ScoringSession, bench, command
 
 READ_BYTES = 64 << 20
 """The most of one file a ``file_contains`` milestone reads."""
@@ -50,7 +50,7 @@ class HiddenTestsScorer:
         if not checks and (hidden is None or not hidden.is_dir()):
             raise EvaluationError(f"task has no hidden checks and no hidden tests directory ({where})")
         passed = total = 0
-        with Session(artifacts) as session:
+        with ScoringSession(artifacts) as session:
             if checks:
                 p, t = self._checks(session, checks)
                 passed, total = passed + p, total + t
@@ -61,7 +61,7 @@ class HiddenTestsScorer:
             raise EvaluationError("no hidden tests were found")
         return passed / total
 
-    def _checks(self, session: Session, checks: list[dict[str, str]]) -> tuple[int, int]:
+    def _checks(self, session: ScoringSession, checks: list[dict[str, str]]) -> tuple[int, int]:
         work = session.copy()
         calls = session.input(
             "checks.json", json.dumps([{k: c[k] for k in ("module", "call")} for c in checks])
@@ -87,7 +87,7 @@ class HiddenTestsScorer:
         )
         return passed, len(checks)
 
-    def _tests(self, session: Session, hidden: Path, count: int) -> tuple[int, int]:
+    def _tests(self, session: ScoringSession, hidden: Path, count: int) -> tuple[int, int]:
         work = session.copy()
         tests = session.inputs / "tests"
         shutil.copytree(hidden, tests, symlinks=False)  # the task's own files, read-only to the bench
@@ -146,7 +146,7 @@ class MilestonesScorer:
         if not milestones:
             raise EvaluationError("task has no milestones")
         total = reached = 0.0
-        with Session(artifacts) as session:
+        with ScoringSession(artifacts) as session:
             base = session.copy()
             for m in milestones:
                 weight = float(m.get("weight", 1.0))
@@ -154,7 +154,7 @@ class MilestonesScorer:
                 reached += weight * self._reached(m, session, base)
         return reached / total
 
-    def _reached(self, milestone: Mapping[str, Any], session: Session, base: Path) -> bool:
+    def _reached(self, milestone: Mapping[str, Any], session: ScoringSession, base: Path) -> bool:
         checks: dict[str, Callable[[Any], bool]] = {
             "file_exists": lambda p: untrusted.exists(base, _rel(p)),
             "file_contains": lambda a: _contains(untrusted.read(base, _rel(a[0]), READ_BYTES), a[1]),
@@ -165,7 +165,7 @@ class MilestonesScorer:
             raise EvaluationError(f"milestone {milestone} needs exactly one of {', '.join(checks)}")
         return bool(checks[kinds[0]](milestone[kinds[0]]))
 
-    def _command_ok(self, line: str, session: Session) -> bool:
+    def _command_ok(self, line: str, session: ScoringSession) -> bool:
         work = session.copy()
         b = session.ready(session.run(work, command(line), self.timeout_s))
         return b.exit_code == 0 and not b.killed
@@ -209,7 +209,7 @@ class VerifierScorer:
         line = artifacts.task.get("verifier")
         if not line:
             raise EvaluationError("task has no verifier command")
-        with Session(artifacts) as session:
+        with ScoringSession(artifacts) as session:
             work = session.copy()
             ini = session.input("pytest.ini", f"[pytest]\naddopts =\npythonpath = {work}\n")
             addopts = f"-c {ini} --noconftest -p no:cacheprovider"

@@ -27,10 +27,10 @@ from pathlib import Path
 
 from gyre_hpc.recipe.schema import ScoringConfig
 from gyre_hpc.sandbox import untrusted
-from gyre_hpc.sandbox.policy import Mount
+from gyre_hpc.sandbox.spec import Mount
 from gyre_hpc.scoring.builtin import VERIFIER_ENV
 from gyre_hpc.scoring.contract import EvaluationError, RunArtifacts, WorkspaceFault
-from gyre_hpc.scoring.session import Session, command
+from gyre_hpc.scoring.session import ScoringSession, command
 
 TESTS, LOGS = "/tests", "/logs/verifier"
 REWARD_BYTES = 64 << 10
@@ -46,7 +46,7 @@ class HarborScorer:
             raise EvaluationError("task is not a Harbor task (no tests directory)")
         if not artifacts.sandbox.confined:
             raise EvaluationError("a Harbor task's tests run at /tests and /app: it needs a sandbox (bwrap)")
-        with Session(artifacts) as session:
+        with ScoringSession(artifacts) as session:
             work = session.copy()
             tests = session.inputs / "tests"
             shutil.copytree(parts["tests"], tests, symlinks=False)

@@ -17,14 +17,14 @@ import secrets
 from pathlib import Path
 
 from gyre_hpc.scoring.contract import WorkspaceFault
-from gyre_hpc.scoring.session import Session, bench
+from gyre_hpc.scoring.session import ScoringSession, bench
 
 Phases = dict[str, dict[str, str]]
 """Test id → phase (``setup``, ``call``, ``teardown``) → outcome, the first report of each."""
 
 
 def run_tests(
-    session: Session,
+    session: ScoringSession,
     work: Path,
     tests: list[str],
     timeout_s: float,

@@ -20,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from gyre_hpc.errors import RecipeError
-from gyre_hpc.outcome import Kind, ScoreResult
+from gyre_hpc.execution.outcome import Kind, ScoreResult
 from gyre_hpc.recipe.schema import ScoringConfig
 from gyre_hpc.sandbox.confine import bind_paths
 from gyre_hpc.scoring.contract import EvaluationError, NoArtifact, RunArtifacts, Scorer, WorkspaceFault

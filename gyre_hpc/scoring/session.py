@@ -33,7 +33,7 @@ from types import TracebackType
 
 from gyre_hpc.sandbox import supervise, untrusted
 from gyre_hpc.sandbox.limits import Group
-from gyre_hpc.sandbox.policy import Mount
+from gyre_hpc.sandbox.spec import Mount
 from gyre_hpc.scoring.contract import EvaluationError, RunArtifacts
 
 TESTBENCH = Path(__file__).with_name("testbench.py")
@@ -77,14 +77,14 @@ def bench(mode: str, *args: str) -> list[str]:
     return [sys.executable, "-I", "-B", str(TESTBENCH), mode, "--report", REPORT, *args]
 
 
-class Session:
+class ScoringSession:
     """A scratch directory, the scorer's limits group, and its sandbox: copies, inputs, runs."""
 
     def __init__(self, artifacts: RunArtifacts) -> None:
         self.artifacts = artifacts
         self.runs = 0
 
-    def __enter__(self) -> Session:
+    def __enter__(self) -> ScoringSession:
         self.dir = Path(tempfile.mkdtemp(prefix="gyre-score-"))
         self.dir.chmod(0o755)  # the sandbox's uid traverses it to its copy
         self.inputs = self.dir / "inputs"

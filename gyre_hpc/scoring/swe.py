@@ -19,7 +19,7 @@ from gyre_hpc.recipe.schema import ScoringConfig
 from gyre_hpc.sandbox import untrusted
 from gyre_hpc.scoring.contract import EvaluationError, RunArtifacts, WorkspaceFault
 from gyre_hpc.scoring.pytest_run import passed, run_tests
-from gyre_hpc.scoring.session import Session
+from gyre_hpc.scoring.session import ScoringSession
 
 
 class SweScorer:
@@ -31,7 +31,7 @@ class SweScorer:
         if not parts:
             raise EvaluationError("task is not a SWE instance (no swe parts)")
         f2p, p2p = list(parts["fail_to_pass"]), list(parts["pass_to_pass"])
-        with Session(artifacts) as session:
+        with ScoringSession(artifacts) as session:
             work = session.copy()
             owner = session.sandbox.owner_in(session.group)
             untrusted.remove(work / ".git")

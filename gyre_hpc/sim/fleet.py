@@ -26,11 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gyre_hpc.outcome import Execution, Outcome, ScoreResult
-from gyre_hpc.scheduler.fleet import Hello, StepApplied, TrainDone
+from gyre_hpc.execution.outcome import Execution, Outcome, ScoreResult
+from gyre_hpc.loss.token_stats import TokenStats
+from gyre_hpc.observability.events import Hello
+from gyre_hpc.scheduler.fleet import StepApplied, TrainDone
 from gyre_hpc.scheduler.policy import Role
 from gyre_hpc.sim.config import SimConfig
-from gyre_hpc.token_stats import TokenStats
 from gyre_hpc.trajectory.records import CallMeta, TitoRecord
 from gyre_hpc.trajectory.tree import TrajectoryTree
 
@@ -225,7 +226,7 @@ def tree_of(run: str, paths: tuple[int, ...], version: int) -> TrajectoryTree:
 
 
 @dataclass
-class _Session:
+class _StepTraining:
     step: int
     queue: list
     started: float
@@ -242,13 +243,21 @@ class SimFleet:
         self.cells = cfg.cells
         caps = [cfg.capacity] * cfg.cells + ([cfg.pool_capacity] if cfg.pool_capacity else [])
         self.units = {
-            u: Hello(u, u + 1, "sim", 0, (f"sim://{u}",), cap, standalone=u >= cfg.cells)
+            u: Hello(
+                cell=u,
+                rank=u + 1,
+                host="sim",
+                pid=0,
+                addresses=(f"sim://{u}",),
+                capacity=cap,
+                standalone=u >= cfg.cells,
+            )
             for u, cap in enumerate(caps)
         }
         self._capacity = {f"sim://{u}": cap for u, cap in enumerate(caps)}
         self.roles = {u: (roles[u] if u < cfg.cells else Role.SAMPLING) for u in self.units}
         self.version = 0
-        self.sessions: dict[int, _Session] = {}
+        self.sessions: dict[int, _StepTraining] = {}
         self.busy: set[int] = set()
         self.inbox: deque[TrainDone] = deque()
         self.counter = 0
@@ -312,7 +321,9 @@ class SimFleet:
 
     def train(self, cells: list[int], step: int, queue: list, closed: bool) -> None:
         for cell in cells:
-            self.sessions[cell] = _Session(step, list(queue), self.clock.now, len(queue) if closed else -1)
+            self.sessions[cell] = _StepTraining(
+                step, list(queue), self.clock.now, len(queue) if closed else -1
+            )
             self._work(cell)
 
     def extend(self, cells: list[int], step: int, items: list) -> None:
@@ -378,7 +389,7 @@ class SimFleet:
         self.mark(cell, "idle")
         self._work(cell)
 
-    def _done(self, cell: int, s: _Session) -> None:
+    def _done(self, cell: int, s: _StepTraining) -> None:
         del self.sessions[cell]
         seconds = self.clock.now - s.started
         self.inbox.append(TrainDone(cell, s.step, s.claimed, 0.0, s.tokens, TokenStats(), seconds))

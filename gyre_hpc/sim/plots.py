@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gyre_hpc.cell_time import CATEGORIES
-from gyre_hpc.cell_time import COLORS as SPLIT
+from gyre_hpc.observability.cell_time import CATEGORIES
+from gyre_hpc.observability.cell_time import COLORS as SPLIT
 from gyre_hpc.sim.simulate import SimResult
 
 COLORS = {what: SPLIT[what] for what in ("sampling", "training", "idle", "switching")}

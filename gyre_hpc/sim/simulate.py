@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gyre_hpc.execution.run_id import dispatched_step, run_id
 from gyre_hpc.recipe.schema import (
     Mode,
     RunConfig,
@@ -41,17 +42,16 @@ from gyre_hpc.recipe.schema import (
     TrainerConfig,
     TrajectoryConfig,
 )
-from gyre_hpc.run_id import dispatched_step, run_id
 from gyre_hpc.scheduler.policy import Role, initial_roles
 from gyre_hpc.scheduler.steps import StepContext, StepRecord, engine_urls, load_serving, step_kind
 from gyre_hpc.sim.bound import step_bound, work_bound
 from gyre_hpc.sim.config import SimConfig
 from gyre_hpc.sim.fleet import TOKENS, Clock, SimFleet, SimJob, SimSampler
-from gyre_hpc.trajectory.batch import pack_micro_steps
+from gyre_hpc.trajectory.sequences import pack_micro_steps
 
 
 @dataclass(frozen=True)
-class Group:
+class PromptGroup:
     """One prompt's executions and the training they yield."""
 
     durations: tuple[float, ...]
@@ -63,7 +63,7 @@ class Group:
     streaming (as the runtime's ``step_batch`` does)."""
 
 
-Workload = Callable[[int], list[Group]]
+Workload = Callable[[int], list[PromptGroup]]
 
 
 def sampled(cfg: SimConfig) -> Workload:
@@ -73,9 +73,9 @@ def sampled(cfg: SimConfig) -> Workload:
     mu = math.log(cfg.duration_median_s)
     per_exec = max(1, round(cfg.train_s_per_exec / cfg.micro_step_s))
 
-    def groups(step: int) -> list[Group]:
+    def groups(step: int) -> list[PromptGroup]:
         return [
-            Group(
+            PromptGroup(
                 tuple(
                     min(rng.lognormvariate(mu, cfg.duration_sigma), cfg.timeout_s)
                     for _ in range(cfg.group_size)
@@ -160,9 +160,9 @@ class SimJobs:
 
     def __init__(self, workload: Workload) -> None:
         self.workload = workload
-        self.groups: dict[int, list[Group]] = {}
+        self.groups: dict[int, list[PromptGroup]] = {}
 
-    def step_groups(self, step: int) -> list[Group]:
+    def step_groups(self, step: int) -> list[PromptGroup]:
         if step not in self.groups:
             self.groups[step] = self.workload(step)
         return self.groups[step]
@@ -178,7 +178,7 @@ class SimJobs:
         return out
 
 
-def paths_of(group: Group, i: int, n: int) -> tuple[int, ...]:
+def paths_of(group: PromptGroup, i: int, n: int) -> tuple[int, ...]:
     """Execution ``i``'s paths (their tokens): a replayed group's sequences dealt out in turn, or
     one path per micro-step it yields (``sim.fleet.TOKENS`` each)."""
     if group.sequence_tokens:

@@ -20,10 +20,10 @@ import numpy as np
 import torch
 
 from gyre_hpc.loss.diagnostics import entropy_from_logprobs, token_stats
-from gyre_hpc.loss.policy import weighted_policy_loss
-from gyre_hpc.token_stats import TokenStats
-from gyre_hpc.trajectory.batch import TrainSequence
+from gyre_hpc.loss.policy_loss import weighted_policy_loss
+from gyre_hpc.loss.token_stats import TokenStats
 from gyre_hpc.trajectory.packing import PackedTree
+from gyre_hpc.trajectory.sequences import TrainSequence
 
 
 def mean_gradient_scale(sum_norm: float, num_runs: int, grad_clip: float) -> tuple[float, float]:

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gyre_hpc.token_stats import TokenStats
+from gyre_hpc.loss.token_stats import TokenStats
 from gyre_hpc.trainer.base import ApplyStats, MicroStats, Trainer
-from gyre_hpc.trajectory.batch import TrainSequence
+from gyre_hpc.trajectory.sequences import TrainSequence
 from gyre_hpc.transport.base import Transport
 
 

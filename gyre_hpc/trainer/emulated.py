@@ -13,8 +13,8 @@ import time
 
 from gyre_hpc.trainer.base import MicroStats, micro_stats
 from gyre_hpc.trainer.torch_backend import TorchTrainer
-from gyre_hpc.trajectory.batch import TrainSequence
 from gyre_hpc.trajectory.packing import forwarded_tokens
+from gyre_hpc.trajectory.sequences import TrainSequence
 
 
 class EmulatedTrainer(TorchTrainer):

@@ -34,7 +34,6 @@ the two take the summed gradient of both uses, so they stay equal.
 from __future__ import annotations
 
 import dataclasses
-import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -46,11 +45,12 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from gyre_hpc.launch.ports import free_port
 from gyre_hpc.loss.diagnostics import entropy_from_logprobs
+from gyre_hpc.loss.token_stats import TokenStats
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.qwen3 import Qwen3Config
 from gyre_hpc.recipe.schema import TrainerConfig
-from gyre_hpc.token_stats import TokenStats
 from gyre_hpc.trainer.base import (
     ApplyStats,
     MicroStats,
@@ -62,7 +62,7 @@ from gyre_hpc.trainer.base import (
     tree_inputs,
 )
 from gyre_hpc.trainer.megatron_cpu import redirect_cuda_to_cpu
-from gyre_hpc.trainer.megatron_weights import Layout, hf_to_megatron, megatron_to_hf
+from gyre_hpc.trainer.megatron_weights import MegatronLayout, hf_to_megatron, megatron_to_hf
 from gyre_hpc.trainer.offload import Offload, moments
 from gyre_hpc.trainer.tree_attention import (
     block_mask,
@@ -72,11 +72,13 @@ from gyre_hpc.trainer.tree_attention import (
     padded_ends,
     padded_length,
 )
-from gyre_hpc.trajectory.batch import TrainSequence
 from gyre_hpc.trajectory.packing import PackedTree, by_run, forward_trees
+from gyre_hpc.trajectory.sequences import TrainSequence
 
 
-def transformer_config(c: Qwen3Config, layout: Layout, dtype: torch.dtype, recompute: str = "none") -> Any:
+def transformer_config(
+    c: Qwen3Config, layout: MegatronLayout, dtype: torch.dtype, recompute: str = "none"
+) -> Any:
     """megatron's config of the model; ``recompute`` is ``trainer.recompute``: full keeps each
     layer's input and recomputes the layer in backward, one layer at a time."""
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -118,7 +120,7 @@ def transformer_config(c: Qwen3Config, layout: Layout, dtype: torch.dtype, recom
 
 def build_model(
     c: Qwen3Config,
-    layout: Layout,
+    layout: MegatronLayout,
     dtype: torch.dtype,
     stage: int = 0,
     block_masks: bool = False,
@@ -236,13 +238,6 @@ class RendezvousTimeout(RuntimeError):
     """The ranks of a replica did not all reach its rendezvous in time."""
 
 
-def free_port(host: str) -> int:
-    """A TCP port free on ``host`` now, for the rendezvous store rank 0 opens."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def init_megatron(world: MegatronWorld, tp: int, pp: int, seed: int) -> None:
     """torch.distributed (gloo on the CPU, nccl on GPUs) and megatron's parallel state, once per process."""
     from megatron.core import parallel_state
@@ -292,7 +287,7 @@ class MegatronTrainer:
         self.config = config
         self.packing = packing
         self.model_config = Qwen3Config.load(model_dir)
-        self.layout = Layout(self.model_config, tp=config.tp_size, pp=config.pp_size)
+        self.layout = MegatronLayout(self.model_config, tp=config.tp_size, pp=config.pp_size)
         init_megatron(world or MegatronWorld.alone(), config.tp_size, config.pp_size, seed)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()

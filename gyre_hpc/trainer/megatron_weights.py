@@ -37,7 +37,7 @@ from gyre_hpc.models.qwen3 import Qwen3Config
 
 
 @dataclass(frozen=True)
-class Layout:
+class MegatronLayout:
     """How a Qwen3 model is cut for one Megatron world: ``tp`` × ``pp``."""
 
     config: Qwen3Config
@@ -88,7 +88,9 @@ _NORMS = {
 }
 
 
-def hf_to_megatron(read: ReadHF, layout: Layout, rank: int, stage: int) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_to_megatron(
+    read: ReadHF, layout: MegatronLayout, rank: int, stage: int
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The state dict of TP rank ``rank`` on PP stage ``stage``, tensor by tensor."""
     c, tp = layout.config, layout.tp
     if stage == 0:
@@ -113,7 +115,9 @@ def hf_to_megatron(read: ReadHF, layout: Layout, rank: int, stage: int) -> Itera
             yield "output_layer.weight", _rows(_pad_vocab(read(head), layout), tp, rank)
 
 
-def megatron_to_hf(read: ReadShards, layout: Layout, stage: int) -> Iterator[tuple[str, torch.Tensor]]:
+def megatron_to_hf(
+    read: ReadShards, layout: MegatronLayout, stage: int
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The Hugging Face tensors held by PP stage ``stage``, each gathered from its TP shards."""
     c, vocab = layout.config, layout.config.vocab_size
     if stage == 0:
@@ -145,7 +149,7 @@ def _cols(t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     return t.chunk(tp, dim=1)[rank].clone()
 
 
-def _pad_vocab(t: torch.Tensor, layout: Layout) -> torch.Tensor:
+def _pad_vocab(t: torch.Tensor, layout: MegatronLayout) -> torch.Tensor:
     missing = layout.padded_vocab - t.shape[0]
     return torch.cat([t, t.new_zeros(missing, t.shape[1])]) if missing else t
 

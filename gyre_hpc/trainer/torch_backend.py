@@ -29,8 +29,8 @@ from gyre_hpc.trainer.base import (
     tree_inputs,
 )
 from gyre_hpc.trainer.offload import Offload, moments
-from gyre_hpc.trajectory.batch import TrainSequence
 from gyre_hpc.trajectory.packing import PackedTree, pack_tree
+from gyre_hpc.trajectory.sequences import TrainSequence
 
 
 class TorchTrainer:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gyre_hpc.trajectory.batch import TrainSequence, pack_micro_steps
+from gyre_hpc.trajectory.sequences import TrainSequence, pack_micro_steps
 from gyre_hpc.trajectory.tree import common_prefix
 
 

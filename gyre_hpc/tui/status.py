@@ -13,9 +13,9 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from gyre_hpc.cell_time import CATEGORIES, cell_totals
 from gyre_hpc.launch.slurm import JobState
 from gyre_hpc.observability import events as ev
+from gyre_hpc.observability.cell_time import CATEGORIES, cell_totals
 
 _STATUS_STYLE = {
     "completed": "green",

@@ -15,7 +15,7 @@ from mpi4py import MPI
 from gyre_hpc.recipe.schema import TrainerConfig
 from gyre_hpc.trainer.data_parallel import Claims, apply_on_core, pull_snapshot, work_once
 from gyre_hpc.trainer.torch_backend import TorchTrainer
-from gyre_hpc.trajectory.batch import TrainSequence
+from gyre_hpc.trajectory.sequences import TrainSequence
 from gyre_hpc.transport.base import TransportPlan
 from gyre_hpc.transport.mpi import MpiTransport
 

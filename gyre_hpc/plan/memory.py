@@ -187,7 +187,7 @@ def plan(
         return None
     s = Shape.of(model)
     gpu = int(cells.gpu_memory_gib * GIB)
-    # megatron pads the vocabulary to a multiple of 128 × tp (``megatron_weights.Layout``)
+    # megatron pads the vocabulary to a multiple of 128 × tp (``megatron_weights.MegatronLayout``)
     step = 128 * trainer.tp_size if trainer.backend == "megatron" else 1
     t = replace(s, vocab=-(-s.vocab // step) * step)
     tp, pp = trainer.tp_size, trainer.pp_size

@@ -10,8 +10,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from gyre_hpc.outcome import Outcome
-from gyre_hpc.trajectory.batch import TrainSequence
+from gyre_hpc.execution.outcome import Outcome, group_rewards, mean_reward, pass_rate
+from gyre_hpc.trajectory.sequences import TrainSequence
 from gyre_hpc.trajectory.tree import TrajectoryTree
 
 
@@ -22,15 +22,14 @@ def step_stats(
     work: Sequence[dict[str, object]] = (),
     trees: Iterable[TrajectoryTree] = (),
 ) -> dict[str, object]:
-    counted = [o for o in outcomes if o.score.counts_in_group]
-    rewards = [o.score.reward or 0.0 for o in counted]
+    rewards = group_rewards(outcomes)
     sequences = [s for mb in queue for s in mb]
     trees = list(trees)
     return {
         "executions": len(outcomes),
-        "reward_mean": sum(rewards) / max(len(rewards), 1),
-        "pass_rate": sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
-        "dropped": len(outcomes) - len(counted),
+        "reward_mean": mean_reward(rewards),
+        "pass_rate": pass_rate(rewards),
+        "dropped": len(outcomes) - len(rewards),
         "trained_runs": runs,
         "sequences": len(sequences),
         "micro_steps": len(queue),

@@ -21,7 +21,7 @@ CONTROLLER = 0
 
 
 @dataclass(frozen=True)
-class Layout:
+class RankLayout:
     cells: int
     ranks_per_cell: int
     pool: int = 0
@@ -31,7 +31,7 @@ class Layout:
             raise ValueError(f"invalid layout {self}")
 
     @classmethod
-    def from_config(cls, config: CellsConfig) -> Layout:
+    def from_config(cls, config: CellsConfig) -> RankLayout:
         return cls(config.count, config.ranks_per_cell, config.rollout_pool)
 
     @property

@@ -13,6 +13,7 @@ it is scored.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -76,3 +77,22 @@ class Outcome:
         return cls(
             Execution(**{**fields, "workspace": Path(fields["workspace"])}), ScoreResult(**data["score"])
         )
+
+
+PASS = 1.0
+"""The reward of an execution that passes: full credit, nothing partial."""
+
+
+def group_rewards(outcomes: Iterable[Outcome]) -> list[float]:
+    """The rewards of the outcomes that count in their group (a dropped run has none)."""
+    return [o.score.reward or 0.0 for o in outcomes if o.score.counts_in_group]
+
+
+def pass_rate(rewards: Sequence[float]) -> float:
+    """The share of ``rewards`` that pass; 0 for none."""
+    return sum(r >= PASS for r in rewards) / max(len(rewards), 1)
+
+
+def mean_reward(rewards: Sequence[float]) -> float:
+    """Their mean; 0 for none."""
+    return sum(rewards) / max(len(rewards), 1)

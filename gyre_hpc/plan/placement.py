@@ -14,7 +14,9 @@ per node, each part hosted by its node's first rank of the replica with ``--nnod
 ``--node-rank`` and the head part's address. Only a head part serves HTTP and takes the weights.
 SGLang's ``--dp-size`` is no substitute: its weight-update verbs assert ``dp_size == 1``.
 
-Pure: it knows nothing of processes, ports or hosts (``engines.sglang`` adds those).
+Pure: it knows nothing of processes, ports or hosts (``engines.sglang`` adds those). A recipe's
+engines are checked here before launch (``cell_engines``, which ``launch.check`` calls), not
+when the recipe is loaded.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gyre_hpc.errors import RecipeError
+from gyre_hpc.recipe.schema import CellsConfig, EngineConfig, SlurmConfig
 
 
 @dataclass(frozen=True)
@@ -115,3 +118,17 @@ def check_engine_plan(plan: EnginePlan, allow_idle_gpus: bool) -> None:
             "(cells.ranks_per_cell / slurm.nodes_per_cell is not a multiple of engine.tp_size); "
             "choose them so it is, or set engine.allow_idle_gpus = true"
         )
+
+
+def cell_engines(cells: CellsConfig, slurm: SlurmConfig, engine: EngineConfig) -> EnginePlan:
+    """A recipe's cell, placed: every replica fits its GPUs, none idle unless the recipe allows
+    it, and a replica that spans nodes takes its weights by broadcast."""
+    plan = engine_plan(cells.ranks_per_cell, slurm.nodes_per_cell, engine.tp_size)
+    check_engine_plan(plan, engine.allow_idle_gpus)
+    if any(p.nnodes > 1 for p in plan.parts) and engine.weight_sync in ("tensor", "delta"):
+        raise RecipeError(
+            f"engine.tp_size = {engine.tp_size} spans nodes: its weights cannot go by "
+            f'reference (engine.weight_sync = "{engine.weight_sync}" shares memory within '
+            'a node); set engine.weight_sync = "broadcast"'
+        )
+    return plan

@@ -18,13 +18,13 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from gyre_hpc.outcome import Outcome
+from gyre_hpc.execution.outcome import Outcome
+from gyre_hpc.execution.run_id import dispatched_step
 from gyre_hpc.recipe.schema import TrajectoryConfig
-from gyre_hpc.run_id import dispatched_step
-from gyre_hpc.step_stats import step_stats
-from gyre_hpc.trajectory.batch import TrainSequence, build_batch, group_advantages, pack_micro_steps
+from gyre_hpc.step.stats import step_stats
 from gyre_hpc.trajectory.packing import pack_tree_micro_steps, run_chunks
 from gyre_hpc.trajectory.select import select_paths
+from gyre_hpc.trajectory.sequences import TrainSequence, build_batch, group_advantages, pack_micro_steps
 from gyre_hpc.trajectory.tree import TrajectoryTree
 
 

@@ -18,14 +18,14 @@ from collections.abc import Callable
 from pathlib import Path
 from statistics import median
 
-from gyre_hpc.data_order import step_tasks
 from gyre_hpc.errors import GyreError
+from gyre_hpc.execution.run_id import run_id
 from gyre_hpc.observability import events as ev
 from gyre_hpc.recipe.schema import CellsConfig, Recipe
-from gyre_hpc.run_id import run_id
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.sim.config import SimConfig
-from gyre_hpc.sim.simulate import CellTime, Group, SimResult, Workload, packed
+from gyre_hpc.sim.simulate import CellTime, PromptGroup, SimResult, Workload, packed
+from gyre_hpc.tasks.data_order import step_tasks
 
 
 def run_tokens(steps: list[ev.Step]) -> dict[str, int]:
@@ -54,11 +54,11 @@ def workload(
             rank = {task: i for i, task in enumerate(order(step))}
             groups.sort(key=lambda g: rank.get(g["task"], len(rank)))
 
-    def groups(step: int) -> list[Group]:
+    def groups(step: int) -> list[PromptGroup]:
         if step not in by_step:
             raise GyreError(f"the recorded run has no step {step}")
         return [
-            Group(
+            PromptGroup(
                 tuple(t * decode_s for t in g["run_tokens"]),
                 packed(cfg, list(g["sequence_tokens"])),
                 tuple(g["sequence_tokens"]),

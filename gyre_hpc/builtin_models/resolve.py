@@ -24,9 +24,9 @@ Progress = Callable[[int, int], None]
 
 
 def builtins() -> dict[str, Callable[[Path, Progress], object]]:
+    from gyre_hpc.builtin_models.warmstart import warmstart
     from gyre_hpc.models.tiny import init_tiny
     from gyre_hpc.tasks.suites import WORDS
-    from gyre_hpc.warmstart import warmstart
 
     return {
         "tiny": lambda d, progress: init_tiny(d, 0, WORDS),
@@ -40,7 +40,7 @@ def needs_build(name: str) -> bool:
 
 
 def _cache_name(name: str) -> str:
-    from gyre_hpc.warmstart import fingerprint
+    from gyre_hpc.builtin_models.warmstart import fingerprint
 
     return f"{name}-{fingerprint()}" if name == "tiny-warm" else name
 

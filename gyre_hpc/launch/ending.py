@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import TypeVar
 
-from gyre_hpc.layout import Layout
 from gyre_hpc.observability import events as ev
+from gyre_hpc.plan.ranks import RankLayout
 from gyre_hpc.rundir import RunDir
 
 E = TypeVar("E", bound=ev.Event)
@@ -94,7 +94,7 @@ def _global_rank(run_dir: RunDir, ranks: dict[int, dict], node: str, task: int) 
     here = sorted(r for r, info in ranks.items() if info.get("host") == node)
     if not here or not run_dir.recipe_path.exists():
         return None
-    layout = Layout.from_config(run_dir.read_recipe().cells)
+    layout = RankLayout.from_config(run_dir.read_recipe().cells)
     firsts = [0, 1, 1 + layout.cells * layout.ranks_per_cell]  # where each component starts
     return max(f for f in firsts if f <= here[0]) + task
 
@@ -131,7 +131,7 @@ def _read(path: Path | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m gyre_hpc.launch.outcome RUN_DIR RC [interrupted|ended|restarting] [LOG]``: the
+    """``python -m gyre_hpc.launch.ending RUN_DIR RC [interrupted|ended|restarting] [LOG]``: the
     sbatch script's epilogue, or its note that it starts the world again."""
     args = sys.argv[1:] if argv is None else argv
     run_dir, rc = RunDir(Path(args[0])), int(args[1])

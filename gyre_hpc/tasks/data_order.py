@@ -14,8 +14,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gyre_hpc.execution.run_id import run_id
 from gyre_hpc.recipe.schema import TasksConfig
-from gyre_hpc.run_id import run_id
 from gyre_hpc.tasks.suites import SUITES, load_suite
 from gyre_hpc.tasks.task import Task
 

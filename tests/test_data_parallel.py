@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from gyre_hpc.models.tiny import init_tiny
-from gyre_hpc.trainer.base import MicroStats
-from gyre_hpc.trainer.data_parallel import Claims, work_once
+from gyre_hpc.step.claims import Claims, MicroStats, work_once
 
 HERE = Path(__file__).parent
 MPIRUN = ["mpirun", "--oversubscribe", "-n"]

@@ -108,7 +108,8 @@ def test_token_stats_add_up_across_micro_steps_and_cells() -> None:
 
 def outcome(run: str, task: str, reward: float, calls: int) -> Outcome:
     return Outcome(
-        Execution(run, task, Path("/w"), "finished", calls=calls), ScoreResult(run, "scored", reward, 1)
+        execution=Execution(run_id=run, task_id=task, workspace=Path("/w"), status="finished", calls=calls),
+        score=ScoreResult(run_id=run, kind="scored", reward=reward, attempts=1),
     )
 
 

@@ -39,8 +39,9 @@ def test_a_job_carries_every_field_of_its_task(tmp_path: Path) -> None:
 
 
 def outcome_json(run_id: str, reward: float = 1.0) -> dict[str, Any]:
-    ex = Execution(run_id, "t", Path("/w") / run_id, status="finished", calls=3)
-    return Outcome(ex, ScoreResult(run_id, "scored", reward, 1)).to_json()
+    ex = Execution(run_id=run_id, task_id="t", workspace=Path("/w") / run_id, status="finished", calls=3)
+    score = ScoreResult(run_id=run_id, kind="scored", reward=reward, attempts=1)
+    return Outcome(execution=ex, score=score).to_json()
 
 
 class Clock:

@@ -39,8 +39,8 @@ def test_group_runs_get_unique_ids() -> None:
 
 
 def outcome(run: str, task: str, kind: str, reward: float | None) -> Outcome:
-    ex = Execution(run, task, Path("/nowhere"), status="finished", calls=1)
-    return Outcome(ex, ScoreResult(run, kind, reward, 1))  # type: ignore[arg-type]
+    ex = Execution(run_id=run, task_id=task, workspace=Path("/nowhere"), status="finished", calls=1)
+    return Outcome(execution=ex, score=ScoreResult(run_id=run, kind=kind, reward=reward, attempts=1))  # type: ignore[arg-type]
 
 
 def tree(run: str, prompt: int, out: int) -> TrajectoryTree:

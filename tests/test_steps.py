@@ -1,5 +1,5 @@
-"""The three step kinds over a scripted workload, on an in-process fleet: their switches, their
-queues and their boundaries, with no MPI and no wall-clock time.
+"""The step kinds over a scripted workload, on the simulator's fleet: their switches, their queues
+and their boundaries, with no MPI and no wall-clock time.
 
 The workload: 3 cells of 4 (12 concurrent executions), 3 prompts × 4 runs per step. Prompt 0's
 runs end at t = 1, prompt 1's at 2–3, prompt 2's at 4–9 (the long tail); rewards alternate
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
-from fleet_fake import FakeFleet, FakeSampler
+from sampler_fake import FakeSampler
 
 from gyre_hpc.loss.token_stats import TokenStats
 from gyre_hpc.observability import events as ev
@@ -24,7 +24,8 @@ from gyre_hpc.recipe.schema import RunConfig, SchedulerConfig, TasksConfig, Trai
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.scheduler.policy import initial_roles
 from gyre_hpc.scheduler.steps import StepContext, step_event, step_kind
-from gyre_hpc.sim.fleet import Clock
+from gyre_hpc.sim.config import SimConfig
+from gyre_hpc.sim.fleet import Clock, SimFleet
 from gyre_hpc.tasks.data_order import DataOrder
 
 DURATIONS = [[1, 1, 1, 1], [2, 2, 2, 3], [4, 4, 5, 9]]  # per prompt, per run of its group
@@ -40,25 +41,36 @@ def reward(run: str) -> float:
     return float(run.endswith(("g0", "g2")))
 
 
+FLEET = SimConfig(
+    cells=3,
+    capacity=4,
+    switch_to_train_s=0.2,
+    switch_to_sample_s=0.2,
+    load_s=0.1,
+    publish_s=0.3,
+    train_s_per_token=0.02,
+)
+"""3 cells of 4; a switch takes 0.2 s, a load 0.1 s, an apply 0.3 s, a token 0.02 s to train."""
+
+
 def run_steps(tmp_path: Path, mode: str, steps: int = 2, **sched: object):
     clock = Clock()
-    fleet = FakeFleet(clock, [4, 4, 4])
+    scheduler = SchedulerConfig(mode=mode, **sched)  # type: ignore[arg-type]
+    fleet = SimFleet(clock, FLEET, initial_roles(mode, 3, scheduler.async_train_cells))
     run_dir = RunDir.create(tmp_path, mode)
     sampler = FakeSampler(clock, lambda: fleet.version, duration, reward, run_dir.tito_log)
-    scheduler = SchedulerConfig(mode=mode, **sched)  # type: ignore[arg-type]
-    fleet.roles = dict(enumerate(initial_roles(mode, 3, scheduler.async_train_cells)))
     tasks = TasksConfig(suite="emulated", group_size=4, prompts_per_step=3)
     ctx = StepContext(
-        fleet,
-        sampler,
-        ev.EventLog(run_dir.events),
-        run_dir,
-        DataOrder(tasks, 0),
-        RunConfig(steps=steps),
-        scheduler,
-        tasks,
-        TrajectoryConfig(),
-        TrainerConfig(micro_step_tokens=16, checkpoint_every=0),
+        fleet=fleet,
+        sampler=sampler,
+        events=ev.EventLog(run_dir.events),
+        run_dir=run_dir,
+        data=DataOrder(tasks, 0),
+        run=RunConfig(steps=steps),
+        scheduler=scheduler,
+        tasks=tasks,
+        trajectory=TrajectoryConfig(),
+        trainer=TrainerConfig(micro_step_tokens=16, checkpoint_every=0),
         clock=clock,
     )
     kind = step_kind(scheduler)(ctx)
@@ -95,7 +107,7 @@ def test_colocate_trains_on_every_cell_after_the_burst_and_returns_them_together
     fleet, steps, events = run_steps(tmp_path, "colocate")
     for step in (1, 2):
         assert switches(events, step) == [(0, T), (1, T), (2, T), (0, S), (1, S), (2, S)]
-    first = [t for t, _, role in fleet.switched if role == T][:3]
+    first = [t for t, _, role in fleet.switches if role == T][:3]
     assert min(first) >= 9  # nobody trains before the burst's last execution ends
     for s in steps:
         assert s.train_before_burst_end_s is None and s.sample_seconds == pytest.approx(9, abs=1)
@@ -106,7 +118,7 @@ def test_colocate_trains_on_every_cell_after_the_burst_and_returns_them_together
 def test_async_keeps_its_split_and_samples_the_next_burst_while_it_trains(tmp_path: Path) -> None:
     fleet, steps, events = run_steps(tmp_path, "async", steps=3, async_train_cells=1)
     assert [e for e in events if isinstance(e, ev.Switch)] == []  # a fixed split: no switch at all
-    assert fleet.switched == []
+    assert fleet.switches == []
     for s in steps:
         assert s.claims == {"0": 12} and s.roles == {"0": T, "1": S, "2": S}
     # Burst k+1 was dispatched when burst k ended, so it was served one version behind.
@@ -191,10 +203,21 @@ def test_the_step_reports_the_tokens_its_trainers_forwarded() -> None:
     from gyre_hpc.scheduler.steps import StepRecord
 
     done = {
-        0: TrainDone(0, 1, [0], 0.0, 30, TokenStats(), 1.0),
-        1: TrainDone(1, 1, [], 0.0, 0, TokenStats(), 0.0),
+        0: TrainDone(cell=0, step=1, claimed=[0], loss_sum=0.0, tokens=30, stats=TokenStats(), seconds=1.0),
+        1: TrainDone(cell=1, step=1, claimed=[], loss_sum=0.0, tokens=0, stats=TokenStats(), seconds=0.0),
     }
-    applied = StepApplied(1, 1, 0.0, 0.0, "")
-    record = StepRecord(1, 0.0, 1.0, {"executions": 2, "tokens": 60}, 2, done, applied, False, {}, [])
+    applied = StepApplied(step=1, version=1, grad_norm=0.0, seconds=0.0, checkpoint="")
+    record = StepRecord(
+        step=1,
+        started=0.0,
+        sampled=1.0,
+        stats={"executions": 2, "tokens": 60},
+        loss_runs=2,
+        done=done,
+        applied=applied,
+        skipped=False,
+        staleness={},
+        switches=[],
+    )
     event = step_event(record, 2.0, {})
     assert (event.tokens, event.forwarded_tokens) == (60, 30)

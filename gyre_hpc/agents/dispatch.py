@@ -152,7 +152,9 @@ class Dispatcher:
             try:
                 await asyncio.to_thread(self.harness.sandbox.prepare, workspace, group)
                 if failed is not None:
-                    ex = Execution(run_id, task.id, workspace, status="crashed", error=failed)
+                    ex = Execution(
+                        run_id=run_id, task_id=task.id, workspace=workspace, status="crashed", error=failed
+                    )
                 else:
                     stop = self.stops.get(run_id)
                     ex = await self.harness.run(task, workspace, run_id, self.journal, entry, stop, group)
@@ -161,7 +163,7 @@ class Dispatcher:
             score = await supervise.aside(
                 self.scoring(task).score, artifacts(ex, task, self.task_dir, self.harness.sandbox)
             )
-            outcome = Outcome(ex, score)
+            outcome = Outcome(execution=ex, score=score)
             if self.journal is not None and ex.status != "crashed":
                 # A crash may be the failure a restart recovers from: such an execution continues.
                 self.journal.finish(run_id, outcome.to_json())

@@ -181,7 +181,7 @@ class CommandHarness:
         stop: asyncio.Event | None = None,
         group: Group | None = None,
     ) -> Execution:
-        ex = Execution(run_id, task.id, workspace)
+        ex = Execution(run_id=run_id, task_id=task.id, workspace=workspace)
         limit = task.timeout_s or self.config.timeout_s
         box = self.sandbox.for_task(task)  # the workspace where the task says, when it does
         seen = box.workdir or workspace
@@ -303,7 +303,7 @@ class PythonHarness:
         stop: asyncio.Event | None = None,
         group: Group | None = None,
     ) -> Execution:
-        ex = Execution(run_id, task.id, workspace)
+        ex = Execution(run_id=run_id, task_id=task.id, workspace=workspace)
         limit = task.timeout_s or self.config.timeout_s
         clients = {
             role: openai.AsyncOpenAI(

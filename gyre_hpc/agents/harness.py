@@ -85,7 +85,7 @@ class Harness:
         group: Group | None = None,
     ) -> Execution:
         """One execution; its commands run in ``group`` (the execution's limits), else each in its own."""
-        ex = Execution(run_id, task.id, workspace)
+        ex = Execution(run_id=run_id, task_id=task.id, workspace=workspace)
         spent = 0.0
         if resume is not None:
             spent = resume.seconds

@@ -21,10 +21,11 @@ from statistics import median
 from gyre_hpc.errors import GyreError
 from gyre_hpc.execution.run_id import run_id
 from gyre_hpc.observability import events as ev
+from gyre_hpc.observability.cell_time import CellTime
 from gyre_hpc.recipe.schema import CellsConfig, Recipe
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.sim.config import SimConfig
-from gyre_hpc.sim.simulate import CellTime, PromptGroup, SimResult, Workload, packed
+from gyre_hpc.sim.simulate import PromptGroup, SimResult, Workload, packed
 from gyre_hpc.tasks.data_order import step_tasks
 
 
@@ -180,13 +181,13 @@ def observed(run_dir: Path) -> SimResult:
         if isinstance(e, ev.SwitchRole) and e.t <= t0 and e.cell in state:
             state[e.cell] = e.role
     since = dict.fromkeys(state, 0.0)
-    cells = {c: CellTime() for c in state}
+    seconds = {c: dict.fromkeys(("sampling", "training", "idle", "switching"), 0.0) for c in state}
     timeline: list[tuple[int, float, float, str]] = []
 
     def close(cell: int, now: float, what: str) -> None:
         if now > since[cell]:
             timeline.append((cell, since[cell], now, state[cell]))
-            setattr(cells[cell], state[cell], getattr(cells[cell], state[cell]) + now - since[cell])
+            seconds[cell][state[cell]] += now - since[cell]
         state[cell], since[cell] = what, now
 
     for e in events:
@@ -199,4 +200,7 @@ def observed(run_dir: Path) -> SimResult:
     steps = [e.t - t0 for e in events if isinstance(e, ev.Step)]
     log = [(e.step, e.cell, e.direction.split("→")[1]) for e in events if isinstance(e, ev.Switch)]
     mode = rd.read_recipe().scheduler.mode
-    return SimResult(mode, steps, end - t0, [cells[c] for c in sorted(cells)], log, timeline)
+    cells = [CellTime(**seconds[c]) for c in sorted(seconds)]  # no slot occupancy: all of sampling busy
+    return SimResult(
+        mode=mode, step_ends=steps, total_s=end - t0, cells=cells, switch_log=log, timeline=timeline
+    )

@@ -21,7 +21,7 @@ from typing import Any, Literal
 Kind = Literal["scored", "partial", "placeholder", "dropped"]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Execution:
     run_id: str
     task_id: str
@@ -41,7 +41,7 @@ class Execution:
     seconds: float = 0.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ScoreResult:
     run_id: str
     kind: Kind
@@ -60,7 +60,7 @@ class ScoreResult:
         return self.kind in ("scored", "partial")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Outcome:
     execution: Execution
     score: ScoreResult
@@ -75,7 +75,8 @@ class Outcome:
     def from_json(cls, data: dict[str, Any]) -> Outcome:
         fields = {k: v for k, v in data.items() if k != "score"}
         return cls(
-            Execution(**{**fields, "workspace": Path(fields["workspace"])}), ScoreResult(**data["score"])
+            execution=Execution(**{**fields, "workspace": Path(fields["workspace"])}),
+            score=ScoreResult(**data["score"]),
         )
 
 

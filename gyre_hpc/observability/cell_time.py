@@ -36,18 +36,24 @@ STATES = ("sampling", "training", "switching", "idle")
 """A cell's states on the role clock: its role (idle: neither role yet), or between roles."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CellTime:
+    """Where one cell's time went in a window (a run's step, or a whole simulated run), by
+    category: what every picture of cell time draws, in the runtime and the simulator alike."""
+
     sampling: float = 0.0
     idle_slots: float = 0.0
     training: float = 0.0
     idle: float = 0.0
     switching: float = 0.0
 
-    def as_dict(self) -> dict[str, float]:
-        """By category name (``CATEGORIES``), rounded to the millisecond."""
+    def as_dict(self, digits: int | None = 3) -> dict[str, float]:
+        """By category name (``CATEGORIES``), rounded to ``digits`` (the millisecond; None: as is)."""
         values = (self.sampling, self.idle_slots, self.training, self.idle, self.switching)
-        return {name: round(v, 3) for name, v in zip(CATEGORIES, values, strict=True)}
+        return {
+            name: v if digits is None else round(v, digits)
+            for name, v in zip(CATEGORIES, values, strict=True)
+        }
 
     @property
     def total(self) -> float:
@@ -99,7 +105,13 @@ def cell_time(states: dict[str, float], computed_s: float, busy_slot_s: float, c
     busy = min(busy_slot_s / capacity, sampling) if capacity > 0 else 0.0
     computed = min(computed_s, training)
     idle = training - computed + states.get("idle", 0.0)
-    return CellTime(busy, sampling - busy, computed, idle, states.get("switching", 0.0))
+    return CellTime(
+        sampling=busy,
+        idle_slots=sampling - busy,
+        training=computed,
+        idle=idle,
+        switching=states.get("switching", 0.0),
+    )
 
 
 def cell_totals(splits: Iterable[Mapping[str, float]]) -> dict[str, float]:

@@ -48,9 +48,10 @@ from gyre_hpc.runtime.protocol import (
 )
 from gyre_hpc.runtime.replica import MirroredTrainer
 from gyre_hpc.scheduler.policy import Role
+from gyre_hpc.step.claims import Claims, work_once
 from gyre_hpc.trainer import checkpoint
 from gyre_hpc.trainer.base import ApplyStats
-from gyre_hpc.trainer.data_parallel import Claims, apply_on_core, pull_snapshot, work_once
+from gyre_hpc.trainer.data_parallel import apply_on_core, pull_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -253,11 +254,7 @@ class Leader(CellHost):
         assert s is not None and self.trainer is not None
         state = work_once(s.claims, self.trainer, self.setup.transport)
         if state == "done":
-            c = s.claims
-            seconds = time.monotonic() - s.started
-            done = TrainDone(
-                self.unit, s.step, c.claimed, c.loss_sum, c.tokens, c.token_stats, seconds, c.computed
-            )
+            done = TrainDone.of(self.unit, s.step, s.claims, time.monotonic() - s.started)
             self.to_controller.send(done, CONTROLLER)
             self.session = None
         return state != "waiting"
@@ -279,7 +276,13 @@ class Leader(CellHost):
                     self.setup.checkpoints, msg.step, self.trainer, self.setup.model_dir, **msg.state
                 )
             )
-        return StepApplied(msg.step, stats.version, stats.grad_norm, time.monotonic() - started, saved)
+        return StepApplied(
+            step=msg.step,
+            version=stats.version,
+            grad_norm=stats.grad_norm,
+            seconds=time.monotonic() - started,
+            checkpoint=saved,
+        )
 
     def _forward(self, msg: TakeRole | Goodbye) -> None:
         for member in range(1, self.world.cell_comm.Get_size()):

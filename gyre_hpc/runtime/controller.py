@@ -100,10 +100,18 @@ class Controller:
             self.serving.set_sampling(engine_urls(f, sampling))
             data = DataOrder(self.tasks, self.run_cfg.seed)
             ctx = StepContext(
-                f, self.serving, self.events, self.run_dir, data, self.run_cfg,
-                self.scheduler, self.tasks, self.trajectory, self.trainer,
+                fleet=f,
+                sampler=self.serving,
+                events=self.events,
+                run_dir=self.run_dir,
+                data=data,
+                run=self.run_cfg,
+                scheduler=self.scheduler,
+                tasks=self.tasks,
+                trajectory=self.trajectory,
+                trainer=self.trainer,
                 checkpoint_now=self.checkpoint_now,
-            )  # fmt: skip
+            )
             kind = step_kind(self.scheduler)(ctx)
             if self.tasks.eval_every and self.first_step == 1:
                 self.evaluate(0)  # where the held-out curve starts: the policy before any update

@@ -51,6 +51,7 @@ from gyre_hpc.runtime.protocol import (
     wait_barrier,
 )
 from gyre_hpc.scheduler.policy import Role
+from gyre_hpc.trajectory.sequences import StepQueue
 from gyre_hpc.transport.base import Transport
 
 
@@ -234,11 +235,11 @@ class MpiFleet:
         )
         return slowest
 
-    def train(self, cells: list[int], step: int, queue: list, closed: bool) -> None:
+    def train(self, cells: list[int], step: int, queue: StepQueue, closed: bool) -> None:
         for cell in cells:
             self.channel.send(TrainStep(step, self.version, list(queue), closed), self.layout.leader(cell))
 
-    def extend(self, cells: list[int], step: int, items: list) -> None:
+    def extend(self, cells: list[int], step: int, items: StepQueue) -> None:
         for cell in cells:
             self.channel.send(MicroSteps(step, items), self.layout.leader(cell))
 

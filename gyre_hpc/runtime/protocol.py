@@ -33,6 +33,7 @@ from gyre_hpc.engines.pushed import Pushed
 from gyre_hpc.observability.events import Hello
 from gyre_hpc.scheduler.fleet import ProtocolError, StepApplied, TrainDone
 from gyre_hpc.scheduler.policy import Role
+from gyre_hpc.trajectory.sequences import StepQueue
 
 CONTROL_TAG = 17
 POLL_INTERVAL_S = 0.002  # between probes: ranks outnumber cores on a laptop, so never spin
@@ -107,7 +108,7 @@ class TrainStep:
 
     step: int
     version: int
-    queue: list  # list[list[TrainSequence]]: micro-steps
+    queue: StepQueue
     closed: bool = True
 
 
@@ -116,7 +117,7 @@ class MicroSteps:
     """More micro-steps of an open step's queue (appended in order)."""
 
     step: int
-    items: list
+    items: StepQueue
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from gyre_hpc.runtime.protocol import Channel, Mirror, ProtocolError
-from gyre_hpc.trainer.base import ApplyStats, MicroStats, Trainer
+from gyre_hpc.step.claims import MicroStats
+from gyre_hpc.trainer.base import ApplyStats, Trainer
 from gyre_hpc.trajectory.sequences import TrainSequence
 
 

@@ -19,10 +19,14 @@ from typing import Protocol
 from gyre_hpc.loss.token_stats import TokenStats
 from gyre_hpc.observability.events import Hello
 from gyre_hpc.scheduler.policy import Role
+from gyre_hpc.step.claims import Claims
+from gyre_hpc.trajectory.sequences import StepQueue
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TrainDone:
+    """A training cell is done with a step: what it claimed and trained."""
+
     cell: int
     step: int
     claimed: list[int]
@@ -35,9 +39,25 @@ class TrainDone:
     computed: float = 0.0
     """Of them, the seconds its micro-steps took."""
 
+    @classmethod
+    def of(cls, cell: int, step: int, claims: Claims, seconds: float) -> TrainDone:
+        """A cell's report of its claims, ``seconds`` after it joined the step."""
+        return cls(
+            cell=cell,
+            step=step,
+            claimed=claims.claimed,
+            loss_sum=claims.loss_sum,
+            tokens=claims.tokens,
+            stats=claims.token_stats,
+            seconds=seconds,
+            computed=claims.computed,
+        )
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StepApplied:
+    """The core applied a step and published ``version``."""
+
     step: int
     version: int
     grad_norm: float
@@ -68,11 +88,11 @@ class Fleet(Protocol):
     def load_weights(self, units: list[int]) -> float:
         """Every listed engine loads the current version; the slowest one's seconds."""
 
-    def train(self, cells: list[int], step: int, queue: list, closed: bool) -> None:
+    def train(self, cells: list[int], step: int, queue: StepQueue, closed: bool) -> None:
         """Cells join ``step`` from the current version and claim from ``queue`` (more may follow
         with ``extend`` until ``close_queue`` unless ``closed``)."""
 
-    def extend(self, cells: list[int], step: int, items: list) -> None: ...
+    def extend(self, cells: list[int], step: int, items: StepQueue) -> None: ...
 
     def close_queue(self, cells: list[int], step: int, total: int, stop: bool) -> None: ...
 

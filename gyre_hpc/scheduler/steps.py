@@ -57,9 +57,9 @@ from gyre_hpc.scheduler.policy import (
     sched_state,
     writes_checkpoint,
 )
-from gyre_hpc.step.batch import StepBatch, StreamingBatch, step_batch
+from gyre_hpc.step.batch import Pending, StepBatch, StreamingBatch, step_batch
 from gyre_hpc.step.stats import staleness, token_staleness
-from gyre_hpc.trajectory.sequences import TrainSequence
+from gyre_hpc.trajectory.sequences import StepQueue
 from gyre_hpc.trajectory.tree import TrajectoryTree
 
 T = TypeVar("T")
@@ -138,7 +138,7 @@ def load_serving(fleet: Fleet, sampler: Sampler, units: Sequence[int]) -> float:
     return seconds
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepContext:
     """What a step kind works with: its collaborators and the config sections it reads."""
 
@@ -157,7 +157,7 @@ class StepContext:
     """Set (by SIGUSR2) to checkpoint the step under way and stop after it."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepRecord:
     """What one step did, whatever its kind; ``step_event`` turns it into the ``step`` event."""
 
@@ -257,7 +257,7 @@ class StepKind:
         return sched_state(self.ctx.scheduler, [f.roles[c] for c in cells], capacity, pool, counters)
 
     def to_training(
-        self, step: int, switches: list[RoleChange], queue: list, closed: bool, water: int
+        self, step: int, switches: list[RoleChange], queue: StepQueue, closed: bool, water: int
     ) -> list[int]:
         """Drain the cells (their calls continue elsewhere), switch them, hand them the queue."""
         c, f = self.ctx, self.ctx.fleet
@@ -302,7 +302,7 @@ class StepKind:
 
     # ---- training -------------------------------------------------------------------------------
 
-    def train_queue(self, step: int, queue: list, counters: StepCounters) -> dict[int, TrainDone]:
+    def train_queue(self, step: int, queue: StepQueue, counters: StepCounters) -> dict[int, TrainDone]:
         """A complete queue (colocate, async): the cells already training and those the policy
         sends now claim it until it is empty."""
         if not queue:
@@ -369,10 +369,18 @@ class StepKind:
         applied = self.apply(step, done, runs, tito_bytes)
         self.close(step, counters)
         return StepRecord(
-            step, started, sampled, batch.stats, batch.num_runs, done, applied, runs == 0,
-            staleness(batch.trees.values(), trained_from), self.switches,
-            token_staleness(batch.queue, trained_from),
-        )  # fmt: skip
+            step=step,
+            started=started,
+            sampled=sampled,
+            stats=batch.stats,
+            loss_runs=batch.num_runs,
+            done=done,
+            applied=applied,
+            skipped=runs == 0,
+            staleness=staleness(batch.trees.values(), trained_from),
+            switches=self.switches,
+            staleness_tokens=token_staleness(batch.queue, trained_from),
+        )
 
 
 class ColocateStep(StepKind):
@@ -401,82 +409,134 @@ class AsyncStep(StepKind):
 
 
 @dataclass
-class _Burst:
-    """The elastic step's counters and trainers while it runs."""
+class Burst:
+    """A streaming step while it runs (elastic, in-flight): its counters, its queue and its
+    trainers.
 
+    ```
+     OPEN ── an execution ends (take): once its prompt group is complete, the group's micro-steps
+       │     join the queue and go to the cells already training
+       │  ── the policy sends a cell to training (join): it claims from the queue so far
+       │
+       │  sampled: the last execution ended (elastic), or the quota of groups is in and the stale
+       │  executions stopped (in-flight)
+       ▼
+     CLOSED ── the queue's length is final; ``stopped`` (carry_tail): no cell claims any more
+       │
+       ▼  every cell that joined reported TrainDone (an empty queue needs no trainer)
+     TRAINED OUT ── the core applies, the step closes (the policy returns the trainers)
+    ```
+    """
+
+    step: int
+    batch: StreamingBatch
     dispatched: int
+    """d: executions this burst waits for."""
+    trained_from: int
+    """The version its trainers train from."""
     finished: int = 0
+    """f: of them, those that ended."""
     trainers: dict[int, float] = field(default_factory=dict)
     """Cell → when it joined."""
     done: dict[int, TrainDone] = field(default_factory=dict)
     closed_at: float | None = None
     stopped: bool = False
 
-    def trained(self, queue: list) -> bool:
-        """The burst has ended and every cell that joined has trained out the queue (an empty
-        queue needs no trainer; a non-empty one needs at least one)."""
-        if self.closed_at is None or set(self.done) != set(self.trainers):
+    @property
+    def queue(self) -> StepQueue:
+        return self.batch.queue
+
+    @property
+    def closed(self) -> bool:
+        return self.closed_at is not None
+
+    def trained_out(self) -> bool:
+        """Closed, and every cell that joined has reported (a non-empty queue needs one)."""
+        if not self.closed or set(self.done) != set(self.trainers):
             return False
-        return bool(self.trainers) or not queue
+        return bool(self.trainers) or not self.queue
 
 
 class StreamingStep(StepKind):
     """What elastic and in-flight share: each prompt group becomes micro-steps as soon as its
     last run ends, cells join the step one by one (the water-level rule), and the step is
-    applied once the trainers have trained the closed queue out."""
+    applied once the trainers have trained the closed queue out. Each turn of their loops takes
+    the executions that ended, closes the queue when the burst is sampled, lets the cells the
+    policy sends join, and waits for one trainer's report."""
 
-    def finish(
-        self,
-        step: int,
-        started: float,
-        b: _Burst,
-        batch: StreamingBatch,
-        runs: int,
-        trained_from: int,
-        trained: list[list[TrainSequence]],
-        **carry: int,
-    ) -> StepRecord:
+    def open(
+        self, step: int, dispatched: int, carried: StepQueue = (), pending: Pending | None = None
+    ) -> Burst:
+        """The step's burst, its queue led by ``carried`` micro-steps; nobody claims yet."""
+        c, t = self.ctx, self.ctx.tasks
+        c.fleet.reset_claims()
+        batch = StreamingBatch(
+            t.group_size, c.trajectory, c.trainer.micro_step_tokens, c.run.seed, step, carried, pending
+        )
+        return Burst(step=step, batch=batch, dispatched=dispatched, trained_from=c.fleet.version)
+
+    def take(self, b: Burst, outcome: Outcome) -> None:
+        """Book one ended execution; the micro-steps its group completed go to the trainers."""
+        run = outcome.execution.run_id
+        if new := b.batch.add(outcome, self.ctx.sampler.trees([run]).get(run)):
+            self.ctx.fleet.extend(list(b.trainers), b.step, new)
+
+    def close_queue(self, b: Burst, stop: bool) -> None:
+        """The queue is complete: no micro-step joins it any more (``stop``: none is claimed)."""
+        c = self.ctx
+        b.closed_at, b.stopped = c.clock(), stop
+        c.fleet.close_queue(list(b.trainers), b.step, len(b.queue), stop)
+        c.events.emit(
+            ev.BurstEnd(step=b.step, micro_steps=len(b.queue), trainers=sorted(b.trainers), stop=stop)
+        )
+
+    def join_cells(self, b: Burst) -> None:
+        """The cells the policy sends to training join with the queue so far. The water never
+        rises inside a burst, so the policy sends none back here."""
+        for s in decide(self.state(self.counters(b))):
+            self.to_training(b.step, [s], b.queue, b.closed, b.dispatched - b.finished)
+            b.trainers[s.cell] = self.ctx.clock()
+
+    def await_report(self, b: Burst, ended: queue.SimpleQueue[Outcome]) -> None:
+        """One trainer's report (or a short wait for one), unless the queue is trained out or an
+        execution ended meanwhile (a switch takes time): that one is taken first."""
+        if b.trained_out() or not ended.empty():
+            return
+        if (msg := self.ctx.fleet.receive()) is not None and msg.step == b.step:
+            b.done[msg.cell] = msg
+
+    def counters(self, b: Burst) -> StepCounters:
+        return StepCounters(
+            dispatched=b.dispatched,
+            finished=b.finished,
+            packed=len(b.queue),
+            claimed=self.ctx.fleet.claimed(),
+            open=True,
+            stopped=b.stopped,
+        )
+
+    def finish(self, b: Burst, started: float, runs: int, trained: StepQueue, **carry: int) -> StepRecord:
         """Apply what the cells trained (``trained``: those micro-steps), close the step, and
         record it."""
         _, tito_bytes = self.burst_ended()
-        applied = self.apply(step, b.done, runs, tito_bytes)
-        self.close(step, self.counters(b, len(batch.queue)))
+        applied = self.apply(b.step, b.done, runs, tito_bytes)
+        self.close(b.step, self.counters(b))
         early = b.closed_at - min(b.trainers.values()) if b.trainers and b.closed_at else None
         return StepRecord(
-            step, started, b.closed_at or self.ctx.clock(), batch.stats(), batch.num_runs, b.done,
-            applied, runs == 0, staleness(batch.trees.values(), trained_from), self.switches,
-            token_staleness(trained, trained_from), **carry,
+            step=b.step,
+            started=started,
+            sampled=b.closed_at or self.ctx.clock(),
+            stats=b.batch.stats(),
+            loss_runs=b.batch.num_runs,
+            done=b.done,
+            applied=applied,
+            skipped=runs == 0,
+            staleness=staleness(b.batch.trees.values(), b.trained_from),
+            switches=self.switches,
+            staleness_tokens=token_staleness(trained, b.trained_from),
             train_before_burst_end_s=None if early is None else round(max(early, 0.0), 3),
-        )  # fmt: skip
-
-    def add(self, step: int, b: _Burst, batch: StreamingBatch, outcome: Outcome) -> None:
-        """Book one ended execution; the micro-steps its group completed go to the trainers."""
-        run = outcome.execution.run_id
-        if new := batch.add(outcome, self.ctx.sampler.trees([run]).get(run)):
-            self.ctx.fleet.extend(list(b.trainers), step, new)
-
-    def advance(self, step: int, b: _Burst, queue: list) -> bool:
-        """One turn: the cells the policy sends join the step, one TrainDone is booked; True once
-        the queue is trained out."""
-        for s in decide(self.state(self.counters(b, len(queue)))):
-            self.to_training(step, [s], queue, b.closed_at is not None, b.dispatched - b.finished)
-            b.trainers[s.cell] = self.ctx.clock()
-        if b.trained(queue):
-            return True
-        if (msg := self.ctx.fleet.receive()) is not None and msg.step == step:
-            b.done[msg.cell] = msg
-        return False
-
-    def counters(self, b: _Burst, packed: int) -> StepCounters:
-        return StepCounters(b.dispatched, b.finished, packed, self.ctx.fleet.claimed(), True, b.stopped)
-
-    def close_burst(self, step: int, b: _Burst, total: int, stop: bool) -> None:
-        """The queue is complete: no micro-step joins it any more."""
-        c, f = self.ctx, self.ctx.fleet
-        b.closed_at = c.clock()
-        b.stopped = stop
-        f.close_queue(list(b.trainers), step, total, b.stopped)
-        c.events.emit(ev.BurstEnd(step=step, micro_steps=total, trainers=sorted(b.trainers), stop=b.stopped))
+            **carry,
+        )
 
 
 class ElasticStep(StreamingStep):
@@ -486,54 +546,58 @@ class ElasticStep(StreamingStep):
 
     def __init__(self, ctx: StepContext) -> None:
         super().__init__(ctx)
-        self.carried: list[list[TrainSequence]] = []
+        self.carried: StepQueue = []
         """``carry_tail``: micro-steps the previous step left; they lead this step's queue."""
 
     def run(self, step: int) -> StepRecord:
-        c, f = self.ctx, self.ctx.fleet
         started = self.begin(step)
-        f.reset_claims()  # nobody claims between steps
-        arrived: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
-        future = self.dispatch(step, on_outcome=arrived.put)
-        t = c.tasks
-        batch = StreamingBatch(
-            t.group_size, c.trajectory, c.trainer.micro_step_tokens, c.run.seed, step, self.carried
-        )
-        carried_in, trained_from = len(self.carried), f.version
-        b = _Burst(t.prompts_per_step * t.group_size)
-        while True:
-            while not arrived.empty():
+        ended: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        future = self.dispatch(step, on_outcome=ended.put)
+        t = self.ctx.tasks
+        b = self.open(step, t.prompts_per_step * t.group_size, carried=self.carried)
+        carried_in = len(self.carried)
+        while not b.trained_out():
+            while not ended.empty():
                 b.finished += 1
-                self.add(step, b, batch, arrived.get())
-            if b.finished == b.dispatched and b.closed_at is None:
-                self.close_burst(step, b, len(batch.queue), self.stops_at_close(step, b, carried_in))
-            # The water never rises inside a burst, so the policy asks for no return here.
-            if self.advance(step, b, batch.queue):
-                break
+                self.take(b, ended.get())
+            if b.finished == b.dispatched and not b.closed:
+                self.close_queue(b, stop=self.stops_at_close(b, carried_in))
+            self.join_cells(b)
+            self.await_report(b, ended)
         future.result()  # surfaces a dispatcher error
         trained = {i for d in b.done.values() for i in d.claimed}
-        self.carried = [mb for i, mb in enumerate(batch.queue) if i not in trained]
-        runs = batch.num_runs if batch.queue else 0
-        if carried_in or b.stopped:
-            # Runs whose sequences this update trained: a run split by the stop counts in both
-            # of the updates that train part of it.
-            runs = len({s.run_id for i in trained for s in batch.queue[i]})
+        self.carried = [mb for i, mb in enumerate(b.queue) if i not in trained]
         return self.finish(
-            step, started, b, batch, runs, trained_from, [batch.queue[i] for i in sorted(trained)],
-            carried_in=carried_in, carried_out=len(self.carried),
-        )  # fmt: skip
+            b,
+            started,
+            self.runs_trained(b, trained, carried_in),
+            [b.queue[i] for i in sorted(trained)],
+            carried_in=carried_in,
+            carried_out=len(self.carried),
+        )
 
-    def stops_at_close(self, step: int, b: _Burst, carried_in: int) -> bool:
+    def stops_at_close(self, b: Burst, carried_in: int) -> bool:
         """With ``carry_tail`` the step may stop when its queue closes (``carries_tail``)."""
         c = self.ctx
         return carries_tail(
             "elastic",
             c.scheduler.carry_tail,
             len(b.trainers),
-            ends_run=step == c.run.steps,
-            checkpoint=self.checkpoint_due(step),
+            ends_run=b.step == c.run.steps,
+            checkpoint=self.checkpoint_due(b.step),
             stale_left=max(carried_in - c.fleet.claimed(), 0),  # claims go in queue order
         )
+
+    @staticmethod
+    def runs_trained(b: Burst, trained: set[int], carried_in: int) -> int:
+        """The runs the loss is averaged over: the batch's, or, where micro-steps were carried in
+        or out, the runs whose sequences this update trained (a run split by a stop counts in
+        both updates that train part of it)."""
+        if not b.queue:
+            return 0
+        if carried_in or b.stopped:
+            return len({s.run_id for i in trained for s in b.queue[i]})
+        return b.batch.num_runs
 
 
 class InFlightStep(StreamingStep):
@@ -541,91 +605,96 @@ class InFlightStep(StreamingStep):
     closes at the step's quota of complete groups (``scheduler.inflight``); executions still
     running go on under the versions that follow and land in a later step.
 
-    Outcomes of every dispatch arrive on one queue. Those that arrive once a step's queue has
-    closed wait for the next step; they still lower the water (the policy sees executions
-    running, whichever step they will land in).
+    ```
+     an execution under in-flight updates, as this step kind books it:
+       dispatched with its own step, or by the step before as its look-ahead (ahead)
+         ▼
+       running {run: the version it was dispatched under}
+         ├─ ends before the step's queue closes ─▶ taken: its group (pending until complete,
+         │                                          across steps) trains in this step
+         ├─ ends after it closed ────────────────▶ held: taken first by the next step
+         └─ still running at the quota, and a later step would train it more than k versions
+            behind ─▶ stopping: stopped now, partially scored, and taken like any that ends
+    ```
+
+    Every execution that ends lowers the water, whichever step it lands in (the policy sees
+    executions running).
     """
 
     def __init__(self, ctx: StepContext) -> None:
         super().__init__(ctx)
-        self.arrived: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        self.ended: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        """Every dispatch's executions as they end, in the order they end."""
         self.held: list[Outcome] = []
-        """Arrived after the last step's queue closed: they lead this step's."""
+        """Ended after the last step's queue closed: they lead this step's."""
         self.running: dict[str, int] = {}
         """Execution → the version it was dispatched under, until it ends."""
         self.ahead: set[str] = set()
         """Executions dispatched by the step before as its look-ahead."""
-        self.pending: dict[tuple[int, str], list[tuple[Outcome, TrajectoryTree | None]]] = {}
+        self.pending: Pending = {}
+        """Ended executions of groups not yet complete, across steps (``StreamingBatch``)."""
         self.futures: list[concurrent.futures.Future[list[Outcome]]] = []
-        self.stopping: set[str] = set()
-        """The step's stale executions, stopped at its quota."""
-        self.asked = False
+        self.stopping: set[str] | None = None
+        """The step's stale executions, stopped at its quota (None until the quota is met)."""
 
     def run(self, step: int) -> StepRecord:
-        c, f = self.ctx, self.ctx.fleet
         started = self.begin(step)
-        f.reset_claims()
-        barrier = step == c.run.steps or self.checkpoint_due(step)
+        barrier = step == self.ctx.run.steps or self.checkpoint_due(step)
         self.dispatch_with_lookahead(step, barrier)
-        t = c.tasks
-        batch = StreamingBatch(
-            t.group_size, c.trajectory, c.trainer.micro_step_tokens, c.run.seed, step, pending=self.pending
-        )
-        trained_from = f.version
-        b = _Burst(len(self.running))
-        self.stopping, self.asked = set(), False
+        b = self.open(step, len(self.running), pending=self.pending)
+        self.stopping = None
         early, self.held = self.held, []
         for outcome in early:
-            self.add(step, b, batch, outcome)
-        while True:
+            self.take(b, outcome)
+        while not b.trained_out():
             self.surface_errors()
-            # One outcome at a time, the quota checked after each: outcomes that arrived while
-            # the loop was busy (a switch, a load) beyond the quota wait for the next step.
-            while not self.arrived.empty():
-                outcome = self.arrived.get()
-                self.running.pop(outcome.execution.run_id, None)
-                b.finished += 1
-                if b.closed_at is None:
-                    self.add(step, b, batch, outcome)
-                    self.close_at_quota(step, b, batch, barrier, trained_from)
-                else:
-                    self.held.append(outcome)
-            if b.closed_at is None:
-                self.close_at_quota(step, b, batch, barrier, trained_from)
-            if self.advance(step, b, batch.queue):
-                break
-        runs = batch.num_runs if batch.queue else 0
-        return self.finish(step, started, b, batch, runs, trained_from, batch.queue)
+            self.take_ended(b, barrier)
+            if not b.closed:
+                self.close_at_quota(b, barrier)
+            self.join_cells(b)
+            self.await_report(b, self.ended)
+        runs = b.batch.num_runs if b.queue else 0
+        return self.finish(b, started, runs, b.queue)
 
-    def close_at_quota(
-        self, step: int, b: _Burst, batch: StreamingBatch, barrier: bool, trained_from: int
-    ) -> None:
+    def take_ended(self, b: Burst, barrier: bool) -> None:
+        """The executions that ended, one at a time with the quota checked after each: those that
+        ended while the loop was busy (a switch, a load) beyond the quota are held for the next
+        step."""
+        while not self.ended.empty():
+            outcome = self.ended.get()
+            self.running.pop(outcome.execution.run_id, None)
+            b.finished += 1
+            if b.closed:
+                self.held.append(outcome)
+                continue
+            self.take(b, outcome)
+            self.close_at_quota(b, barrier)
+
+    def close_at_quota(self, b: Burst, barrier: bool) -> None:
         """At the quota, stop the stale executions (once); close the queue once they have
         ended (``scheduler.inflight``; a barrier step waits for every execution)."""
         c, quota, k = self.ctx, self.ctx.tasks.prompts_per_step, self.ctx.scheduler.max_staleness
-        if not barrier and not self.asked and batch.complete >= quota:
-            self.asked = True
-            self.stopping = set(to_stop(self.running, trained_from, k))
+        if not barrier and self.stopping is None and b.batch.complete >= quota:
+            self.stopping = set(to_stop(self.running, b.trained_from, k))
             if self.stopping:
                 c.sampler.stop_runs(sorted(self.stopping))
-                c.events.emit(ev.StaleStopped(step=step, runs=sorted(self.stopping), max_staleness=k))
-        stale = len(self.stopping & self.running.keys())
-        if closes(batch.complete, quota, len(self.running), stale, barrier):
-            self.close_burst(step, b, len(batch.queue), False)
+                c.events.emit(ev.StaleStopped(step=b.step, runs=sorted(self.stopping), max_staleness=k))
+        stale = len((self.stopping or set()) & self.running.keys())
+        if closes(b.batch.complete, quota, len(self.running), stale, barrier):
+            self.close_queue(b, stop=False)
 
     def dispatch_with_lookahead(self, step: int, barrier: bool) -> None:
         """This step's prompts the last one did not dispatch ahead, and the next step's
         look-ahead (``scheduler.inflight.lookahead``), each under its own step's directories."""
         c, t = self.ctx, self.ctx.tasks
         ahead = lookahead(step, c.run.steps, barrier, t.prompts_per_step, c.scheduler.lookahead)
-        own = c.data.jobs(step)
-        own = [(run, task) for run, task in own if run not in self.ahead]
+        own = [(run, task) for run, task in c.data.jobs(step) if run not in self.ahead]
         nxt = c.data.jobs(step + 1, ahead) if ahead else []
         for s, jobs in ((step, own), (step + 1, nxt)):
             if jobs:
                 self.running |= dict.fromkeys((run for run, _ in jobs), c.fleet.version)
                 workspaces, journal = c.run_dir.step_workspaces(s), c.run_dir.journal(s)
-                self.futures.append(c.sampler.dispatch(jobs, workspaces, self.arrived.put, journal))
+                self.futures.append(c.sampler.dispatch(jobs, workspaces, self.ended.put, journal))
         self.ahead = {run for run, _ in nxt}
 
     def surface_errors(self) -> None:

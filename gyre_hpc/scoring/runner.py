@@ -39,7 +39,11 @@ class ScoringRunner:
         attempts = 0
         if not artifacts.workspace.is_dir():
             return ScoreResult(
-                artifacts.run_id, "placeholder", 0.0, 0, f"no workspace at {artifacts.workspace}"
+                run_id=artifacts.run_id,
+                kind="placeholder",
+                reward=0.0,
+                attempts=0,
+                reason=f"no workspace at {artifacts.workspace}",
             )
         errors = []
         while attempts <= self.max_retries:
@@ -49,10 +53,20 @@ class ScoringRunner:
             try:
                 reward = float(self.scorer.score(artifacts))
             except NoArtifact as err:
-                return ScoreResult(artifacts.run_id, "placeholder", 0.0, attempts, f"no artifact: {err}")
+                return ScoreResult(
+                    run_id=artifacts.run_id,
+                    kind="placeholder",
+                    reward=0.0,
+                    attempts=attempts,
+                    reason=f"no artifact: {err}",
+                )
             except WorkspaceFault as err:
                 return ScoreResult(
-                    artifacts.run_id, kind, 0.0, attempts, "; ".join(filter(None, (note, str(err))))
+                    run_id=artifacts.run_id,
+                    kind=kind,
+                    reward=0.0,
+                    attempts=attempts,
+                    reason="; ".join(filter(None, (note, str(err)))),
                 )
             except EvaluationError as err:
                 errors.append(str(err))
@@ -63,9 +77,15 @@ class ScoringRunner:
             if not 0.0 <= reward <= 1.0:
                 errors.append(f"{type(self.scorer).__name__} returned {reward}, outside [0, 1]")
                 continue
-            return ScoreResult(artifacts.run_id, kind, reward, attempts, note)
+            return ScoreResult(
+                run_id=artifacts.run_id, kind=kind, reward=reward, attempts=attempts, reason=note
+            )
         return ScoreResult(
-            artifacts.run_id, "dropped", None, attempts, f"evaluation failed {attempts} times: {errors[-1]}"
+            run_id=artifacts.run_id,
+            kind="dropped",
+            reward=None,
+            attempts=attempts,
+            reason=f"evaluation failed {attempts} times: {errors[-1]}",
         )
 
 

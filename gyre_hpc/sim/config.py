@@ -42,6 +42,8 @@ class SimConfig:
     switch_to_sample_s: float = 0.5
     publish_s: float = 0.5
     """Optimizer step and publication of the new version by the core."""
+    load_s: float = 0.0
+    """Each weight load into engines (0: folded into ``publish_s``)."""
     async_train_cells: int = 1
     """async: cells that always train. ``bench sim`` sweeps every split and compares the best."""
     min_queued: int = 1

@@ -22,17 +22,19 @@ import concurrent.futures
 import heapq
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gyre_hpc.execution.outcome import Execution, Outcome, ScoreResult
-from gyre_hpc.loss.token_stats import TokenStats
+from gyre_hpc.observability.cell_time import CellTime
 from gyre_hpc.observability.events import Hello
 from gyre_hpc.scheduler.fleet import StepApplied, TrainDone
 from gyre_hpc.scheduler.policy import Role
 from gyre_hpc.sim.config import SimConfig
+from gyre_hpc.step.claims import Claims, MicroStats, micro_stats, work_once
 from gyre_hpc.trajectory.records import CallMeta, TitoRecord
+from gyre_hpc.trajectory.sequences import StepQueue, TrainSequence
 from gyre_hpc.trajectory.tree import TrajectoryTree
 
 TOKENS = 16
@@ -81,16 +83,29 @@ class SimJob:
 
 @dataclass
 class CellBook:
-    """One cell's time, by what it did (``sim.simulate.CellTime``'s fields)."""
+    """One cell's seconds in each state so far (``sampling`` with its slots busy or not), and the
+    state it is in."""
 
     sampling: float = 0.0
     training: float = 0.0
     idle: float = 0.0
     switching: float = 0.0
     idle_slots: float = 0.0
+    """Of ``sampling``, the part its slots stood empty."""
     state: str = "sampling"
     since: float = 0.0
     occupied_at: float = 0.0
+
+    def time(self) -> CellTime:
+        """Where the cell's time went, in the categories every picture of cell time draws."""
+        busy = self.sampling - self.idle_slots
+        return CellTime(
+            sampling=busy,
+            idle_slots=self.idle_slots,
+            training=self.training,
+            idle=self.idle,
+            switching=self.switching,
+        )
 
 
 class SimSampler:
@@ -162,8 +177,15 @@ class SimSampler:
             if job.paths:
                 self.finished_trees[run] = self.tree_of(job.paths, version).relabeled(run)
             kind = "scored" if status == "finished" else "partial"
-            ex = Execution(run, job.task_id, workspaces / run, status=status, calls=len(job.paths))
-            outcomes[run] = Outcome(ex, ScoreResult(run, kind, job.reward, 1))  # type: ignore[arg-type]
+            ex = Execution(
+                run_id=run,
+                task_id=job.task_id,
+                workspace=workspaces / run,
+                status=status,
+                calls=len(job.paths),
+            )
+            score = ScoreResult(run_id=run, kind=kind, reward=job.reward, attempts=1)
+            outcomes[run] = Outcome(execution=ex, score=score)
             on_outcome(outcomes[run])
             if len(outcomes) == len(jobs):
                 future.set_result([outcomes[r] for r, _ in jobs])
@@ -227,14 +249,22 @@ def tree_of(run: str, paths: tuple[int, ...], version: int) -> TrajectoryTree:
 
 @dataclass
 class _StepTraining:
+    """A training cell's part in one step: its claims (``step.claims``) and when it joined."""
+
     step: int
-    queue: list
+    claims: Claims
     started: float
-    total: int = -1
-    stop: bool = False
-    pending: int | None = None
-    claimed: list[int] = field(default_factory=list)
-    tokens: int = 0
+
+
+class _Trainer:
+    """What ``work_once`` calls on a simulated cell: a micro-step computes nothing here, its
+    time is the clock's (its tokens × seconds per token)."""
+
+    def micro_step(self, sequences: list[TrainSequence]) -> MicroStats:
+        return micro_stats(sequences, 0.0)
+
+    def gradient(self) -> None:
+        """No gradient: the apply's time stands for the sum."""
 
 
 class SimFleet:
@@ -269,6 +299,12 @@ class SimFleet:
         self.timeline: list[tuple[int, float, float, str]] = []
         self.sampler: SimSampler | None = None
         self.trained_s: dict[int, float] = {}
+        """Step → the cell-seconds its micro-steps took."""
+        self.applied: list[tuple[int, list[int], int]] = []
+        """Each apply: (step, the micro-steps its cells trained, runs the loss is averaged over)."""
+        self.states: list[dict] = []
+        """What each apply was asked to keep with its checkpoint."""
+        self._trainer = _Trainer()
 
     def capacity(self, url: str) -> int:
         return self._capacity[url]
@@ -305,6 +341,8 @@ class SimFleet:
         changing = {c: r for c, r in roles.items() if self.roles[c] != r}
         if not changing:
             return {}
+        if training := sorted(c for c in changing if c in self.sessions):
+            raise RuntimeError(f"simulated fleet: cells {training} switched while training a step")
         to_train = any(r == Role.TRAINING for r in changing.values())
         cost = self.cfg.switch_to_train_s if to_train else self.cfg.switch_to_sample_s
         for cell, role in changing.items():
@@ -317,24 +355,27 @@ class SimFleet:
         return dict.fromkeys(changing, cost)
 
     def load_weights(self, units: list[int]) -> float:
-        return 0.0  # the publication's cost (``publish_s``) is the apply's
+        """Every listed engine loads at once, in ``load_s`` (sampled workloads fold the loads into
+        ``publish_s``: 0 by default)."""
+        if units and self.cfg.load_s:
+            self.clock.sleep(self.cfg.load_s)
+        return self.cfg.load_s if units else 0.0
 
-    def train(self, cells: list[int], step: int, queue: list, closed: bool) -> None:
+    def train(self, cells: list[int], step: int, queue: StepQueue, closed: bool) -> None:
         for cell in cells:
-            self.sessions[cell] = _StepTraining(
-                step, list(queue), self.clock.now, len(queue) if closed else -1
-            )
+            if self.roles[cell] != Role.TRAINING:
+                raise RuntimeError(f"simulated fleet: cell {cell} asked to train while {self.roles[cell]}")
+            self.sessions[cell] = _StepTraining(step, Claims.of(queue, closed), self.clock.now)
             self._work(cell)
 
-    def extend(self, cells: list[int], step: int, items: list) -> None:
+    def extend(self, cells: list[int], step: int, items: StepQueue) -> None:
         for cell in cells:
-            self.sessions[cell].queue += items
+            self.sessions[cell].claims.queue += items
             self._work(cell)
 
     def close_queue(self, cells: list[int], step: int, total: int, stop: bool) -> None:
         for cell in cells:
-            s = self.sessions[cell]
-            s.total, s.stop = total, stop
+            self.sessions[cell].claims.close(total, stop)
             self._work(cell)
 
     def reset_claims(self) -> None:
@@ -355,44 +396,43 @@ class SimFleet:
     ) -> StepApplied:
         self.clock.sleep(self.cfg.publish_s)
         self.version += 1 if num_runs else 0
-        return StepApplied(step, self.version, 0.0, self.cfg.publish_s, "")
+        self.applied.append((step, sorted(i for d in done.values() for i in d.claimed), num_runs))
+        self.states.append(state)
+        return StepApplied(
+            step=step, version=self.version, grad_norm=0.0, seconds=self.cfg.publish_s, checkpoint=""
+        )
 
     def shutdown(self, reason: str) -> None:
         pass
 
     # ---- a training cell ------------------------------------------------------------------------
 
+    def claim(self) -> int:
+        """The step's one counter (``step.claims.Counter``)."""
+        self.counter += 1
+        return self.counter - 1
+
     def _work(self, cell: int) -> None:
-        """What a cell leader does between messages (``work_once``): claim, train, or finish."""
+        """What a cell leader does between messages: one claim or micro-step (``work_once``),
+        its time charged on the clock."""
         s = self.sessions.get(cell)
         if s is None or cell in self.busy:
             return
-        if s.stop:
-            return self._done(cell, s)
-        if s.pending is None:
-            s.pending, self.counter = self.counter, self.counter + 1
-        i = s.pending
-        if i < len(s.queue):
-            s.pending = None
-            s.claimed.append(i)
-            tokens = sum(len(seq) for seq in s.queue[i])
-            s.tokens += tokens
-            self.trained_s[s.step] = self.trained_s.get(s.step, 0.0) + tokens * self.s_per_token
+        state = work_once(s.claims, self._trainer, self)
+        if state == "trained":
+            seconds = s.claims.stats[-1].tokens * self.s_per_token
+            self.trained_s[s.step] = self.trained_s.get(s.step, 0.0) + seconds
             self.busy.add(cell)
             self.mark(cell, "training")
-            self.clock.after(tokens * self.s_per_token, lambda: self._trained(cell))
-        elif s.total >= 0 and i >= s.total:
-            self._done(cell, s)
+            self.clock.after(seconds, lambda: self._trained(cell))
+        elif state == "done":
+            del self.sessions[cell]
+            self.inbox.append(TrainDone.of(cell, s.step, s.claims, self.clock.now - s.started))
 
     def _trained(self, cell: int) -> None:
         self.busy.discard(cell)
         self.mark(cell, "idle")
         self._work(cell)
-
-    def _done(self, cell: int, s: _StepTraining) -> None:
-        del self.sessions[cell]
-        seconds = self.clock.now - s.started
-        self.inbox.append(TrainDone(cell, s.step, s.claimed, 0.0, s.tokens, TokenStats(), seconds))
 
     @property
     def s_per_token(self) -> float:

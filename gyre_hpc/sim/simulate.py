@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre_hpc.execution.run_id import dispatched_step, run_id
+from gyre_hpc.observability.cell_time import CellTime, cell_totals
 from gyre_hpc.recipe.schema import (
     Mode,
     RunConfig,
@@ -94,23 +95,16 @@ def packed(cfg: SimConfig, sequence_tokens: list[int]) -> tuple[float, ...]:
     return tuple(sum(sequence_tokens[i] for i in b) * cfg.train_s_per_token for b in bins)
 
 
-@dataclass
-class CellTime:
-    sampling: float = 0.0
-    training: float = 0.0
-    idle: float = 0.0
-    switching: float = 0.0
-    idle_slots: float = 0.0
-    """The part of ``sampling`` in which its slots stood empty (sampling time × the share of
-    slots empty): a sampling cell holding one last execution is mostly idle, not busy."""
-
-
-@dataclass
+@dataclass(kw_only=True)
 class SimResult:
+    """What one simulated (or observed) run did: its step ends, each cell's time, its switches."""
+
     mode: Mode
     step_ends: list[float]
     total_s: float
     cells: list[CellTime]
+    """Where each cell's time went (``sampling``: its slots busy; a sampling cell holding one
+    last execution is mostly ``idle slots``)."""
     switch_log: list[tuple[int, int, str]]
     """(step, cell, role it switched to), in the order the switches began."""
     timeline: list[tuple[int, float, float, str]] = field(default_factory=list)
@@ -139,14 +133,10 @@ class SimResult:
         return sum(self.step_bounds) if self.in_series else None
 
     def time_split(self) -> dict[str, float]:
-        """Shares of cell time: ``sampling`` with its slots busy, ``idle slots`` the rest of the
-        sampling role, then training, idle and switching."""
+        """Shares of cell time by category (``observability.cell_time.CATEGORIES``)."""
         cell_s = self.total_s * len(self.cells) or 1.0
-        total = lambda what: sum(getattr(c, what) for c in self.cells) / cell_s  # noqa: E731
         return {
-            "sampling": total("sampling") - total("idle_slots"),
-            "idle slots": total("idle_slots"),
-            **{what: total(what) for what in ("training", "idle", "switching")},
+            what: s / cell_s for what, s in cell_totals(c.as_dict(digits=None) for c in self.cells).items()
         }
 
     @property
@@ -184,6 +174,13 @@ def paths_of(group: PromptGroup, i: int, n: int) -> tuple[int, ...]:
     if group.sequence_tokens:
         return group.sequence_tokens[i::n]
     return (TOKENS,) * (len(group.micro_steps) // max(n, 1))
+
+
+def trains(group: PromptGroup) -> bool:
+    """Whether the runtime trains any of the group's runs: their rewards (``reward``) differ, so
+    some run's advantage is not 0 (a group of one never trains)."""
+    n = len(group.durations)
+    return len({reward(i, n) for i in range(n)}) > 1
 
 
 def reward(i: int, n: int) -> float:
@@ -241,13 +238,18 @@ class Simulation:
         cfg = self.cfg
         tokens = cfg.micro_step_tokens if cfg.train_s_per_token else TOKENS
         return StepContext(
-            self.fleet, self.sampler, self.events, _NoFiles(), self.data,  # type: ignore[arg-type]
-            RunConfig(steps=cfg.steps, seed=cfg.seed), self.sched,
-            TasksConfig(prompts_per_step=cfg.prompts, group_size=cfg.group_size),
-            TrajectoryConfig(jmax=100_000, packing="paths"),
-            TrainerConfig(micro_step_tokens=tokens, checkpoint_every=cfg.checkpoint_every),
+            fleet=self.fleet,
+            sampler=self.sampler,
+            events=self.events,  # type: ignore[arg-type]
+            run_dir=_NoFiles(),
+            data=self.data,
+            run=RunConfig(steps=cfg.steps, seed=cfg.seed),
+            scheduler=self.sched,
+            tasks=TasksConfig(prompts_per_step=cfg.prompts, group_size=cfg.group_size),
+            trajectory=TrajectoryConfig(jmax=100_000, packing="paths"),
+            trainer=TrainerConfig(micro_step_tokens=tokens, checkpoint_every=cfg.checkpoint_every),
             clock=self.clock,
-        )  # fmt: skip
+        )
 
     def run(self) -> SimResult:
         """Every step, as the runtime's controller runs them: the engines that sample admitted
@@ -262,19 +264,31 @@ class Simulation:
             self.records.append(kind.run(step))
             ends.append(self.clock.now)
         f.close_books()
-        cells = [CellTime(b.sampling, b.training, b.idle, b.switching, b.idle_slots) for b in f.books]
+        cells = [b.time() for b in f.books]
         plain = self.mode == "elastic" and not self.sched.carry_tail and not self.sched.max_staleness
         log = [(bisect.bisect_right(ends, t) + 1, cell, role) for t, cell, role in f.switches]
         return SimResult(
-            self.mode, ends, self.clock.now, cells, log, f.timeline, self.bounds(),
-            self.works(), self.cfg.publish_s, self.mode == "colocate" or plain,
-        )  # fmt: skip
+            mode=self.mode,
+            step_ends=ends,
+            total_s=self.clock.now,
+            cells=cells,
+            switch_log=log,
+            timeline=f.timeline,
+            step_bounds=self.bounds(),
+            work_bounds=self.works(),
+            publish_s=self.cfg.publish_s,
+            in_series=self.mode == "colocate" or plain,
+        )
 
     def bounds(self) -> list[float]:
-        """Each step's on-policy bound, from the work it was given."""
+        """Each step's on-policy bound, from the work it was given: a group whose runs all get
+        one reward trains nothing (``trains``), so none of its micro-steps is charged."""
         steps = range(1, self.cfg.steps + 1)
         given = [self.data.step_groups(s) for s in steps]
-        return [step_bound([g.durations for g in gs], [g.micro_steps for g in gs], self.cfg) for gs in given]
+        return [
+            step_bound([g.durations for g in gs], [g.micro_steps if trains(g) else () for g in gs], self.cfg)
+            for gs in given
+        ]
 
     def works(self) -> list[float]:
         """Each step's served and trained work: an execution's served time goes to the step it

@@ -24,8 +24,17 @@ from gyre_hpc.recipe.schema import TrajectoryConfig
 from gyre_hpc.step.stats import step_stats
 from gyre_hpc.trajectory.packing import pack_tree_micro_steps, run_chunks
 from gyre_hpc.trajectory.select import select_paths
-from gyre_hpc.trajectory.sequences import TrainSequence, build_batch, group_advantages, pack_micro_steps
+from gyre_hpc.trajectory.sequences import (
+    StepQueue,
+    TrainSequence,
+    build_batch,
+    group_advantages,
+    pack_micro_steps,
+)
 from gyre_hpc.trajectory.tree import TrajectoryTree
+
+Pending = dict[tuple[int, str], list[tuple[Outcome, TrajectoryTree | None]]]
+"""Ended executions (and their trees) of groups not yet complete, by (step dispatched, task)."""
 
 
 def group_of(outcome: Outcome) -> tuple[int, str]:
@@ -35,8 +44,7 @@ def group_of(outcome: Outcome) -> tuple[int, str]:
 
 @dataclass
 class StepBatch:
-    queue: list[list[TrainSequence]]
-    """Micro-steps, each a list of sequences."""
+    queue: StepQueue
     num_runs: int
     stats: dict[str, object] = field(default_factory=dict)
     trees: Mapping[str, TrajectoryTree] = field(default_factory=dict)
@@ -66,9 +74,7 @@ def group_sequences(
     return batch.sequences, batch.num_runs
 
 
-def pack(
-    sequences: Sequence[TrainSequence], micro_step_tokens: int, packing: str = "paths"
-) -> list[list[TrainSequence]]:
+def pack(sequences: Sequence[TrainSequence], micro_step_tokens: int, packing: str = "paths") -> StepQueue:
     """Micro-steps of at most ``micro_step_tokens`` forwarded tokens: unique tokens of each
     micro-step's tree when packing trees, path lengths otherwise."""
     if packing == "tree":
@@ -110,8 +116,8 @@ class StreamingBatch:
         micro_step_tokens: int,
         seed: int,
         step: int,
-        carried: Sequence[list[TrainSequence]] = (),
-        pending: dict[tuple[int, str], list[tuple[Outcome, TrajectoryTree | None]]] | None = None,
+        carried: StepQueue | tuple[()] = (),
+        pending: Pending | None = None,
     ):
         self.group_size, self.trajectory, self.tokens = group_size, trajectory, micro_step_tokens
         self.seed, self.step = seed, step
@@ -125,12 +131,12 @@ class StreamingBatch:
         """The trees of the runs of the groups this batch completed."""
         self.outcomes: list[Outcome] = []
         """The runs of the groups this batch completed."""
-        self.queue: list[list[TrainSequence]] = list(carried)
+        self.queue: StepQueue = list(carried)
         """Micro-steps carried from the previous step (``scheduler.carry_tail``) come first."""
         self.num_runs = 0
         self.work: list[dict[str, object]] = []
 
-    def add(self, outcome: Outcome, tree: TrajectoryTree | None) -> list[list[TrainSequence]]:
+    def add(self, outcome: Outcome, tree: TrajectoryTree | None) -> StepQueue:
         """Book one finished run (and its complete tree); returns the micro-steps its group
         completed (often none)."""
         key = group_of(outcome)

@@ -11,13 +11,13 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from gyre_hpc.execution.outcome import Outcome, group_rewards, mean_reward, pass_rate
-from gyre_hpc.trajectory.sequences import TrainSequence
+from gyre_hpc.trajectory.sequences import MicroStep, StepQueue
 from gyre_hpc.trajectory.tree import TrajectoryTree
 
 
 def step_stats(
     outcomes: Sequence[Outcome],
-    queue: list[list[TrainSequence]],
+    queue: StepQueue,
     runs: int,
     work: Sequence[dict[str, object]] = (),
     trees: Iterable[TrajectoryTree] = (),
@@ -95,7 +95,7 @@ def prefix_reuse(trees: Iterable[TrajectoryTree]) -> dict[str, int]:
     }
 
 
-def token_staleness(micro_steps: Iterable[list[TrainSequence]], trained_from: int) -> dict[str, int]:
+def token_staleness(micro_steps: Iterable[MicroStep], trained_from: int) -> dict[str, int]:
     """Trained tokens by how many versions lie between the one that generated them and the one
     the update trains from (0: on-policy): the micro-steps an update actually trained."""
     count: Counter[int] = Counter()

@@ -22,6 +22,7 @@ import torch
 from gyre_hpc.loss.diagnostics import entropy_from_logprobs, token_stats
 from gyre_hpc.loss.policy_loss import weighted_policy_loss
 from gyre_hpc.loss.token_stats import TokenStats
+from gyre_hpc.step.claims import MicroStats, micro_stats
 from gyre_hpc.trajectory.packing import PackedTree
 from gyre_hpc.trajectory.sequences import TrainSequence
 
@@ -34,22 +35,6 @@ def mean_gradient_scale(sum_norm: float, num_runs: int, grad_clip: float) -> tup
     if grad_clip and norm > grad_clip:
         scale *= grad_clip / (norm + 1e-6)
     return norm, scale
-
-
-@dataclass(frozen=True)
-class MicroStats:
-    sequences: int
-    tokens: int
-    loss_tokens: int
-    loss_sum: float
-    """Σ weight·loss of the micro-step (divide by R for its share of the batch loss)."""
-    token_stats: TokenStats = TokenStats()
-    """Clipping, KL, entropy and log-prob mismatch over its loss tokens (sums)."""
-
-    @property
-    def clipped(self) -> int:
-        """Loss tokens whose importance ratio was clipped."""
-        return self.token_stats.clipped
 
 
 @dataclass(frozen=True)
@@ -181,16 +166,3 @@ def tree_inputs(tree: PackedTree, device: torch.device | None = None) -> tuple[t
     """The packed tokens and their positions, each [1, N]."""
     ids = torch.from_numpy(tree.tokens)[None].to(device)
     return ids, torch.from_numpy(tree.positions)[None].to(device)
-
-
-def micro_stats(
-    sequences: list[TrainSequence],
-    loss_sum: float,
-    stats: TokenStats | None = None,
-    tokens: int | None = None,
-) -> MicroStats:
-    """A micro-step's counts; the loss and token stats come from wherever it was computed, and
-    ``tokens`` (forwarded) defaults to the paths' lengths."""
-    tokens = sum(len(s) for s in sequences) if tokens is None else tokens
-    loss_tokens = int(sum(float(np.asarray(s.loss_mask).sum()) for s in sequences))
-    return MicroStats(len(sequences), tokens, loss_tokens, loss_sum, stats or TokenStats())

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from gyre_hpc.trainer.base import MicroStats, micro_stats
+from gyre_hpc.step.claims import MicroStats, micro_stats
 from gyre_hpc.trainer.torch_backend import TorchTrainer
 from gyre_hpc.trajectory.packing import forwarded_tokens
 from gyre_hpc.trajectory.sequences import TrainSequence

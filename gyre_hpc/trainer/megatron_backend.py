@@ -51,12 +51,11 @@ from gyre_hpc.loss.token_stats import TokenStats
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.qwen3 import Qwen3Config
 from gyre_hpc.recipe.schema import TrainerConfig
+from gyre_hpc.step.claims import MicroStats, micro_stats
 from gyre_hpc.trainer.base import (
     ApplyStats,
-    MicroStats,
     entry_rows,
     mean_gradient_scale,
-    micro_stats,
     packed_loss,
     sequence_loss,
     tree_inputs,

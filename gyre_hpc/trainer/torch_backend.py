@@ -18,12 +18,11 @@ from gyre_hpc.loss.diagnostics import entropy_from_logprobs
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.qwen3 import KV, Qwen3ForCausalLM
 from gyre_hpc.recipe.schema import TrainerConfig
+from gyre_hpc.step.claims import MicroStats, micro_stats
 from gyre_hpc.trainer.base import (
     ApplyStats,
-    MicroStats,
     entry_rows,
     mean_gradient_scale,
-    micro_stats,
     packed_loss,
     policy_micro_step,
     tree_inputs,

@@ -44,6 +44,14 @@ class TrainSequence:
         return len(self.tokens)
 
 
+MicroStep = list[TrainSequence]
+"""The sequences one forward and backward pass trains (at most ``trainer.micro_step_tokens``, or
+one longer path on its own)."""
+StepQueue = list[MicroStep]
+"""A step's micro-steps in claim order: what its trainers claim one index at a time
+(``step.claims``), handed over as it grows (``scheduler.fleet.Fleet``)."""
+
+
 @dataclass(frozen=True)
 class Batch:
     sequences: list[TrainSequence]

@@ -13,7 +13,8 @@ import numpy as np
 from mpi4py import MPI
 
 from gyre_hpc.recipe.schema import TrainerConfig
-from gyre_hpc.trainer.data_parallel import Claims, apply_on_core, pull_snapshot, work_once
+from gyre_hpc.step.claims import Claims, work_once
+from gyre_hpc.trainer.data_parallel import apply_on_core, pull_snapshot
 from gyre_hpc.trainer.torch_backend import TorchTrainer
 from gyre_hpc.trajectory.sequences import TrainSequence
 from gyre_hpc.transport.base import TransportPlan

@@ -184,25 +184,25 @@ def test_the_gpus_change_hands_in_an_order_that_never_needs_both_at_once() -> No
     cell._forward = lambda msg: calls.append(f"members told {msg.role}")
     cell._await_members = lambda seq: calls.append("members acknowledged")
     cell._hosting_members = lambda: []  # one replica: the leader's
-    cell.switch(TakeRole(0, Role.SAMPLING, 1))
+    cell.switch(TakeRole(cell=0, role=Role.SAMPLING, seq=1))
     assert calls == [
         "trainer.weights", "members told sampling", "members acknowledged",
         "trainer.release_memory", "engine.resume",
     ]  # fmt: skip
     calls.clear()
-    cell.switch(TakeRole(0, Role.TRAINING, 2))
+    cell.switch(TakeRole(cell=0, role=Role.TRAINING, seq=2))
     assert calls == ["engine.pause", "members told training", "members acknowledged", "trainer.resume_memory"]
     # Two replicas: every replica lets go before any trainer takes memory back, and every
     # trainer lets go before any replica resumes.
     cell.in_cell, cell._hosting_members = Members(), lambda: [1]
     calls.clear()
-    cell.switch(TakeRole(0, Role.SAMPLING, 3))
+    cell.switch(TakeRole(cell=0, role=Role.SAMPLING, seq=3))
     assert calls == [
         "trainer.weights", "members told sampling", "members acknowledged", "trainer.release_memory",
         "member 1 told resume", "member 1 done", "engine.resume",
     ]  # fmt: skip
     calls.clear()
-    cell.switch(TakeRole(0, Role.TRAINING, 4))
+    cell.switch(TakeRole(cell=0, role=Role.TRAINING, seq=4))
     assert calls == [
         "member 1 told pause", "member 1 done", "engine.pause",
         "members told training", "members acknowledged", "trainer.resume_memory",

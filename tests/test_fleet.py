@@ -37,7 +37,9 @@ class ScriptedCell:
 
     def send(self, message: Message, dest: int) -> None:
         if isinstance(message, TakeRole):
-            reply = RoleTaken(message.cell, message.role, message.seq, self.answer_after)
+            reply = RoleTaken(
+                cell=message.cell, role=message.role, seq=message.seq, seconds=self.answer_after
+            )
             self.answer = (self.now + self.answer_after, reply)
 
     def poll(self, source: int | None = None) -> tuple[int, Message] | None:
@@ -48,7 +50,7 @@ class ScriptedCell:
             msg, self.answer = self.answer[1], None
             return 1, msg
         if self.now < self.silent_at:
-            return 1, Heartbeat(0, Role.SAMPLING, self.now)
+            return 1, Heartbeat(cell=0, role=Role.SAMPLING, sent=self.now)
         return None
 
 

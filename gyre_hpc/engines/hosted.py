@@ -155,7 +155,9 @@ class EmbeddedHost:
 
     def load(self, flat: np.ndarray, version: int) -> Pushed:
         self.engine.load_flat(torch.from_numpy(flat), str(version))
-        return Pushed(flat.nbytes, flat.nbytes, None, flat.size)  # copied in this process
+        return Pushed(
+            sent=flat.nbytes, whole=flat.nbytes, changed=None, elements=flat.size
+        )  # copied in this process
 
     def supervise(self) -> None:
         """It lives in this process: it cannot die alone."""

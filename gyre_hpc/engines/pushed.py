@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Pushed:
     """What one load moved into an engine: bytes sent, bytes of the same version whole in the
     served dtype, and the elements that changed since the version the engine held (None where
@@ -28,7 +28,9 @@ class Pushed:
             return other
         changed = None if self.changed is None or other.changed is None else self.changed + other.changed
         elements = self.elements + other.elements
-        return Pushed(self.sent + other.sent, self.whole + other.whole, changed, elements)
+        return Pushed(
+            sent=self.sent + other.sent, whole=self.whole + other.whole, changed=changed, elements=elements
+        )
 
     @property
     def changed_fraction(self) -> float | None:

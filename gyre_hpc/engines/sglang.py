@@ -245,7 +245,7 @@ class WeightGroup:
             sent += staged.numel() * staged.element_size()
             self._send(b, staged.view(torch.uint8), str(version), flush=i == len(self.buckets) - 1)
             del staged  # before the next one is staged
-        return Pushed(sent, sent, None, source.numel())
+        return Pushed(sent=sent, whole=sent, changed=None, elements=source.numel())
 
     def _send(self, bucket: Bucket, data: Any, version: str, flush: bool) -> None:
         import torch
@@ -338,7 +338,7 @@ class TensorPush:
             payload = {"flattened_tensor": staged.view(torch.uint8), "metadata": _metadata(b, dtype)}
             self._update(payload, version, flush and i == len(self.buckets) - 1, "flattened_bucket")
             del staged, payload  # the server copied the bucket into its weights
-        return Pushed(sent, sent, None, source.numel())
+        return Pushed(sent=sent, whole=sent, changed=None, elements=source.numel())
 
     def _deltas(self, source: Any, dtype: Any, version: int, flush: bool, whole: bool) -> Pushed | None:
         """Every bucket as a delta over the kept one (or whole); None if the server refused one."""
@@ -383,7 +383,7 @@ class TensorPush:
             self.held[i] = new
             del staged, entries
         itemsize = _itemsize(self.dtype)
-        return Pushed(sent, source.numel() * itemsize, changed, source.numel())
+        return Pushed(sent=sent, whole=source.numel() * itemsize, changed=changed, elements=source.numel())
 
     def _stage(self, t: Any) -> Any:
         """Where the server's ranks read it: a shared-memory file, or this rank's GPU."""
@@ -545,7 +545,7 @@ class SGLangServer:
             reply = call(self.url, lambda c: c.update_weights_from_disk(str(path), str(version)))
             if not reply.get("success"):
                 raise EngineError(f"{self.url}: update_weights_from_disk failed: {reply.get('message')}")
-            return Pushed(flat.nbytes, flat.nbytes, None, flat.size)
+            return Pushed(sent=flat.nbytes, whole=flat.nbytes, changed=None, elements=flat.size)
         call(self.url, lambda c: c.begin_weight_update())
         try:
             return self.group.push(flat, version)

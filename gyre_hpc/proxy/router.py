@@ -96,7 +96,7 @@ class EngineSlot:
         )
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Completion:
     output_ids: list[int]
     logprobs: list[float]
@@ -248,9 +248,17 @@ class Router:
             if finished or (flight.drained == "continue" and len(output) >= budget):
                 reason = meta["finish_reason"] if finished else {"type": "length", "length": len(output)}
                 return Completion(
-                    output, logprobs, reason, slot.url, served, cached,
-                    rerouted or not finished, started, time.time(), segments,
-                )  # fmt: skip
+                    output_ids=output,
+                    logprobs=logprobs,
+                    finish_reason=reason,
+                    engine=slot.url,
+                    weight_version=served,
+                    cached_tokens=cached,
+                    rerouted=rerouted or not finished,
+                    t_start=started,
+                    t_end=time.time(),
+                    segments=segments,
+                )
             rerouted = True
             if flight.drained == "continue":
                 if flight.kv_handle:

@@ -132,7 +132,9 @@ class Leader(CellHost):
         while True:
             now = time.monotonic()
             if now >= next_beat:
-                self.to_controller.send(Heartbeat(self.unit, self.role, time.time()), CONTROLLER)
+                self.to_controller.send(
+                    Heartbeat(cell=self.unit, role=self.role, sent=time.time()), CONTROLLER
+                )
                 next_beat = now + self.cells.heartbeat_s
             self.engine.supervise()
             if deferred and not self.engine.restarting:
@@ -161,13 +163,17 @@ class Leader(CellHost):
     def on_switch(self, msg: TakeRole, started: float) -> None:
         self.switch(msg)
         seconds = time.monotonic() - started
-        self.to_controller.send(RoleTaken(self.unit, msg.role, msg.seq, seconds), CONTROLLER)
+        self.to_controller.send(
+            RoleTaken(cell=self.unit, role=msg.role, seq=msg.seq, seconds=seconds), CONTROLLER
+        )
         log.info("cell %d: role %s (%.3f s)", self.unit, msg.role, seconds)
 
     def on_load(self, msg: LoadWeights, started: float) -> None:
         pushed = self.load_weights(msg.version)
         seconds = time.monotonic() - started
-        self.to_controller.send(Loaded(self.unit, msg.version, seconds, pushed), CONTROLLER)
+        self.to_controller.send(
+            Loaded(cell=self.unit, version=msg.version, seconds=seconds, pushed=pushed), CONTROLLER
+        )
 
     def on_train_step(self, msg: TrainStep, started: float) -> None:
         self.session = self.open_session(msg)
@@ -204,12 +210,12 @@ class Leader(CellHost):
         """Every replica of the cell paused or resumed: the members' first, then the leader's."""
         hosts = self._hosting_members()
         for rank in hosts:
-            self.in_cell.send(EngineVerb(verb, seq), rank)
+            self.in_cell.send(EngineVerb(verb=verb, seq=seq), rank)
         for rank in hosts:
             _, ack = self.in_cell.recv(
                 self.cells.heartbeat_timeout_s, rank, f"{verb} from cell member {rank}"
             )
-            if ack != EngineVerb(verb, seq):
+            if ack != EngineVerb(verb=verb, seq=seq):
                 raise ProtocolError(f"cell {self.unit}: member {rank} answered {ack!r}")
         getattr(self.engine, verb)()
 
@@ -218,7 +224,7 @@ class Leader(CellHost):
         pulls the snapshot itself), the leader's own meanwhile; what they moved, together."""
         hosts = self._hosting_members()
         for rank in hosts:
-            self.in_cell.send(LoadWeights(self.unit, version), rank)
+            self.in_cell.send(LoadWeights(cell=self.unit, version=version), rank)
         if self.trainer is not None and self.is_core:
             pushed = self.engine.load(self.trainer.weights(), version)
         else:

@@ -57,7 +57,9 @@ class Member(CellHost):
     def serve(self) -> None:
         url = self.start_engine()
         if url is not None:
-            self.in_cell.send(EnginesUp(self.world.cell_comm.Get_rank(), {self.part.replica: url}), 0)
+            self.in_cell.send(
+                EnginesUp(rank=self.world.cell_comm.Get_rank(), addresses={self.part.replica: url}), 0
+            )
         self.mirrored = self._member_trainer() if self.spread else None
         while True:
             # No timeout: a leader that dies takes the job down, one that hangs is caught by the
@@ -87,7 +89,7 @@ class Member(CellHost):
         # release; to train, the leader forwards this after they let go.
         hand_over(self.mirrored, msg.role)
         self.role = msg.role
-        self.in_cell.send(RoleTaken(self.unit, msg.role, msg.seq, 0.0), 0)
+        self.in_cell.send(RoleTaken(cell=self.unit, role=msg.role, seq=msg.seq, seconds=0.0), 0)
 
     def on_engine_verb(self, msg: EngineVerb) -> None:
         getattr(self.engine, msg.verb)()
@@ -101,7 +103,7 @@ class Member(CellHost):
             time.sleep(POLL_INTERVAL_S)
         pushed = self.load_pulled(msg.version)
         seconds = time.monotonic() - started
-        self.in_cell.send(Loaded(self.unit, msg.version, seconds, pushed), 0)
+        self.in_cell.send(Loaded(cell=self.unit, version=msg.version, seconds=seconds, pushed=pushed), 0)
 
     def on_mirror(self, msg: Mirror) -> None:
         mirror(self.mirrored, msg, self.world.cell_comm, self.scratch)

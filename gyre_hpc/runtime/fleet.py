@@ -181,7 +181,7 @@ class MpiFleet:
                 continue
             self._seq += 1
             pending[cell] = self._seq
-            self.channel.send(TakeRole(cell, role, self._seq), self.layout.leader(cell))
+            self.channel.send(TakeRole(cell=cell, role=role, seq=self._seq), self.layout.leader(cell))
             self.events.emit(ev.SwitchRole(cell=cell, role=str(role), seq=self._seq))
             self.hours.mark(cell, "switching", self.clock())
         seconds = {}
@@ -206,7 +206,7 @@ class MpiFleet:
             return 0.0
         version = self.version
         for unit in units:
-            self.channel.send(LoadWeights(unit, version), self.layout.leader(unit))
+            self.channel.send(LoadWeights(cell=unit, version=version), self.layout.leader(unit))
             self.hours.mark(unit, "switching", self.clock())
         pending, slowest, pushed = set(units), 0.0, Pushed()
         while pending:
@@ -237,15 +237,18 @@ class MpiFleet:
 
     def train(self, cells: list[int], step: int, queue: StepQueue, closed: bool) -> None:
         for cell in cells:
-            self.channel.send(TrainStep(step, self.version, list(queue), closed), self.layout.leader(cell))
+            self.channel.send(
+                TrainStep(step=step, version=self.version, queue=list(queue), closed=closed),
+                self.layout.leader(cell),
+            )
 
     def extend(self, cells: list[int], step: int, items: StepQueue) -> None:
         for cell in cells:
-            self.channel.send(MicroSteps(step, items), self.layout.leader(cell))
+            self.channel.send(MicroSteps(step=step, items=items), self.layout.leader(cell))
 
     def close_queue(self, cells: list[int], step: int, total: int, stop: bool) -> None:
         for cell in cells:
-            self.channel.send(CloseQueue(step, total, stop), self.layout.leader(cell))
+            self.channel.send(CloseQueue(step=step, total=total, stop=stop), self.layout.leader(cell))
 
     def reset_claims(self) -> None:
         self.transport.reset_counter()
@@ -257,7 +260,12 @@ class MpiFleet:
         self, step: int, done: dict[int, TrainDone], num_runs: int, checkpoint: bool, state: dict
     ) -> StepApplied:
         contributors = [self.layout.leader(c) for c, d in done.items() if c != 0 and d.claimed]
-        self.channel.send(ApplyStep(step, contributors, num_runs, checkpoint, state), self.layout.leader(0))
+        self.channel.send(
+            ApplyStep(
+                step=step, contributors=contributors, num_runs=num_runs, checkpoint=checkpoint, state=state
+            ),
+            self.layout.leader(0),
+        )
         # Summing, stepping and checkpointing take longer than a heartbeat round.
         msg = self._await(
             lambda m: isinstance(m, StepApplied) and m.step == step,
@@ -271,7 +279,7 @@ class MpiFleet:
 
     def shutdown(self, reason: str) -> None:
         for unit in range(self.layout.units):
-            self.channel.send(Goodbye(reason), self.layout.leader(unit))
+            self.channel.send(Goodbye(reason=reason), self.layout.leader(unit))
         self.events.emit(ev.Shutdown(reason=reason))
         self.channel.flush(self.config.heartbeat_timeout_s)
         wait_barrier(self.comm, self.config.heartbeat_timeout_s)

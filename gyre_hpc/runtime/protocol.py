@@ -39,7 +39,7 @@ CONTROL_TAG = 17
 POLL_INTERVAL_S = 0.002  # between probes: ranks outnumber cores on a laptop, so never spin
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EngineVerb:
     """Leader → a member hosting an engine replica: ``pause`` or ``resume`` it; the member
     answers with the same message once done (a role switch's engine half)."""
@@ -48,7 +48,7 @@ class EngineVerb:
     seq: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EnginesUp:
     """A cell member's engine parts are up: the URLs of those that serve (head parts), by replica."""
 
@@ -56,14 +56,14 @@ class EnginesUp:
     addresses: dict[int, str]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TakeRole:
     cell: int
     role: Role
     seq: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RoleTaken:
     cell: int
     role: Role
@@ -71,19 +71,19 @@ class RoleTaken:
     seconds: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Heartbeat:
     cell: int
     role: Role
     sent: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Goodbye:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LoadWeights:
     """Load snapshot ``version`` into the cell's engine (pulled from the core)."""
 
@@ -91,7 +91,7 @@ class LoadWeights:
     version: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Loaded:
     cell: int
     version: int
@@ -100,7 +100,7 @@ class Loaded:
     """What the load moved into the cell's replicas (or this member's)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TrainStep:
     """Train on the step's micro-steps, claimed from the shared counter, from snapshot ``version``.
 
@@ -112,7 +112,7 @@ class TrainStep:
     closed: bool = True
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class MicroSteps:
     """More micro-steps of an open step's queue (appended in order)."""
 
@@ -120,7 +120,7 @@ class MicroSteps:
     items: StepQueue
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CloseQueue:
     """The step's queue is complete: ``total`` micro-steps. ``stop``: the step ends now — finish
     the micro-step in hand and claim no more (the rest is carried into the next step)."""
@@ -130,7 +130,7 @@ class CloseQueue:
     stop: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ApplyStep:
     """Core only: sum the gradients of ``contributors`` (ranks) into its own, step, publish."""
 
@@ -141,7 +141,7 @@ class ApplyStep:
     state: dict  # extra resume state stored with the checkpoint
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Mirror:
     """Inside a cell, leader to members: call trainer ``verb`` with ``args`` as the leader does
     (``runtime.replica``)."""

@@ -43,7 +43,7 @@ class MirroredTrainer:
 
     def _announce(self, verb: str, *args: Any) -> None:
         for member in self.members:
-            self.channel.send(Mirror(verb, args), member)
+            self.channel.send(Mirror(verb=verb, args=args), member)
 
     def weights(self) -> np.ndarray:
         self._announce("weights")  # shards are gathered collectively

@@ -1,7 +1,7 @@
 """Scheduling policy: pure functions of the run's state, no I/O.
 
-The same code is used by the step kinds (``scheduler.steps``, which the MPI runtime runs) and
-the discrete-event simulator (``sim.simulate``). The policy knows nothing about MPI, HTTP or
+The same code is used by the step kinds (``scheduler.steps``), which the MPI runtime and the
+discrete-event simulator (``sim.simulate``) both run. The policy knows nothing about MPI, HTTP or
 models: it only says which role each cell takes next. Both sides build what it sees with one
 function, ``sched_state``.
 
@@ -37,8 +37,8 @@ Step boundaries, decided once here and followed by the runtime and the simulator
 4. Elastic and colocate dispatch the next burst only once the policy has nothing left to
    switch back, so every burst starts on every cell. Async dispatches burst k+1 as soon as
    burst k has ended (sampling never waits for training) and never switches.
-5. Switches are serial: the runtime carries each one out before it decides again, and the
-   simulator does not decide while one is under way (``switching``).
+5. Switches are serial: a step kind carries out each switch the policy returned (drain, switch,
+   load) before it asks again; the simulator runs the same step kinds, so it does the same.
 """
 
 from __future__ import annotations
@@ -87,8 +87,6 @@ class SchedState:
     """A step is being trained: its update is not applied yet."""
     min_queued: int = 1
     async_train_cells: int = 1
-    switching: bool = False
-    """A switch is under way: switches are serial."""
 
     @property
     def water(self) -> int:
@@ -126,7 +124,7 @@ class StepCounters:
 
     def closed(self) -> StepCounters:
         """The same step once its update is applied (boundary rule 3)."""
-        return StepCounters(self.dispatched, self.finished)
+        return StepCounters(dispatched=self.dispatched, finished=self.finished)
 
 
 def sched_state(
@@ -135,7 +133,6 @@ def sched_state(
     capacity: list[int] | tuple[int, ...],
     pool_capacity: int,
     counters: StepCounters,
-    switching: bool = False,
 ) -> SchedState:
     """What the policy sees, from the counters (boundary rules 2 and 3)."""
     live = counters.open and not counters.stopped
@@ -150,12 +147,13 @@ def sched_state(
         step_open=counters.open,
         min_queued=sched.min_queued_microsteps,
         async_train_cells=sched.async_train_cells,
-        switching=switching,
     )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RoleChange:
+    """A cell to take ``role``, and why (the rule that fired)."""
+
     cell: int
     role: Role
     reason: str
@@ -192,12 +190,12 @@ def carries_tail(
 
 
 def decide(s: SchedState) -> list[RoleChange]:
-    """The next role switches (serial: at most one while elastic; none while one is under way)."""
-    if s.switching:
-        return []
+    """The next role switches (at most one while elastic: boundary rule 5)."""
     if s.mode == "async":
         want = initial_roles("async", len(s.roles), s.async_train_cells)
-        return [RoleChange(c, r, "fixed split") for c, r in enumerate(want) if s.roles[c] != r]
+        return [
+            RoleChange(cell=c, role=r, reason="fixed split") for c, r in enumerate(want) if s.roles[c] != r
+        ]
     if s.mode == "colocate":
         return _colocate(s)
     return _elastic(s)
@@ -212,20 +210,21 @@ def _colocate(s: SchedState) -> list[RoleChange]:
         target, why = Role.SAMPLING, "step closed"
     else:  # the queue is being trained out
         return []
-    return [RoleChange(c, target, why) for c, r in enumerate(s.roles) if r != target]
+    return [RoleChange(cell=c, role=target, reason=why) for c, r in enumerate(s.roles) if r != target]
 
 
 def _elastic(s: SchedState) -> list[RoleChange]:
     k, c_r, w = s.training_prefix, s.rollout_capacity, s.water
     if k > 0:
         if w > c_r:
-            return [RoleChange(k - 1, Role.SAMPLING, f"w={w} > C_R={c_r}")]
+            return [RoleChange(cell=k - 1, role=Role.SAMPLING, reason=f"w={w} > C_R={c_r}")]
         if not s.step_open:
-            return [RoleChange(k - 1, Role.SAMPLING, "step closed")]
+            return [RoleChange(cell=k - 1, role=Role.SAMPLING, reason="step closed")]
     # While executions run, some engine must keep serving them (C_R − C_e > 0); after the
     # burst every cell may train.
     left = c_r - s.capacity[k] if k < len(s.roles) else 0
     enough = s.queued >= s.min_queued or (w == 0 and s.queued > 0)  # after the burst: any work
     if k < len(s.roles) and enough and w <= left and (left > 0 or w == 0):
-        return [RoleChange(k, Role.TRAINING, f"w={w} <= C_R-C_e={c_r - s.capacity[k]}, {s.queued} queued")]
+        why = f"w={w} <= C_R-C_e={c_r - s.capacity[k]}, {s.queued} queued"
+        return [RoleChange(cell=k, role=Role.TRAINING, reason=why)]
     return []

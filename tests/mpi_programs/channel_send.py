@@ -20,7 +20,7 @@ channel = Channel(comm)
 if comm.Get_rank() == 0:
     payload = [[np.zeros(1 << 20, dtype=np.float32)]]  # 4 MiB: far past any eager limit
     started = time.monotonic()
-    channel.send(MicroSteps(1, payload), 1)
+    channel.send(MicroSteps(step=1, items=payload), 1)
     send_s = time.monotonic() - started
     _, reply = channel.recv(30, 1)
     unsent = channel.flush(10)
@@ -32,6 +32,6 @@ else:
     time.sleep(BUSY_S)  # a cell in the middle of a micro-step
     _, msg = channel.recv(30, 0)
     assert isinstance(msg, MicroSteps) and msg.items[0][0].nbytes == 4 << 20
-    channel.send(Heartbeat(1, Role.TRAINING, time.time()), 0)
+    channel.send(Heartbeat(cell=1, role=Role.TRAINING, sent=time.time()), 0)
     channel.flush(10)
 comm.Barrier()

@@ -21,6 +21,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from gyre_hpc.bench.report import Report
+from gyre_hpc.bench.report import Table as ReportTable
+
 OFF_TERMINAL_WIDTH = 1000
 """Wide enough for any table here; rich pads nothing, so lines stay as long as their content."""
 
@@ -65,6 +68,24 @@ class Results:
 
     def note(self, text: str) -> None:
         self.notes.print(text)
+
+    def report(self, report: Report) -> None:
+        """A benchmark's tables and lines, in order."""
+        for part in report:
+            if isinstance(part, ReportTable):
+                self.table(drawn(part))
+            else:
+                self.note(part)
+
+
+def drawn(table: ReportTable) -> Table:
+    """A report's table as rich draws it: numbers right-aligned, as every column here."""
+    out = Table(title=table.title)
+    for column in table.columns:
+        out.add_column(column, justify="right")
+    for row in table.rows:
+        out.add_row(*row)
+    return out
 
 
 def title_of(table: Table) -> str:

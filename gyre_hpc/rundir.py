@@ -22,7 +22,8 @@ runs/<name>-<YYYYmmdd-HHMMSS>/
   engines/        unit-<n>[-replica-<r>][-part-<p>]/: an SGLang server's log (and weights it
                   loads from disk)
   executors/      hub.json: where executor nodes find the controller (executors.job.HubAddress)
-  job.json        how it was launched: local mpirun or the Slurm job id
+  job.json        how it was launched: local mpirun or the Slurm job id (job.sbatch: the script
+                  a Slurm launch submitted)
   logs/           mpirun.log or slurm.out (the launcher's), rank-<N>.log, executor-<node>.log,
                   proxy-worker-<n>.log, executions/ (a black-box harness's output per run)
   ranks/          rank-<N>.json: pid, host, role of every rank (written when it starts);
@@ -248,6 +249,11 @@ class RunDir:
     @property
     def job_path(self) -> Path:
         return self.path / "job.json"
+
+    @property
+    def job_script(self) -> Path:
+        """The sbatch script a Slurm launch submitted (``launch.submit``)."""
+        return self.path / "job.sbatch"
 
     @property
     def requeue_flag(self) -> Path:

@@ -15,7 +15,7 @@ FILES = (
     "recipe.toml", "resumes.jsonl", "events.jsonl", "tito.bin", "tito-", "proxy.secret", "chats.jsonl",
     "chats-", "spec.json", "worker-", "step-", "metrics.png", "unit-", "hub.json", "job.json",
     "mpirun.log", "slurm.out", "rank-", ".exit", "executor-", "proxy-worker-", "state.json",
-    "executions.jsonl", "eval.json",
+    "executions.jsonl", "eval.json", "job.sbatch",
 )  # fmt: skip
 """Names (or the start of names) of the run directory's files."""
 DIRS = (

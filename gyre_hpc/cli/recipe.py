@@ -9,11 +9,10 @@ import typer
 from rich.console import Console
 from rich.syntax import Syntax
 
-from gyre_hpc.errors import GyreError, RecipeError
+from gyre_hpc.errors import RecipeError
 from gyre_hpc.launch.check import check_launch
 from gyre_hpc.recipe import Recipe, load_recipe, to_toml
 from gyre_hpc.recipe.load import schema_lines
-from gyre_hpc.rundir import RunDir
 
 RecipeArg = Annotated[Path, typer.Argument(help="Recipe TOML file.", show_default=False)]
 SetOption = Annotated[
@@ -26,14 +25,6 @@ app = typer.Typer(help="Check and inspect recipes.", no_args_is_help=True)
 
 def load(path: Path, sets: list[str] | None) -> Recipe:
     return load_recipe(path, sets or [])
-
-
-def load_resumed(path: Path, sets: list[str] | None) -> tuple[RunDir, Recipe]:
-    """A run directory to continue, and its recipe in force with ``sets`` added."""
-    run_dir = RunDir(path.resolve())
-    if (missing := run_dir.missing()) is not None:
-        raise GyreError(f"--resume {missing}")
-    return run_dir, load_recipe(run_dir.recipe_path, [*run_dir.overrides(), *(sets or [])])
 
 
 @app.command()

@@ -1,8 +1,8 @@
-"""``gyre-hpc run RECIPE``: the whole system on this machine, under mpirun, with live progress."""
+"""``gyre-hpc run RECIPE``: the whole system on this machine, under mpirun (``launch.local``), with
+live progress."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Annotated
 
@@ -18,14 +18,13 @@ from rich.progress import (
 )
 
 from gyre_hpc.cli.model import resolve_shown
-from gyre_hpc.cli.recipe import SetOption, load, load_resumed
-from gyre_hpc.diskspace import MIB, free_bytes
-from gyre_hpc.errors import GyreError
+from gyre_hpc.cli.recipe import SetOption
 from gyre_hpc.launch.check import check_launch
+from gyre_hpc.launch.ending import resume_hint
 from gyre_hpc.launch.local import LocalRun
+from gyre_hpc.launch.start import load_run, open_run
 from gyre_hpc.observability import events as ev
 from gyre_hpc.plan.ranks import RankLayout
-from gyre_hpc.rundir import RunDir
 
 EXIT = {"completed": 0, "failed": 1, "interrupted": 130, "preempted": 75}
 
@@ -51,22 +50,15 @@ def run(
     Example: `gyre-hpc run recipes/smoke.toml --set scheduler.mode=async`;
     `gyre-hpc run --resume runs/smoke-20261130-101500 --set run.steps=30`
     """
-    if (recipe is None) == (resume is None):
-        raise GyreError("give a RECIPE, or --resume RUN_DIR (not both)")
-    if resume is not None:
-        run_dir, r = load_resumed(resume, set_)
-        check_launch(r)
-        run_dir.add_resume(set_ or [], "mpirun")  # recipe.toml stays as the run was created
-    else:
-        r = load(recipe, set_)  # type: ignore[arg-type]
-        check_launch(r)
-        run_dir = RunDir.create(r.run.runs_dir, r.run.name)
-        run_dir.write_recipe(r)
+    run_dir, r = load_run(recipe, resume, set_ or [])
+    check_launch(r)
+    run_dir = open_run(r, run_dir, set_ or [], "mpirun")
     layout = RankLayout.from_config(r.cells)
     console = Console(stderr=True, soft_wrap=True)
     resolve_shown(r.run.model, console)  # built once here, not by every rank at once
     verb = "resuming" if resume is not None else "gyre-hpc run"
     console.print(f"[bold]{verb}[/] {layout.describe()} → [cyan]{run_dir.path}[/]")
+    local = LocalRun(run_dir, layout, max_restarts=r.run.max_restarts, executors=r.executors.nodes)
     with Progress(
         SpinnerColumn(),
         TextColumn("{task.description}"),
@@ -76,45 +68,38 @@ def run(
         console=console,
         transient=False,
     ) as progress:
-        cells = progress.add_task("cells up", total=layout.units)
-        steps = progress.add_task("steps", total=r.run.steps)
-        executions = progress.add_task("executions (all steps)", total=None)
-
-        def show(events: list[ev.Event]) -> None:
-            for e in events:
-                if isinstance(e, ev.Hello):
-                    progress.advance(cells)
-                elif isinstance(e, ev.Finished):
-                    progress.update(executions, completed=e.f)
-                elif isinstance(e, ev.SandboxUp) and e.warning:
-                    progress.console.print(f"[yellow]warning[/]: {e.warning}")
-                elif isinstance(e, ev.Restarting):
-                    progress.reset(cells)
-                    progress.console.print(f"[yellow]restarting (attempt {e.attempt})[/]: {e.reason}")
-                elif isinstance(e, ev.Step):
-                    progress.update(steps, completed=e.step)
-                    progress.console.print(
-                        f"step {e.step:>3}  reward {e.reward_mean:.3f}  pass {e.pass_rate:.3f}"
-                        f"  v{e.version}  {e.seconds:.1f} s"
-                    )
-
-        end = LocalRun(run_dir, layout, max_restarts=r.run.max_restarts, executors=r.executors.nodes).launch(
-            show
-        )
+        end = local.launch(shown(progress, layout.units, r.run.steps))
     style = {"completed": "green", "failed": "bold red"}.get(end.status, "yellow")
     reason = f": {end.reason}" if end.reason else ""
     console.print(f"[{style}]run {end.status}[/]{reason}\nrun directory: {run_dir.path}")
     if end.status in ("preempted", "failed", "interrupted"):
-        console.print(resume_hint(run_dir.path, end.reason))
+        hint = resume_hint(run_dir.path, end.reason)
+        console.print(hint.replace("not resumable yet", "[yellow]not resumable yet[/]", 1))
     raise typer.Exit(EXIT.get(end.status, 1))
 
 
-def resume_hint(run_dir: Path, reason: str) -> str:
-    """How to continue the run; on a disk still too full to take a checkpoint, what to free
-    instead (a --resume there would fail the same way)."""
-    if "no space left on device" in reason:
-        free = free_bytes(run_dir) / MIB
-        needed = re.search(r"needs (\d+) MiB", reason)
-        if needed is None or free < int(needed[1]):
-            return f"[yellow]not resumable yet[/]: {free:.0f} MiB free under {run_dir}; make room first"
-    return f"continue it: gyre-hpc run --resume {run_dir}"
+def shown(progress: Progress, units: int, steps: int):  # noqa: ANN201 - the launcher's callback
+    """The run's events as progress bars and a line per step."""
+    cells = progress.add_task("cells up", total=units)
+    step_bar = progress.add_task("steps", total=steps)
+    executions = progress.add_task("executions (all steps)", total=None)
+
+    def show(events: list[ev.Event]) -> None:
+        for e in events:
+            if isinstance(e, ev.Hello):
+                progress.advance(cells)
+            elif isinstance(e, ev.Finished):
+                progress.update(executions, completed=e.f)
+            elif isinstance(e, ev.SandboxUp) and e.warning:
+                progress.console.print(f"[yellow]warning[/]: {e.warning}")
+            elif isinstance(e, ev.Restarting):
+                progress.reset(cells)
+                progress.console.print(f"[yellow]restarting (attempt {e.attempt})[/]: {e.reason}")
+            elif isinstance(e, ev.Step):
+                progress.update(step_bar, completed=e.step)
+                progress.console.print(
+                    f"step {e.step:>3}  reward {e.reward_mean:.3f}  pass {e.pass_rate:.3f}"
+                    f"  v{e.version}  {e.seconds:.1f} s"
+                )
+
+    return show

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import TypeVar
 
+from gyre_hpc.diskspace import MIB, free_bytes
 from gyre_hpc.observability import events as ev
 from gyre_hpc.plan.ranks import RankLayout
 from gyre_hpc.rundir import RunDir
@@ -150,3 +151,14 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def resume_hint(run_dir: Path, reason: str) -> str:
+    """How to continue a run that ended for ``reason``; on a disk still too full to take a
+    checkpoint, what to free instead (a --resume there would fail the same way)."""
+    if "no space left on device" in reason:
+        free = free_bytes(run_dir) / MIB
+        needed = re.search(r"needs (\d+) MiB", reason)
+        if needed is None or free < int(needed[1]):
+            return f"not resumable yet: {free:.0f} MiB free under {run_dir}; make room first"
+    return f"continue it: gyre-hpc run --resume {run_dir}"

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gyre_hpc.errors import GyreError
 from gyre_hpc.observability.events import Event, read_events
 from gyre_hpc.recipe import Recipe, load_recipe, to_toml
 
@@ -76,6 +77,14 @@ class RunDir:
         found = {p.parent for name in ("events.jsonl", "job.json") for p in runs_dir.glob(f"*/{name}")}
         runs = [cls(p) for p in found]
         return sorted(runs, key=lambda r: (r.events if r.events.exists() else r.job_path).stat().st_mtime)
+
+    @classmethod
+    def enclosing(cls, path: Path) -> RunDir | None:
+        """The run directory ``path`` lies in (a workspace an execution left), if any."""
+        for parent in path.parents:
+            if cls(parent).recipe_path.exists() and cls(parent).workspaces.is_dir():
+                return cls(parent)
+        return None
 
     def missing(self) -> str | None:
         """What makes this no run directory (one line), or None."""
@@ -343,3 +352,27 @@ def engine_part_dir(engines: Path, unit: int, replica: int, node_rank: int) -> P
     part across nodes that is not its replica's head: emulated nodes share one file system)."""
     name = f"unit-{unit}" if replica == 0 else f"unit-{unit}-replica-{replica}"
     return engines / (name if node_rank == 0 else f"{name}-part-{node_rank}")
+
+
+def find_run(target: str | None, runs_dir: Path) -> tuple[RunDir | None, str | None]:
+    """(run directory, job id) for a run directory, a Slurm job id, or nothing (the newest run
+    under ``runs_dir``); a ``GyreError`` for anything else."""
+    if target is None:
+        runs = [r for r in RunDir.under(runs_dir) if r.events.exists()]
+        if not runs:
+            raise GyreError(f"no runs in {runs_dir}/; give a run directory or a job id")
+        run_dir = runs[-1]
+        return run_dir, run_dir.read_job().get("job_id")
+    if Path(target).is_dir():
+        run_dir = RunDir(Path(target))
+        if not run_dir.events.exists() and not run_dir.recipe_path.exists():
+            raise GyreError(
+                f"{target} is not a run directory (no {run_dir.events.name} or {run_dir.recipe_path.name})"
+            )
+        return run_dir, run_dir.read_job().get("job_id")
+    if target.isdigit():
+        for run_dir in RunDir.under(runs_dir):
+            if str(run_dir.read_job().get("job_id")) == target:
+                return run_dir, target
+        return None, target
+    raise GyreError(f"{target!r} is neither a run directory nor a Slurm job id")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Annotated
 
@@ -40,37 +39,20 @@ def serve(
     Example: `gyre-hpc proxy serve --engine http://127.0.0.1:30000 --run-dir runs/try`, then
     point a harness at `http://127.0.0.1:8000/v1` with a key from `gyre-hpc proxy key`.
     """
-    from aiohttp import web
-
-    from gyre_hpc.engines.client import EngineClient
-    from gyre_hpc.proxy.server import Proxy
+    from gyre_hpc.proxy.server import Proxy, model_of
+    from gyre_hpc.proxy.server import serve as serve_proxy
     from gyre_hpc.recipe.schema import ProxyConfig
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if model is None:
-
-        async def ask() -> str:
-            async with EngineClient(engine[0], timeout_s=10) as client:
-                return (await client.model_info())["tokenizer_path"]
-
-        try:
-            model = Path(asyncio.run(ask()))
-        except Exception as err:
-            raise GyreError(f"cannot ask {engine[0]} for its model ({err}); pass --model DIR") from None
     if worker >= workers:
         raise GyreError(f"--worker {worker} with --workers {workers}: valid workers are 0 … {workers - 1}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config = ProxyConfig(host=host, port=port)
     proxy = Proxy(
-        run_dir, model, engine, ProxyConfig(host=host, port=port), capacity, worker=worker, workers=workers
+        run_dir, model or model_of(engine[0]), engine, config, capacity, worker=worker, workers=workers
     )
     segment = RunDir(run_dir).tito_segment(worker)
     typer.echo(f"proxy on http://{host}:{port}/v1 → {', '.join(engine)}; TITO log {segment}")
-    try:  # a faster event loop where available: the proxy is on every model call's path
-        import uvloop
-
-        loop = uvloop.new_event_loop()
-    except ImportError:
-        loop = None
-    web.run_app(proxy.app(), host=host, port=port, print=None, loop=loop, handler_cancellation=True)
+    serve_proxy(proxy, host, port)
 
 
 @app.command()

@@ -9,32 +9,28 @@ run's recipe (its ``[agent]`` and ``[scoring]`` sections) and hides that run, as
 
 from __future__ import annotations
 
-import asyncio
 import shlex
-import tempfile
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
-from gyre_hpc.agents.dispatch import setup
 from gyre_hpc.agents.workspace import Workspace
 from gyre_hpc.cli.recipe import SetOption
 from gyre_hpc.errors import GyreError
+from gyre_hpc.evaluation.verify import score_workspace, seed
+from gyre_hpc.launch.start import recipe_in_force
 from gyre_hpc.recipe import Recipe, load_recipe
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.sandbox.confine import Sandbox, for_run
-from gyre_hpc.scoring import RunArtifacts, ScoringRunners
-from gyre_hpc.tasks.suites import HELDOUT_OFFSET, SUITES, load_suite
-from gyre_hpc.tasks.task import Task
+from gyre_hpc.scoring import ScoringRunners
+from gyre_hpc.tasks.suites import find_task
 
 app = typer.Typer(help="Run commands as an execution's tool calls run them.", no_args_is_help=True)
 RecipeOption = Annotated[
     Path | None, typer.Option("--recipe", help="Recipe; default: the run's, if the workspace is in one.")
 ]
-SEARCH = 1024
-"""Tasks of a built-in suite searched for ``--task`` (per split)."""
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -58,11 +54,12 @@ def exec(  # noqa: A001 - the verb users type
     if not command:
         raise GyreError("no command: give it after --, e.g. gyre-hpc sandbox exec --workspace DIR -- ls")
     workspace = workspace.resolve()
-    run = _enclosing_run(workspace)
+    run = RunDir.enclosing(workspace)
     r = _recipe(recipe, run, set_ or [])
-    found = _find(r, task) if task is not None else None
-    if found is not None:
-        _seed(workspace, found)
+    found = find_task(r.tasks.suite, r.run.seed, task) if task is not None else None
+    fresh = not workspace.exists() or not any(workspace.iterdir())  # else: inspect it as it was left
+    if found is not None and fresh and (failed := seed(found, workspace)) is not None:
+        raise GyreError(f"task {found.id}: {failed}")
     if not workspace.is_dir():
         raise GyreError(f"--workspace {workspace} does not exist (give --task to seed a new one)")
     console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -98,14 +95,11 @@ def score(
     workspace = workspace.resolve()
     if not workspace.is_dir():
         raise GyreError(f"--workspace {workspace} does not exist")
-    run = _enclosing_run(workspace)
+    run = RunDir.enclosing(workspace)
     r = _recipe(recipe, run, set_ or [])
-    found = _find(r, task)
+    found = find_task(r.tasks.suite, r.run.seed, task)
     console = Console(stderr=True, highlight=False, soft_wrap=True)
-    sandbox = _sandbox(r, run, console)
-    with tempfile.TemporaryDirectory(prefix="gyre-score-task-") as tasks:
-        artifacts = RunArtifacts("score", workspace, "finished", found.for_scorer(Path(tasks)), sandbox)
-        result = ScoringRunners(r.scoring).get(found.scorer).score(artifacts)
+    result = score_workspace(found, workspace, _sandbox(r, run, console), ScoringRunners(r.scoring))
     reward = "no reward" if result.reward is None else f"{result.reward:.3f}"
     scorer = found.scorer or r.scoring.scorer
     typer.echo(f"{result.kind} {reward} ({scorer}, {result.attempts} attempt{'s' * (result.attempts != 1)})")
@@ -123,38 +117,9 @@ def _sandbox(r: Recipe, run: RunDir | None, console: Console) -> Sandbox:
     )
 
 
-def _enclosing_run(workspace: Path) -> RunDir | None:
-    for parent in workspace.parents:
-        if RunDir(parent).recipe_path.exists() and RunDir(parent).workspaces.is_dir():
-            return RunDir(parent)
-    return None
-
-
 def _recipe(path: Path | None, run: RunDir | None, sets: list[str]) -> Recipe:
     if path is not None:
         return load_recipe(path, sets)
     if run is not None:
-        return load_recipe(run.recipe_path, [*run.overrides(), *sets])
+        return recipe_in_force(run, sets)
     return load_recipe(None, sets)
-
-
-def _find(r: Recipe, task_id: str) -> Task:
-    suite, seed = r.tasks.suite, r.run.seed
-    if suite in SUITES:
-        tasks = [*load_suite(suite, SEARCH, seed), *load_suite(suite, SEARCH, seed, split="heldout")]
-    else:
-        tasks = load_suite(suite, 0)
-    for t in tasks:
-        if t.id == task_id:
-            return t
-    some = ", ".join(t.id for t in tasks[:3])
-    where = f"seed {seed}, heldout seed {seed + HELDOUT_OFFSET}" if suite in SUITES else suite
-    raise GyreError(f"--task {task_id}: no such task in tasks.suite = {suite!r} ({where}); e.g. {some}")
-
-
-def _seed(workspace: Path, task: Task) -> None:
-    if workspace.exists() and any(workspace.iterdir()):
-        return  # a workspace the execution already left: inspect it as it is
-    task.materialize(workspace)
-    if (failed := asyncio.run(setup(task, workspace))) is not None:
-        raise GyreError(f"task {task.id}: {failed}")

@@ -12,12 +12,13 @@ from rich.console import Console
 from gyre_hpc.cli import output
 from gyre_hpc.cli.model import resolve_shown
 from gyre_hpc.cli.recipe import SetOption
-from gyre_hpc.cli.status import TargetArg, resolve
+from gyre_hpc.cli.status import TargetArg
 from gyre_hpc.errors import LaunchError
 from gyre_hpc.launch import slurm
 from gyre_hpc.launch.check import check_launch
 from gyre_hpc.launch.start import load_run, open_run
 from gyre_hpc.launch.submit import job_script, submit_run
+from gyre_hpc.rundir import find_run
 
 
 def submit(
@@ -59,7 +60,7 @@ def cancel(
     target: TargetArg = None, runs_dir: Annotated[Path, typer.Option(help="Where runs live.")] = Path("runs")
 ) -> None:
     """Cancel a submitted run (by run directory or job id)."""
-    run_dir, job_id = resolve(target, runs_dir)
+    run_dir, job_id = find_run(target, runs_dir)
     if job_id is None:
         raise LaunchError(
             f"{run_dir.path if run_dir else target} was not submitted to Slurm; stop a local run with Ctrl-C"

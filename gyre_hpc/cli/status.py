@@ -13,36 +13,13 @@ from gyre_hpc.cli import output
 from gyre_hpc.errors import GyreError
 from gyre_hpc.launch import slurm
 from gyre_hpc.observability.events import read_events
-from gyre_hpc.rundir import RunDir
+from gyre_hpc.rundir import find_run
 from gyre_hpc.tui.status import RunView, render, requeued
 
 TargetArg = Annotated[
     str | None,
     typer.Argument(help="Run directory or Slurm job id; default: the newest run.", show_default=False),
 ]
-
-
-def resolve(target: str | None, runs_dir: Path) -> tuple[RunDir | None, str | None]:
-    """(run directory, job id) for a run directory, a job id, or nothing (the newest run)."""
-    if target is None:
-        runs = [r for r in RunDir.under(runs_dir) if r.events.exists()]
-        if not runs:
-            raise GyreError(f"no runs in {runs_dir}/; give a run directory or a job id")
-        run_dir = runs[-1]
-        return run_dir, run_dir.read_job().get("job_id")
-    if Path(target).is_dir():
-        run_dir = RunDir(Path(target))
-        if not run_dir.events.exists() and not run_dir.recipe_path.exists():
-            raise GyreError(
-                f"{target} is not a run directory (no {run_dir.events.name} or {run_dir.recipe_path.name})"
-            )
-        return run_dir, run_dir.read_job().get("job_id")
-    if target.isdigit():
-        for run_dir in RunDir.under(runs_dir):
-            if str(run_dir.read_job().get("job_id")) == target:
-                return run_dir, target
-        return None, target
-    raise GyreError(f"{target!r} is neither a run directory nor a Slurm job id")
 
 
 def status(
@@ -58,7 +35,7 @@ def status(
 
     Examples: `gyre-hpc status --once`, `gyre-hpc status runs/smoke-20261130-120000`, `gyre-hpc status 4242`
     """
-    run_dir, job_id = resolve(target, runs_dir)
+    run_dir, job_id = find_run(target, runs_dir)
     watcher = slurm.HetJobWatcher(delay_s=30)
     if run_dir is None and slurm.job_state(job_id, watcher).state == "UNKNOWN":
         raise GyreError(

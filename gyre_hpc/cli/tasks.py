@@ -1,14 +1,11 @@
 """``gyre-hpc tasks check``: read a suite (our JSONL, SWE-bench-style JSONL, a Harbor task or
 dataset directory) and say what is wrong with it, without running anything;
-``gyre-hpc tasks verify``: run each task's reference solution and an empty attempt through the
-task's own scorer, in the sandbox — a task whose reference does not earn 1.0, or whose empty
-attempt earns more than 0, would teach the policy nothing true.
+``gyre-hpc tasks verify``: each task's reference solution and an empty attempt through the
+task's own scorer, in the sandbox (``evaluation.verify``).
 """
 
 from __future__ import annotations
 
-import asyncio
-import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -16,17 +13,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from gyre_hpc.agents import reference
-from gyre_hpc.agents.dispatch import setup
 from gyre_hpc.cli import output
 from gyre_hpc.cli.recipe import SetOption
 from gyre_hpc.errors import GyreError
+from gyre_hpc.evaluation.verify import verify_task
 from gyre_hpc.recipe import load_recipe
-from gyre_hpc.sandbox.confine import Sandbox, for_run
-from gyre_hpc.scoring import RunArtifacts, ScoringRunners
+from gyre_hpc.sandbox.confine import for_run
+from gyre_hpc.scoring import ScoringRunners
 from gyre_hpc.tasks.harbor import read_task, task_dirs
 from gyre_hpc.tasks.suites import load_suite
-from gyre_hpc.tasks.task import Task
 
 app = typer.Typer(help="Check and verify task suites in the formats users bring.", no_args_is_help=True)
 SuiteArg = Annotated[
@@ -72,18 +67,10 @@ def verify(
     table = Table("task", "reference", "empty", "verdict")
     bad = 0
     for task in load_suite(r.tasks.suite, 0):
-        with tempfile.TemporaryDirectory(prefix="gyre-verify-") as tmp:
-            got = {}
-            for attempt in ("reference", "empty"):
-                if attempt == "reference" and not reference.has_reference(task):
-                    got[attempt] = None, "no reference solution"
-                    continue
-                got[attempt] = _score(task, Path(tmp) / attempt, sandbox, runners, r.agent.command_timeout_s,
-                                      attempt == "reference")  # fmt: skip
-        ref, empty = got["reference"], got["empty"]
-        good = (ref[0] is None and ref[1] == "no reference solution" or ref[0] == 1.0) and empty[0] == 0.0
-        bad += not good
-        table.add_row(task.id, _cell(ref), _cell(empty), "ok" if good else "[red]wrong[/]")
+        v = verify_task(task, sandbox, runners, r.agent.command_timeout_s)
+        bad += not v.good
+        verdict = "ok" if v.good else "[red]wrong[/]"
+        table.add_row(task.id, _cell(v.reference, v.reference_why), _cell(v.empty, v.empty_why), verdict)
     output.console(highlight=False).print(table)
     if bad:
         raise GyreError(
@@ -91,26 +78,6 @@ def verify(
         )
 
 
-def _score(
-    task: Task, workspace: Path, sandbox: Sandbox, runners: ScoringRunners, timeout_s: float, solve: bool
-) -> tuple[float | None, str]:
-    """What ``task``'s scorer gives a fresh workspace, with its reference applied if ``solve``."""
-    task.materialize(workspace)
-    sandbox.for_task(task).seed(workspace)
-    if (failed := asyncio.run(setup(task, workspace))) is not None:
-        return None, failed
-    sandbox.prepare(workspace)
-    if solve and (failed := reference.apply(task, workspace, sandbox, timeout_s)) is not None:
-        return None, failed
-    sandbox.prepare(workspace)
-    with tempfile.TemporaryDirectory(prefix="gyre-verify-task-") as tasks:
-        artifacts = RunArtifacts(f"verify-{task.id}", workspace, "finished", task.for_scorer(Path(tasks)),
-                                 sandbox.for_task(task))  # fmt: skip
-        result = runners.get(task.scorer).score(artifacts)
-    return result.reward, result.reason
-
-
-def _cell(got: tuple[float | None, str]) -> str:
-    value, why = got
+def _cell(value: float | None, why: str) -> str:
     text = "-" if value is None else f"{value:.3f}"
     return f"{text} ({why[:80]})" if why else text

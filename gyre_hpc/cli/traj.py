@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Annotated
 
@@ -12,11 +11,10 @@ from rich.tree import Tree
 
 from gyre_hpc.cli import output
 from gyre_hpc.errors import GyreError
-from gyre_hpc.recipe.schema import RunConfig, TrajectoryConfig
+from gyre_hpc.recipe.schema import Recipe
 from gyre_hpc.rundir import RunDir
-from gyre_hpc.trajectory import TrajectoryTree, select_paths
 from gyre_hpc.trajectory.codec import by_run, read_records
-from gyre_hpc.trajectory.view import Segment, outline
+from gyre_hpc.trajectory.view import Segment, run_views
 
 app = typer.Typer(help="Inspect trajectory trees.", no_args_is_help=True)
 
@@ -40,52 +38,28 @@ def show(
             f"{run_dir} has no TITO log ({rd.tito_log.name}): not a run directory, or no calls yet"
         )
     reads = [read_records(segment) for segment in rd.tito_segments()]  # one log, however many segments
-    records = [r for read in reads for r in read.records]
-    torn = sum(read.torn_bytes for read in reads)
-    traj, seed = (TrajectoryConfig(), RunConfig().seed)
-    if rd.recipe_path.exists():
-        recipe = rd.read_recipe()
-        traj, seed = recipe.trajectory, recipe.run.seed
-    runs = dict(by_run(records))
+    runs = dict(by_run(r for read in reads for r in read.records))
     if run is not None:
         if run not in runs:
             raise GyreError(f"no run {run!r} in {rd.tito_log}; runs: {', '.join(sorted(runs)[:20])}")
         runs = {run: runs[run]}
-    result = []
-    for run_id, encoded in runs.items():
-        tree = TrajectoryTree.from_encoded(encoded)
-        chosen = select_paths(
-            tree, jmax=traj.jmax, rng=random.Random(f"{seed}:{run_id}"), priority=traj.priority
-        )
-        result.append((run_id, tree, outline(tree, chosen)))
+    recipe = rd.read_recipe() if rd.recipe_path.exists() else Recipe()
+    traj = recipe.trajectory
+    views = run_views(runs.items(), traj.jmax, traj.priority, recipe.run.seed)
     if as_json:
-        typer.echo(
-            json.dumps(
-                [
-                    {
-                        "run": r,
-                        "calls": t.num_records,
-                        "unique_tokens": t.num_unique_tokens,
-                        "record_tokens": t.num_record_tokens,
-                        "trainable_tokens": t.num_trainable_tokens,
-                        "segments": [s.to_dict() for s in segs],
-                    }
-                    for r, t, segs in result
-                ],
-                indent=1,
-            )
-        )
+        typer.echo(json.dumps([v.to_dict() for v in views], indent=1))
         return
     console = output.console()
-    for run_id, tree, segments in result:
+    for view in views:
+        tree = view.tree
         root = Tree(
-            f"[bold]{run_id}[/] · {tree.num_records} calls · {tree.num_unique_tokens:,} unique tokens "
+            f"[bold]{view.run_id}[/] · {tree.num_records} calls · {tree.num_unique_tokens:,} unique tokens "
             f"({tree.num_record_tokens:,} sent) · {tree.num_trainable_tokens:,} trainable"
         )
-        for seg in segments:
+        for seg in view.segments:
             _add(root, seg)
         console.print(root)
-    if torn:
+    if torn := sum(read.torn_bytes for read in reads):
         console.print(f"[yellow]{torn} bytes of a torn last record were ignored[/]")
 
 

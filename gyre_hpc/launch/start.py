@@ -31,7 +31,13 @@ def load_run(recipe: Path | None, resume: Path | None, sets: Sequence[str]) -> t
     run_dir = RunDir(resume.resolve())
     if (missing := run_dir.missing()) is not None:
         raise GyreError(f"--resume {missing}")
-    return run_dir, load_recipe(run_dir.recipe_path, [*run_dir.overrides(), *sets])
+    return run_dir, recipe_in_force(run_dir, sets)
+
+
+def recipe_in_force(run_dir: RunDir, sets: Sequence[str] = ()) -> Recipe:
+    """The recipe a run directory runs under now: as created, every resume's overrides, then
+    ``sets``."""
+    return load_recipe(run_dir.recipe_path, [*run_dir.overrides(), *sets])
 
 
 def open_run(r: Recipe, run_dir: RunDir | None, sets: Sequence[str], launcher: str) -> RunDir:

@@ -35,8 +35,10 @@ from typing import Any
 
 from aiohttp import web
 
+from gyre_hpc.engines.client import EngineClient
 from gyre_hpc.engines.sampling import BadRequest, SamplingParams
 from gyre_hpc.engines.server import read_json_object
+from gyre_hpc.errors import GyreError
 from gyre_hpc.models.qwen3 import Qwen3Config
 from gyre_hpc.models.tokenizer import ChatTokenizer
 from gyre_hpc.proxy import messages as anthropic_messages
@@ -189,6 +191,31 @@ class Proxy:
         record = TitoRecord(run_id, call_id, role, input_ids, done.output_ids, done.logprobs, meta)
         index = await self.tito.append(record)
         return record, index, done.cached_tokens, engine_s
+
+
+def serve(proxy: Proxy, host: str, port: int) -> None:
+    """Serve ``proxy`` until interrupted, on a faster event loop where one is installed: the proxy
+    is on every model call's path."""
+    try:
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+    except ImportError:
+        loop = None
+    web.run_app(proxy.app(), host=host, port=port, print=None, loop=loop, handler_cancellation=True)
+
+
+def model_of(engine: str) -> Path:
+    """The model directory an engine serves (its tokenizer and chat template are the proxy's)."""
+
+    async def ask() -> str:
+        async with EngineClient(engine, timeout_s=10) as client:
+            return (await client.model_info())["tokenizer_path"]
+
+    try:
+        return Path(asyncio.run(ask()))
+    except Exception as err:  # noqa: BLE001 - any failure to ask is the user's to fix
+        raise GyreError(f"cannot ask {engine} for its model ({err}); pass --model DIR") from None
 
 
 def admission_limits(

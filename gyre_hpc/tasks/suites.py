@@ -315,6 +315,25 @@ def load_suite(name: str, n: int, seed: int = 0, split: str = "train") -> list[T
     )
 
 
+SEARCH = 1024
+"""Tasks of a built-in suite searched for one by id (per split)."""
+
+
+def find_task(suite: str, seed: int, task_id: str) -> Task:
+    """The task of ``suite`` named ``task_id``: among a built-in suite's first ``SEARCH`` train and
+    held-out tasks under ``seed``, or anywhere in a file or directory of tasks."""
+    if suite in SUITES:
+        tasks = [*load_suite(suite, SEARCH, seed), *load_suite(suite, SEARCH, seed, split="heldout")]
+    else:
+        tasks = load_suite(suite, 0)
+    for t in tasks:
+        if t.id == task_id:
+            return t
+    some = ", ".join(t.id for t in tasks[:3])
+    where = f"seed {seed}, heldout seed {seed + HELDOUT_OFFSET}" if suite in SUITES else suite
+    raise GyreError(f"--task {task_id}: no such task in tasks.suite = {suite!r} ({where}); e.g. {some}")
+
+
 def private_paths(suite: str) -> list[Path]:
     """What of a suite no execution may see: a JSONL file itself, the directories its hidden tests
     are read from and the repositories its SWE instances are seeded from (their later commits

@@ -1,16 +1,21 @@
 """A readable outline of a trajectory tree: linear chains collapsed, branches and leaves shown.
 
 Used by ``gyre-hpc traj show``. A chain of calls that only extend each other becomes one
-segment however many calls it spans, so a run with hundreds of calls fits on a screen.
+segment however many calls it spans, so a run with hundreds of calls fits on a screen. Each
+run's selection is the one its training made (``select_paths`` seeded by the run, as batching
+seeds it), so the outline shows what was trained.
 """
 
 from __future__ import annotations
 
+import random
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gyre_hpc.trajectory.select import SelectedPath
+from gyre_hpc.trajectory.records import EncodedRecord
+from gyre_hpc.trajectory.select import SelectedPath, select_paths
 from gyre_hpc.trajectory.tree import TrajectoryTree, _Node
 
 
@@ -38,6 +43,39 @@ class Segment:
             "selected": [{"order": o, "loss_tokens": n} for o, n in self.selected],
             "children": [c.to_dict() for c in self.children],
         }
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunView:
+    """One execution's tree, outlined with the paths selected from it."""
+
+    run_id: str
+    tree: TrajectoryTree
+    segments: list[Segment]
+
+    def to_dict(self) -> dict[str, Any]:
+        t = self.tree
+        return {
+            "run": self.run_id,
+            "calls": t.num_records,
+            "unique_tokens": t.num_unique_tokens,
+            "record_tokens": t.num_record_tokens,
+            "trainable_tokens": t.num_trainable_tokens,
+            "segments": [s.to_dict() for s in self.segments],
+        }
+
+
+def run_views(
+    runs: Iterable[tuple[str, list[EncodedRecord]]], jmax: int, priority: list[str], seed: int
+) -> list[RunView]:
+    """Each run's tree from its records, outlined with the paths ``trajectory.jmax`` and
+    ``trajectory.priority`` select for it under ``run.seed``."""
+    views = []
+    for run_id, encoded in runs:
+        tree = TrajectoryTree.from_encoded(encoded)
+        chosen = select_paths(tree, jmax=jmax, rng=random.Random(f"{seed}:{run_id}"), priority=priority)
+        views.append(RunView(run_id=run_id, tree=tree, segments=outline(tree, chosen)))
+    return views
 
 
 def outline(tree: TrajectoryTree, selected: list[SelectedPath]) -> list[Segment]:

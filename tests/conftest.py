@@ -2,7 +2,8 @@
 
 Plain ``pytest`` runs everything this machine can run and skips the rest, saying why. Where a
 capability must be there (``tools/test.sh``, which CI calls, sets ``GYRE_REQUIRE``), its absence
-fails the run instead of hiding behind skips.
+fails the run instead of hiding behind skips. A test that finds a capability missing only once it
+runs (``missing``) follows the same rule: no test skips by itself.
 """
 
 from __future__ import annotations
@@ -14,12 +15,16 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-CAPABILITIES = ("mpi", "slurm", "gpu", "rdma", "megatron", "sglang", "agents", "bwrap", "image", "root")
+CAPABILITIES = (
+    "mpi", "slurm", "gpu", "rdma", "megatron", "sglang", "agents", "bwrap", "image", "root",
+    "cgroups", "seccomp",
+)  # fmt: skip
 SGLANG_PYTHON = Path(os.environ.get("GYRE_SGLANG_PYTHON") or REPO / ".venv-sglang" / "bin" / "python")
 """The environment ``tools/setup.sh --sglang`` builds: SGLang and this package, side by side
 (GYRE_SGLANG_PYTHON: another Python with both, e.g. on a GPU machine)."""
@@ -72,6 +77,15 @@ def why_missing(capability: str) -> str | None:
         if os.geteuid() != 0:
             return "not root (mounting a tmpfs needs it)"
         return None if shutil.which("mount") else "mount not found"
+    if capability == "cgroups":
+        from gyre_hpc.sandbox.limits import Limits, choose
+
+        groups, note = choose("auto", Limits())
+        return None if groups.kind in ("cgroup-v1", "cgroup-v2") else f"no writable cgroups here ({note})"
+    if capability == "seccomp":
+        from gyre_hpc.sandbox import seccomp
+
+        return seccomp.problem()
     if capability == "gpu":
         return None if torch.cuda.is_available() else "no CUDA GPU"
     if capability == "rdma":
@@ -84,9 +98,24 @@ def why_missing(capability: str) -> str | None:
     raise ValueError(capability)
 
 
+def required() -> set[str]:
+    """The capabilities ``GYRE_REQUIRE`` names: their absence is an error, not a skip."""
+    return {c for c in os.environ.get("GYRE_REQUIRE", "").split(",") if c}
+
+
+def missing(capability: str, why: str) -> NoReturn:
+    """A test found ``capability`` missing as it ran: a failure where ``GYRE_REQUIRE`` names it, a
+    skip saying why elsewhere (the markers' rule, for what only the test itself can find out)."""
+    if capability not in CAPABILITIES:
+        raise ValueError(f"{capability} is not a capability; valid: {', '.join(CAPABILITIES)}")
+    if capability in required():
+        pytest.fail(f"GYRE_REQUIRE includes {capability}, but {why}", pytrace=False)
+    pytest.skip(why)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    required = {c for c in os.environ.get("GYRE_REQUIRE", "").split(",") if c}
-    for capability in sorted(required):
+    required_here = required()
+    for capability in sorted(required_here):
         if (why := why_missing(capability)) is not None:
             raise pytest.UsageError(f"GYRE_REQUIRE includes {capability}, but {why}")
     for item in items:

@@ -150,20 +150,30 @@ def test_logprobs_are_those_of_the_sampled_distribution(tiny: Path) -> None:
         assert lp == pytest.approx(float(torch.log(probs[tok] / probs.sum())), abs=2e-4)
 
 
+async def until(predicate, timeout: float = 60.0) -> None:  # noqa: ANN001
+    """Wait for ``predicate`` to hold (an event), failing after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
 def test_abort_pause_continue(tiny: Path) -> None:
     async def go() -> tuple[dict, float, dict]:
         served = Served(tiny)
+        engine = served.engine
         async with served as client:
             long = asyncio.create_task(
                 client.generate(prompt(tiny, "x"), {"max_new_tokens": 30000, "ignore_eos": True}, rid="long")
             )
-            await asyncio.sleep(0.3)
+            await until(lambda: engine.stats["generated_tokens"] > 0)  # the long call decodes
             await client.abort("long")
             aborted = await long
             await client.pause("in_place")
+            generated = engine.stats["generated_tokens"]
             paused = asyncio.create_task(client.generate(prompt(tiny, "y"), {"max_new_tokens": 5}))
-            await asyncio.sleep(0.3)
-            assert not paused.done()
+            await until(lambda: len(engine.waiting) == 1)  # it reached the paused engine
+            assert not paused.done() and not engine.running and engine.stats["generated_tokens"] == generated
             t0 = time.monotonic()
             await client.continue_()
             finished = await paused

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, gyre
+from conftest import REPO, gyre, missing
 from test_local_run import FAST, ROOT_OK, SMOKE, processes_of, wait_for
 
 from gyre_hpc.agents.journal import Journal
@@ -65,13 +65,14 @@ def small_disk(tmp_path: Path):  # noqa: ANN201
     if subprocess.run(
         ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], capture_output=True
     ).returncode:
-        pytest.skip("cannot mount a tmpfs here (root needed)")
+        missing("root", "cannot mount a tmpfs here (root needed)")
     try:
         yield disk
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
+@pytest.mark.root
 def test_a_full_disk_ends_the_run_within_a_bound_and_says_why(small_disk: Path) -> None:
     proc = start(small_disk, "run.steps=3")
     run = the_run(small_disk)

@@ -8,14 +8,13 @@ as the harness runs it; after each, the next execution runs as if nothing had ha
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from conftest import assert_golden
+from conftest import assert_golden, missing
 
 from gyre_hpc.agents.tools import MAIN_TOOLS, execute, parse_call
 from gyre_hpc.agents.workspace import Workspace
@@ -30,7 +29,7 @@ MiB = 1 << 20
 def needs_cgroups() -> Groups:
     groups, note = choose("auto", Limits())
     if groups.kind not in ("cgroup-v1", "cgroup-v2"):
-        pytest.skip(f"no writable cgroups here ({note})")
+        missing("cgroups", f"no writable cgroups here ({note})")
     return groups
 
 
@@ -73,6 +72,7 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5\n")  # the high-water mark, down to what is resident now
 
 
+@pytest.mark.cgroups
 def test_a_fork_bomb_is_bounded_by_the_execution_s_process_limit(tmp_path: Path) -> None:
     needs_cgroups()
     sandbox = box(Limits(processes=64))
@@ -89,6 +89,7 @@ def test_a_fork_bomb_is_bounded_by_the_execution_s_process_limit(tmp_path: Path)
     next_execution_is_unaffected(sandbox, tmp_path)
 
 
+@pytest.mark.cgroups
 def test_four_processes_of_one_and_a_half_gib_share_one_memory_limit(tmp_path: Path) -> None:
     needs_cgroups()
     sandbox = box(Limits(memory_bytes=2048 * MiB))
@@ -150,9 +151,10 @@ def test_a_disk_flood_is_stopped_at_the_workspace_quota(tmp_path: Path) -> None:
     next_execution_is_unaffected(sandbox, tmp_path)
 
 
+@pytest.mark.seccomp
 def test_no_user_namespace_with_capabilities_inside_the_sandbox(tmp_path: Path) -> None:
     if (why := seccomp.problem()) is not None:
-        pytest.skip(why)
+        missing("seccomp", why)
     sandbox = box(Limits(), kind="auto")
     ws, group = fresh(sandbox, tmp_path, "userns")
     try:
@@ -170,7 +172,7 @@ def test_no_user_namespace_with_capabilities_inside_the_sandbox(tmp_path: Path) 
         group.close()
 
 
-@pytest.mark.skipif(os.getuid() != 0, reason="the uid fallback gives each execution a uid: root only")
+@pytest.mark.root  # the uid fallback gives each execution a uid of its own: root only
 def test_without_cgroups_each_execution_s_processes_are_bounded_under_a_uid_of_its_own(
     tmp_path: Path,
 ) -> None:
@@ -259,6 +261,7 @@ def test_the_seccomp_filter_is_golden(machine: str) -> None:
     assert_golden(f"seccomp-{machine}.txt", text)
 
 
+@pytest.mark.cgroups
 def test_a_harbor_task_s_own_memory_and_storage_bound_its_execution(tmp_path: Path) -> None:
     """``[environment] memory`` and ``storage`` of a Harbor task replace the recipe's limits for
     its execution alone: 768 MiB fits the recipe's 2 GiB, not the task's 512 MiB."""

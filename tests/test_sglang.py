@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, SGLANG_PYTHON, flat_of, recomputed
+from conftest import REPO, SGLANG_PYTHON, flat_of, missing, recomputed
 from test_slurm_job import wait_for_event
 
 from gyre_hpc.engines.embedded import Engine
@@ -218,7 +218,7 @@ def test_an_idle_server_leaves_the_cores_to_the_trainer_and_the_agents(served: t
     port = url.rsplit(":", 1)[1]
     root = next((p for p in Path("/proc").iterdir() if p.name.isdigit() and _serves(p, port)), None)
     if root is None:
-        pytest.skip(f"the server at {url} is not a process of this machine")
+        missing("sglang", f"the server at {url} (GYRE_SGLANG_URL) is not a process of this machine")
     tree = process_tree(int(root.name))
     greedy(url, PROMPTS[0], 4)  # it has served, and is idle again
     used, started = cpu_seconds(tree), time.monotonic()

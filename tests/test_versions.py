@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from gyre_hpc.engines.server import make_app
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 from gyre_hpc.models.tiny import init_tiny
-from gyre_hpc.proxy.router import PROBE_S, EngineSlot, Router
+from gyre_hpc.proxy.router import EngineSlot, Router
 from gyre_hpc.trajectory.records import CallMeta
 
 PROMPT = [5, 17, 33, 2, 9, 41]
@@ -41,8 +42,18 @@ def weights(tiny: Path, seed: int) -> tuple[Qwen3ForCausalLM, torch.Tensor]:
     return model, flat
 
 
-async def serve(engine: Engine, port: int = 0) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(make_app(engine))
+async def serve(engine: Engine, port: int = 0, seen: Counter[str] | None = None) -> tuple[web.AppRunner, str]:
+    """The engine's HTTP server; ``seen`` counts the requests it answers, by path."""
+    app = make_app(engine)
+    if seen is not None:
+
+        @web.middleware
+        async def count(request: web.Request, handler):  # noqa: ANN001, ANN202
+            seen[request.path] += 1
+            return await handler(request)
+
+        app.middlewares.append(count)
+    runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
@@ -74,8 +85,9 @@ def test_a_restarted_engine_gets_no_call_until_it_holds_the_version_last_loaded(
             engine.stop()
             fresh = Engine(tiny).start()  # a restarted server: its initial weights
             fresh.weight_version = "0"
-            runner, _ = await serve(fresh, port)
-            await asyncio.sleep(4 * PROBE_S)  # probed at least twice meanwhile: it says version 0
+            seen: Counter[str] = Counter()
+            runner, _ = await serve(fresh, port, seen)
+            await until(lambda: seen["/get_model_info"] >= 2)  # asked twice what it holds: version 0
             assert not call.done() and fresh.stats["generated_tokens"] == 0
             served_at_zero = fresh.stats["generated_tokens"]
             fresh.load_flat(flat, "3")  # the cell loads the version it had

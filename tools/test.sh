@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh --test --sglang --agents
 bash tools/local_slurm.sh start
-# Here the mpi, slurm, megatron, SGLang, agent-program, sandbox and task-image tests must run: a
-# missing launcher or package is an error, not a skip.
-export GYRE_REQUIRE="${GYRE_REQUIRE-mpi,slurm,megatron,sglang,agents,bwrap,image,root}"
+# Here the mpi, slurm, megatron, SGLang, agent-program, sandbox, task-image, root, cgroup and seccomp
+# tests must run: a missing launcher, package or kernel feature is an error, not a skip.
+export GYRE_REQUIRE="${GYRE_REQUIRE-mpi,slurm,megatron,sglang,agents,bwrap,image,root,cgroups,seccomp}"
 exec .venv/bin/python -m pytest --durations=25 "$@"

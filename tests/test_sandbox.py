@@ -25,11 +25,13 @@ from gyre_hpc.agents.tools import MAIN_TOOLS, execute, parse_call
 from gyre_hpc.agents.workspace import Workspace
 from gyre_hpc.errors import GyreError
 from gyre_hpc.models.tiny import init_tiny
-from gyre_hpc.recipe.schema import AgentConfig, ScoringConfig
+from gyre_hpc.recipe.schema import AgentConfig, ScoringConfig, TasksConfig
 from gyre_hpc.sandbox import apptainer, bwrap
 from gyre_hpc.sandbox.confine import Sandbox, for_run
 from gyre_hpc.sandbox.spec import Mount, Policy, ProxyReach, System, policy
 from gyre_hpc.scoring import RunArtifacts, ScoringRunners, load_scorer
+from gyre_hpc.tasks.data_order import DataOrder
+from gyre_hpc.tasks.suites import find_task, load_suite
 from gyre_hpc.tasks.task import Task
 
 pytestmark = pytest.mark.bwrap
@@ -417,3 +419,14 @@ def test_a_python_agent_runs_its_commands_in_the_sandbox(tmp_path: Path) -> None
     code, output = ex.summary.split("|", 1)
     assert ex.status == "finished" and code == "1" and "No such file or directory" in output
     assert output.splitlines()[0] != "0" and "secret contents" not in output
+
+
+def test_a_run_s_task_is_found_by_its_id_whichever_step_or_split_drew_it() -> None:
+    """``sandbox exec|score --task`` on a run's workspace: the task of any step (its own seed) or
+    of the held-out split is rebuilt from its id; an id no suite makes is one line."""
+    tasks = TasksConfig(suite="smoke", prompts_per_step=4)
+    drawn = [task for step in (1, 7) for _, task in DataOrder(tasks, seed=3).jobs(step)]
+    drawn += load_suite("smoke", 2, seed=3, split="heldout")
+    assert [find_task("smoke", 3, t.id) for t in drawn] == drawn
+    with pytest.raises(GyreError, match="no such task in tasks.suite = 'smoke'; ids end with"):
+        find_task("smoke", 3, "smoke-1-999999999")

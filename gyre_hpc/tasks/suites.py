@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -315,23 +316,24 @@ def load_suite(name: str, n: int, seed: int = 0, split: str = "train") -> list[T
     )
 
 
-SEARCH = 1024
-"""Tasks of a built-in suite searched for one by id (per split)."""
-
-
 def find_task(suite: str, seed: int, task_id: str) -> Task:
-    """The task of ``suite`` named ``task_id``: among a built-in suite's first ``SEARCH`` train and
-    held-out tasks under ``seed``, or anywhere in a file or directory of tasks."""
+    """The task of ``suite`` named ``task_id``: a built-in suite's task is rebuilt from the seed
+    and index its id ends with (``smoke-7-3``: the fourth of seed 7, whichever step or split drew
+    it); a file's or directory's is looked up."""
     if suite in SUITES:
-        tasks = [*load_suite(suite, SEARCH, seed), *load_suite(suite, SEARCH, seed, split="heldout")]
+        if (m := re.fullmatch(r".*-(\d+)-(\d{1,5})", task_id)) is not None:  # an index a step can draw
+            made = SUITES[suite](int(m[2]) + 1, int(m[1]))
+            if made and made[-1].id == task_id:
+                return made[-1]
+        tasks = load_suite(suite, 3, seed)
+        example = f"ids end with the seed and index, e.g. {tasks[0].id}"
     else:
         tasks = load_suite(suite, 0)
-    for t in tasks:
-        if t.id == task_id:
-            return t
-    some = ", ".join(t.id for t in tasks[:3])
-    where = f"seed {seed}, heldout seed {seed + HELDOUT_OFFSET}" if suite in SUITES else suite
-    raise GyreError(f"--task {task_id}: no such task in tasks.suite = {suite!r} ({where}); e.g. {some}")
+        for t in tasks:
+            if t.id == task_id:
+                return t
+        example = f"e.g. {', '.join(t.id for t in tasks[:3])}"
+    raise GyreError(f"--task {task_id}: no such task in tasks.suite = {suite!r}; {example}")
 
 
 def private_paths(suite: str) -> list[Path]:

@@ -9,7 +9,8 @@ from conftest import assert_golden
 
 from gyre_hpc.engines.sglang import Span, sglang_command
 from gyre_hpc.errors import RecipeError
-from gyre_hpc.plan.placement import EnginePart, check_engine_plan, engine_plan
+from gyre_hpc.launch.check import check_launch
+from gyre_hpc.plan.placement import EnginePart, cell_engines, check_engine_plan, engine_plan
 from gyre_hpc.recipe.load import load_recipe
 from gyre_hpc.recipe.schema import EngineConfig
 from gyre_hpc.rundir import engine_part_dir
@@ -50,16 +51,21 @@ def test_gpus_left_without_an_engine_are_refused_in_one_line_unless_allowed() ->
     with pytest.raises(RecipeError, match="2 GPUs of each cell would have no engine") as err:
         check_engine_plan(plan, allow_idle_gpus=False)
     assert "\n" not in str(err.value) and "engine.allow_idle_gpus = true" in str(err.value)
+    # A recipe loads whatever its engines; the launch check (run, submit, recipe check) refuses.
+    idle = load_recipe(None, ["cells.ranks_per_cell=6", "engine.tp_size=4"])
     with pytest.raises(RecipeError, match="2 GPUs of each cell would have no engine"):
-        load_recipe(None, ["cells.ranks_per_cell=6", "engine.tp_size=4"])
-    load_recipe(None, ["cells.ranks_per_cell=6", "engine.tp_size=4", "engine.allow_idle_gpus=true"])
+        check_launch(idle)
+    allowed = load_recipe(None, ["cells.ranks_per_cell=6", "engine.tp_size=4", "engine.allow_idle_gpus=true"])
+    assert check_launch(allowed).engines.idle_gpus == 2
 
 
 def test_a_replica_across_nodes_takes_its_weights_by_broadcast() -> None:
     sets = ["cells.ranks_per_cell=16", "slurm.nodes_per_cell=2", "engine.tp_size=16", "engine.backend=sglang"]
+    r = load_recipe(None, sets)
     with pytest.raises(RecipeError, match='set engine.weight_sync = "broadcast"'):
-        load_recipe(None, sets)
-    load_recipe(None, [*sets, "engine.weight_sync=broadcast"])
+        check_launch(r)  # the engines are the launch check's first question
+    r = load_recipe(None, [*sets, "engine.weight_sync=broadcast"])
+    assert cell_engines(r.cells, r.slurm, r.engine).replicas == 1
 
 
 def test_the_launch_plan_of_a_cell_across_two_nodes() -> None:

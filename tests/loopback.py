@@ -10,11 +10,11 @@ import torch
 from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 from gyre_hpc.models.tiny import init_tiny, save_weights
 from gyre_hpc.models.tokenizer import ChatTokenizer
-from gyre_hpc.proxy.loopback import LocalServing
+from gyre_hpc.proxy.loopback import LoopbackServing
 from gyre_hpc.recipe.schema import ProxyConfig
 
 
-class Stack(LocalServing):
+class Stack(LoopbackServing):
     """``n`` embedded engines and a proxy in front of them, as ``eval`` runs them."""
 
     def __init__(

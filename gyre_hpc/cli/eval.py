@@ -13,7 +13,7 @@ from gyre_hpc.cli import output
 from gyre_hpc.cli.model import resolve_shown
 from gyre_hpc.cli.output import CsvOption, JsonOption, Results, chosen
 from gyre_hpc.cli.recipe import RecipeArg, SetOption, load
-from gyre_hpc.evaluation.evaluate import evaluate_suite
+from gyre_hpc.evaluation.evaluate import SuiteEval
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.tasks.suites import load_suite
 
@@ -49,7 +49,8 @@ def evaluate(
         bar = progress.add_task("executions", total=len(tasks))
         shown = lambda kind, run: kind == "finished" and progress.advance(bar)  # noqa: E731
         warn = lambda line: console.print(f"warning: {line}")  # noqa: E731
-        summary = evaluate_suite(r, model, tasks, suite, run_dir, shown, warn)
+        evaluation = SuiteEval(recipe=r, model=model, tasks=tasks, suite=suite, run_dir=run_dir)
+        summary = evaluation.run(shown, warn)
     table = Table(title=f"{summary['tasks']} tasks, {r.run.model}")
     table.add_column("measure")
     table.add_column("value", justify="right")

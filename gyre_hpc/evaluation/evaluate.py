@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from gyre_hpc.agents.external import Endpoint
 from gyre_hpc.execution.outcome import Outcome, group_rewards, mean_reward, pass_rate
 from gyre_hpc.execution.run_id import eval_run_id
 from gyre_hpc.observability import events as ev
-from gyre_hpc.proxy.loopback import LocalServing
+from gyre_hpc.proxy.loopback import LoopbackServing
 from gyre_hpc.recipe.schema import Recipe
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.sandbox.confine import for_run
@@ -32,66 +33,71 @@ from gyre_hpc.scoring import ScoringRunners
 from gyre_hpc.tasks.task import Task
 
 
-def evaluate_suite(
-    r: Recipe,
-    model: Path,
-    tasks: list[Task],
-    suite: str,
-    run_dir: RunDir,
-    on_event: Callable[[str, str], None] = lambda kind, run: None,
-    warn: Callable[[str], None] = lambda line: None,
-) -> dict[str, Any]:
-    """``evaluate``, its outcomes (``executions.jsonl``) and summary written to the run directory;
-    the summary."""
-    outcomes = asyncio.run(evaluate(r, model, tasks, suite, run_dir, on_event, warn))
-    summary = summarize(outcomes)
-    run_dir.executions.write_text("".join(json.dumps(o.to_json()) + "\n" for o in outcomes))
-    run_dir.eval_summary.write_text(json.dumps(summary, indent=1) + "\n")
-    return summary
+@dataclass(frozen=True, kw_only=True)
+class SuiteEval:
+    """One evaluation: the recipe's engines, proxy, harness and scoring, on these tasks."""
 
+    recipe: Recipe
+    model: Path
+    tasks: list[Task]
+    suite: str
+    """The suite's name or path: its hidden tests are hidden from the executions."""
+    run_dir: RunDir
 
-async def evaluate(
-    r: Recipe,
-    model: Path,
-    tasks: list[Task],
-    suite: str,
-    run_dir: RunDir,
-    on_event: Callable[[str, str], None] = lambda kind, run: None,
-    warn: Callable[[str], None] = lambda line: None,
-) -> list[Outcome]:
-    """Each task once, on ``r.cells.count`` engines of ``r.cells.capacity`` calls each."""
-    sampling = {
-        "temperature": r.engine.temperature,
-        "top_p": r.engine.top_p,
-        "max_tokens": r.engine.max_new_tokens,
-    }
-    runners = ScoringRunners(r.scoring)
-    counters = {"dispatched": 0, "started": 0, "finished": 0}
-    with ev.EventLog(run_dir.events) as events:
+    def run(
+        self,
+        on_event: Callable[[str, str], None] = lambda kind, run: None,
+        warn: Callable[[str], None] = lambda line: None,
+    ) -> dict[str, Any]:
+        """Every task once; its outcomes (``executions.jsonl``) and summary written to the run
+        directory; the summary."""
+        outcomes = asyncio.run(self.outcomes(on_event, warn))
+        summary = summarize(outcomes)
+        self.run_dir.executions.write_text("".join(json.dumps(o.to_json()) + "\n" for o in outcomes))
+        self.run_dir.eval_summary.write_text(json.dumps(summary, indent=1) + "\n")
+        return summary
 
-        def counted(kind: str, run_id: str) -> None:
-            counters[kind] += 1
-            d, p, f = counters.values()
-            if kind == "dispatched":
-                events.emit(ev.Dispatched(run=run_id, d=d, p=p, f=f))
-            elif kind == "finished":
-                events.emit(ev.Finished(run=run_id, d=d, p=p, f=f))
-            on_event(kind, run_id)
+    async def outcomes(
+        self, on_event: Callable[[str, str], None], warn: Callable[[str], None]
+    ) -> list[Outcome]:
+        """Each task once, on ``cells.count`` engines of ``cells.capacity`` calls each."""
+        r, run_dir = self.recipe, self.run_dir
+        sampling = {
+            "temperature": r.engine.temperature,
+            "top_p": r.engine.top_p,
+            "max_tokens": r.engine.max_new_tokens,
+        }
+        runners = ScoringRunners(r.scoring)
+        counters = {"dispatched": 0, "started": 0, "finished": 0}
+        with ev.EventLog(run_dir.events) as events:
 
-        async with LocalServing(model, run_dir.path, r.cells.count, r.proxy, r.cells.capacity) as serving:
-            endpoint = Endpoint(serving.proxy_url, serving.key, model.name, serving.proxy.usage)
-            # The suite evaluated: its hidden tests are hidden.
-            sandbox = for_run(r.agent, run_dir.path, suite, warn, scoring_binds=r.scoring.sandbox_binds)
-            harness = make_harness(r.agent, endpoint, sampling, r.run.seed, run_dir.execution_logs, sandbox)
-            dispatcher = Dispatcher(
-                harness,
-                lambda task: runners.get(task.scorer),
-                run_dir.workspaces,
-                run_dir.task_files,
-                r.cells.count * r.cells.capacity,
-                counted,
-            )
-            return await dispatcher.run_all([(eval_run_id(t.id), t) for t in tasks])
+            def counted(kind: str, run_id: str) -> None:
+                counters[kind] += 1
+                d, p, f = counters.values()
+                if kind == "dispatched":
+                    events.emit(ev.Dispatched(run=run_id, d=d, p=p, f=f))
+                elif kind == "finished":
+                    events.emit(ev.Finished(run=run_id, d=d, p=p, f=f))
+                on_event(kind, run_id)
+
+            async with LoopbackServing(
+                self.model, run_dir.path, r.cells.count, r.proxy, r.cells.capacity
+            ) as serving:
+                endpoint = Endpoint(serving.proxy_url, serving.key, self.model.name, serving.proxy.usage)
+                sandbox = for_run(
+                    r.agent, run_dir.path, self.suite, warn, scoring_binds=r.scoring.sandbox_binds
+                )
+                logs = run_dir.execution_logs
+                harness = make_harness(r.agent, endpoint, sampling, r.run.seed, logs, sandbox)
+                dispatcher = Dispatcher(
+                    harness,
+                    lambda task: runners.get(task.scorer),
+                    run_dir.workspaces,
+                    run_dir.task_files,
+                    r.cells.count * r.cells.capacity,
+                    counted,
+                )
+                return await dispatcher.run_all([(eval_run_id(t.id), t) for t in self.tasks])
 
 
 def summarize(outcomes: list[Outcome]) -> dict[str, Any]:

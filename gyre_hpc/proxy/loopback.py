@@ -17,14 +17,14 @@ from gyre_hpc.proxy.server import Proxy
 from gyre_hpc.recipe.schema import ProxyConfig
 
 
-class LocalServing:
+class LoopbackServing:
     def __init__(
         self, model: Path, run_dir: Path, engines: int, proxy: ProxyConfig, capacity: int, **engine_kw: Any
     ) -> None:
         self.model, self.run_dir, self.n = model, run_dir, engines
         self.proxy_config, self.capacity, self.engine_kw = proxy, capacity, engine_kw
 
-    async def __aenter__(self) -> LocalServing:
+    async def __aenter__(self) -> LoopbackServing:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.engines: list[Engine] = []
         self.runners: list[web.AppRunner] = []

@@ -2,9 +2,9 @@
 
 ```
    IDLE ──TakeRole──▶ SAMPLING ◀──TakeRole──▶ TRAINING
-     │                   │ engine serves            │ engine paused; TrainStep → claim
-     │                   │ LoadWeights → pull v     │ micro-steps; core: ApplyStep → v+1
-     └──────── Goodbye ─┴──────── Goodbye ────────┘
+     │                 │ engine serves            │ engine paused; TrainStep → claim
+     │                 │ LoadWeights → pull v     │ micro-steps; core: ApplyStep → v+1
+     └──── Goodbye ────┴──────── Goodbye ─────────┘
 ```
 
 The engine is one replica per tensor-parallel group of the cell's GPUs (``placement``),

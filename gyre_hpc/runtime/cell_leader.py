@@ -1,11 +1,5 @@
-"""A cell's leader: the rank that talks to the controller for its cell.
-
-```
-   IDLE ──TakeRole──▶ SAMPLING ◀──TakeRole──▶ TRAINING
-     │                   │ engine serves            │ engine paused; TrainStep → claim
-     │                   │ LoadWeights → pull v     │ micro-steps; core: ApplyStep → v+1
-     └──────── Goodbye ─┴──────── Goodbye ────────┘
-```
+"""A cell's leader: the rank that talks to the controller for its cell (its states are drawn in
+``runtime.cell``).
 
 It says Hello with every replica's URL, beats its heart, supervises its engine, and answers
 each controller verb with one handler (``handlers``); between messages it trains the open

@@ -1,11 +1,11 @@
 """A cell's member: a rank other than the leader, following what its leader forwards.
 
 ```
- leader ──TakeRole──▶ member: its trainer's memory handed over, then acknowledged
+ leader ──TakeRole────▶ member: its trainer's memory handed over, then acknowledged (RoleTaken)
         ──EngineVerb──▶ its engine part paused or resumed, acknowledged
         ──LoadWeights─▶ its engine part pulls the core's snapshot, Loaded
         ──Mirror──────▶ its part of a megatron trainer's collective verb (``runtime.replica``)
-        ──Goodbye────▶ done
+        ──Goodbye─────▶ done
 ```
 
 Each verb has one handler (``handlers``). It never talks to the controller: a leader that dies

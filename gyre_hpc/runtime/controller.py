@@ -9,7 +9,7 @@
           │ cells the policy sends train them ─▶ the core applies v+1 (checkpoint when due)       │
           │ ─▶ boundary: engines load v+1, trainers return as the policy says                     │
           └─▶ step event + cells' time ─▶ trackers ─▶ held-out evaluation ─▶ metrics.png, cells.png ┘
-       ─▶ Shutdown ─▶ barrier                (SIGUSR2: the step under way checkpoints, then this)
+       ─▶ Goodbye ─▶ barrier                 (SIGUSR2: the step under way checkpoints, then this)
 ```
 
 The controller owns the run loop only: which step kind runs a step, what is recorded after it

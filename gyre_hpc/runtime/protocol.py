@@ -4,16 +4,16 @@
  controller (rank 0)                         cell leader            cell members
    │                                          │◀── EnginesUp ──────────┤  members hosting a replica
    │◀──────────────── Hello ──────────────────┤                        │
-   ├──────────────── TakeRole ─────────────▶├── TakeRole ─────────▶│
-   │◀─────────────── RoleTaken ────────────┤◀── RoleTaken ───────┤
+   ├──────────────── TakeRole ───────────────▶├── TakeRole ───────────▶│
+   │◀─────────────── RoleTaken ───────────────┤◀── RoleTaken ──────────┤
    │◀─────────────── Heartbeat (every heartbeat_s) ─┤                   │
    ├──────────────── LoadWeights(v) ─────────▶├── LoadWeights(v) ─────▶│  every replica pulls
-   │◀─────────────── Loaded ───────────┤◀── Loaded ──────┤  snapshot v from the core
+   │◀─────────────── Loaded ──────────────────┤◀── Loaded ─────────────┤  snapshot v from the core
    ├──────────────── TrainStep(v, queue) ────▶│  claim micro-steps until the queue is empty
    │◀─────────────── TrainDone(claimed) ──────┤
    ├──────────────── ApplyStep ──────────────▶│  core only: pull, sum, step, publish v+1
    │◀─────────────── StepApplied(v+1) ────────┤
-   ├──────────────── Goodbye ───────────────▶├── Goodbye ───────────▶│
+   ├──────────────── Goodbye ────────────────▶├── Goodbye ────────────▶│
                                               ├── Mirror(verb) ───────▶│  trainer verbs of a replica
                                                                           spread over the cell
 ```

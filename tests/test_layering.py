@@ -170,6 +170,16 @@ def test_a_module_name_in_two_folders_names_one_concept() -> None:
     assert shared == set(SHARED_STEMS), {s: sorted(folders[s]) for s in shared ^ set(SHARED_STEMS)}
 
 
+def test_a_class_name_names_one_thing() -> None:
+    """Two classes of one name are two meanings a reader must tell apart by import."""
+    where: dict[str, list[str]] = {}
+    for path in sorted((REPO / "gyre_hpc").rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(str(path.relative_to(REPO)))
+    assert {name: paths for name, paths in where.items() if len(paths) > 1} == {}
+
+
 def test_the_checks_see_a_cycle_and_a_climb() -> None:
     """The checks above can fail: a cycle and an upward arrow are found where they exist."""
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

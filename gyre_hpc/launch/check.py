@@ -4,7 +4,7 @@ each other). One function, ``check_launch``, so the three agree:
 
 ```
  recipe ─▶ engines placed on every cell's GPUs (plan.placement) ─▶ backends this runtime drives
-        ─▶ trackers installed ─▶ the memory plan of a cell's worst GPU fits (plan.memory) ─▶ Launch
+        ─▶ trackers installed ─▶ the memory plan of a cell's worst GPU fits (plan.memory) ─▶ LaunchPlan
 ```
 
 The first that fails is one ``RecipeError`` line naming the keys that change it. It knows nothing
@@ -24,7 +24,7 @@ from gyre_hpc.recipe.schema import EngineConfig, ObservabilityConfig, Recipe, Tr
 
 
 @dataclass(frozen=True, kw_only=True)
-class Launch:
+class LaunchPlan:
     """What a launchable recipe asks of each cell."""
 
     engines: EnginePlan
@@ -33,14 +33,14 @@ class Launch:
     """What its worst GPU holds by role (None where the model's shape is not known here)."""
 
 
-def check_launch(r: Recipe) -> Launch:
+def check_launch(r: Recipe) -> LaunchPlan:
     """The recipe's cells, placed and planned; a ``RecipeError`` (one line) for the first check
     that fails."""
     engines = cell_engines(r.cells, r.slurm, r.engine)
     check_runnable(r.engine, r.trainer)
     check_trackers(r.observability)
     memory = check_memory(model_shape(r.run.model), r.cells, r.engine, r.trainer, r.agent)
-    return Launch(engines=engines, memory=memory)
+    return LaunchPlan(engines=engines, memory=memory)
 
 
 def check_trackers(observability: ObservabilityConfig) -> None:

@@ -46,7 +46,7 @@ class Segment:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunView:
+class RunOutline:
     """One execution's tree, outlined with the paths selected from it."""
 
     run_id: str
@@ -67,14 +67,14 @@ class RunView:
 
 def run_views(
     runs: Iterable[tuple[str, list[EncodedRecord]]], jmax: int, priority: list[str], seed: int
-) -> list[RunView]:
+) -> list[RunOutline]:
     """Each run's tree from its records, outlined with the paths ``trajectory.jmax`` and
     ``trajectory.priority`` select for it under ``run.seed``."""
     views = []
     for run_id, encoded in runs:
         tree = TrajectoryTree.from_encoded(encoded)
         chosen = select_paths(tree, jmax=jmax, rng=random.Random(f"{seed}:{run_id}"), priority=priority)
-        views.append(RunView(run_id=run_id, tree=tree, segments=outline(tree, chosen)))
+        views.append(RunOutline(run_id=run_id, tree=tree, segments=outline(tree, chosen)))
     return views
 
 

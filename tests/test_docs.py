@@ -8,7 +8,8 @@ docs/ARCHITECTURE.md and BENCHMARKS.md.
 - every recipe key they name (``section.key``) is a key of its section;
 - every test id (``tests/test_x.py::test_y``) names a test there is;
 - a run directory's path spells its executions' run ids as ``execution.run_id`` makes them;
-- every plot they link exists and is no older (by its last commit) than the code that draws it.
+- every plot they link exists and was drawn by its drawing code as it is now (a PNG names the code
+  that drew it, normalised: docstrings and layout aside).
 """
 
 from __future__ import annotations
@@ -16,15 +17,16 @@ from __future__ import annotations
 import dataclasses
 import re
 import shlex
-import subprocess
 from functools import cache
 
 import typer
 from conftest import REPO
+from PIL import Image
 
 from gyre_hpc.cli.app import app
 from gyre_hpc.errors import RecipeError
 from gyre_hpc.execution.run_id import dispatched_step
+from gyre_hpc.observability.plot import SOURCE, source_of
 from gyre_hpc.recipe import load_recipe
 from gyre_hpc.recipe.schema import SECTIONS
 
@@ -37,12 +39,10 @@ HARBOR = {"tests/test.sh"}
 """Paths of a Harbor task's own layout, which the docs describe."""
 PLACEHOLDER = re.compile(r"[<>…*]|NNN|\{|\[|RUN_DIR|RECIPE")
 DRAWN_BY = {
-    "docs/benchmarks/paper-": ("gyre_hpc/sim", "gyre_hpc/scheduler"),
-    "docs/benchmarks/emulated/simulated/": ("gyre_hpc/sim", "gyre_hpc/scheduler", "gyre_hpc/bench/replay.py"),
-    "docs/benchmarks/emulated/real/": ("gyre_hpc/sim/plots.py", "gyre_hpc/bench/replay.py"),
-    "docs/benchmarks/learning": ("tools/plot_learning.py",),
+    "docs/benchmarks/learning": "gyre_hpc/observability/plot.py",
+    "docs/benchmarks/": "gyre_hpc/sim/plots.py",
 }
-"""A plot's folder (or name's start) → the code that computes and draws it."""
+"""A plot's folder (or its name's start) → the module whose code draws it."""
 
 
 @cache
@@ -258,30 +258,21 @@ def test_every_test_id_and_run_id_the_docs_name_is_one() -> None:
 # ---- plots ---------------------------------------------------------------------------------------
 
 
-def committed(path: str) -> int:
-    """When ``path`` last changed, by commit (now, where it has uncommitted changes)."""
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--", path], cwd=REPO, capture_output=True, text=True
-    )
-    if dirty.stdout.strip():
-        return 2**62
-    log = subprocess.run(
-        ["git", "log", "-1", "--format=%ct", "--", path], cwd=REPO, capture_output=True, text=True
-    )
-    return int(log.stdout.strip() or 0)
-
-
 def stale_plots(source: str) -> list[str]:
+    """Linked plots that are missing, or were drawn by other code than their module's now (each
+    PNG names the code that drew it: ``observability.plot.source_of``)."""
     wrong = []
     for plot in [p for p in links(source) if p.endswith(".png")]:
         if not (REPO / plot).exists():
             wrong.append(f"{plot}: missing")
             continue
-        drawers = next((code for where, code in DRAWN_BY.items() if plot.startswith(where)), None)
-        if drawers is None:
+        drawer = next((code for where, code in DRAWN_BY.items() if plot.startswith(where)), None)
+        if drawer is None:
             wrong.append(f"{plot}: no code is known to draw it (tests/test_docs.py DRAWN_BY)")
-        elif (newest := max(drawers, key=committed)) and committed(newest) > committed(plot):
-            wrong.append(f"{plot}: older than {newest}, which draws it")
+            continue
+        drawn_by = Image.open(REPO / plot).text.get(SOURCE, "unnamed code")
+        if drawn_by != (now := source_of(REPO / drawer)):
+            wrong.append(f"{plot}: drawn by {drawn_by}, older than {now}: draw it again")
     return wrong
 
 

@@ -8,6 +8,8 @@ file can find each one.
 
 from __future__ import annotations
 
+import ast
+import hashlib
 from pathlib import Path
 
 from gyre_hpc.observability import events as ev
@@ -38,10 +40,31 @@ def _integer_steps(ax) -> None:  # noqa: ANN001 - a matplotlib Axes
 
 
 def _save(fig, out: Path) -> Path:  # noqa: ANN001 - a matplotlib Figure
-    """Written whole or not at all: a reader never sees half a PNG."""
+    return save_figure(fig, out, Path(__file__))
+
+
+SOURCE = "Source"
+"""The PNG text key naming the code that drew a plot (``source_of``)."""
+
+
+def source_of(module: Path) -> str:
+    """``<module>@<digest>``: the drawing code as it is now, normalised (docstrings and layout left
+    out), so a plot says which code drew it and a plot older than its code is found."""
+    tree = ast.parse(module.read_text())
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            if isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]  # type: ignore[attr-defined]
+    digest = hashlib.sha256(ast.dump(tree, include_attributes=False).encode()).hexdigest()[:16]
+    return f"{module.name}@{digest}"
+
+
+def save_figure(fig, out: Path, drawn_by: Path) -> Path:  # noqa: ANN001 - a matplotlib Figure
+    """Written whole or not at all (a reader never sees half a PNG), naming the code that drew it."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp.png")
-    fig.savefig(tmp)
+    fig.savefig(tmp, metadata={SOURCE: source_of(drawn_by)})
     _pyplot().close(fig)
     tmp.replace(out)
     return out

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from gyre_hpc.observability.cell_time import CATEGORIES
 from gyre_hpc.observability.cell_time import COLORS as SPLIT
+from gyre_hpc.observability.plot import save_figure
 from gyre_hpc.sim.simulate import SimResult
 
 COLORS = {what: SPLIT[what] for what in ("sampling", "training", "idle", "switching")}
@@ -64,8 +65,4 @@ def plot_all(results: dict[str, SimResult], out: Path, title: str, unit: str = "
 
 
 def _save(fig, path: Path) -> Path:  # type: ignore[no-untyped-def]
-    import matplotlib.pyplot as plt
-
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, Path(__file__))

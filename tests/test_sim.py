@@ -48,7 +48,7 @@ def test_modes_behave_as_their_rules_say() -> None:
 
 @pytest.mark.parametrize("name", ["paper-2.4t", "paper-122b"])
 def test_elastic_is_at_least_as_fast_as_the_best_async_split_and_faster_than_colocate(name: str) -> None:
-    cfg = CONFIGS[name].with_(steps=12)
+    cfg = CONFIGS[name].with_(steps=12 if name == "paper-2.4t" else 4)  # 122B: 16 cells, 15 splits
     times = {n: simulate(c, mode).total_s for n, (mode, c) in variants(cfg).items()}
     best = min(t for n, t in times.items() if n.startswith("async"))
     assert len([n for n in times if n.startswith("async")]) == cfg.cells - 1  # every split was run

@@ -80,18 +80,28 @@ def build_batch(paths_by_run: Mapping[str, Sequence[SelectedPath]], advantages: 
 def pack_micro_steps(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     """First-fit decreasing: sequence indices grouped into micro-steps of at most ``max_tokens``.
 
-    A sequence longer than ``max_tokens`` gets a micro-step of its own.
+    A sequence longer than ``max_tokens`` gets a micro-step of its own. Only bins with room for
+    the shortest sequence are searched (no other could take any), so equal sequences that fill a
+    micro-step each pack in linear time.
     """
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    smallest = min(lengths, default=0)
     bins: list[list[int]] = []
     room: list[int] = []
+    open_: list[int] = []
+    """The bins that can still take the shortest sequence, in the order they were opened."""
     for i in order:
-        for b, free in enumerate(room):
-            if lengths[i] <= free:
+        n = lengths[i]
+        for k, b in enumerate(open_):
+            if n <= room[b]:
                 bins[b].append(i)
-                room[b] -= lengths[i]
+                room[b] -= n
+                if room[b] < smallest:
+                    del open_[k]
                 break
         else:
             bins.append([i])
-            room.append(max_tokens - lengths[i])
+            room.append(max_tokens - n)
+            if room[-1] >= smallest:
+                open_.append(len(bins) - 1)
     return bins

@@ -167,3 +167,40 @@ def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from loopback import tool_calling_model
 
     return tool_calling_model(tmp_path_factory.mktemp("models") / "tools")
+
+
+# ---- finished runs that several tests read ---------------------------------------------------------
+# A whole run is the suite's dearest part (an MPI world, the model, its steps). Tests that only read
+# what a run left share one, built once per session, with the overrides below.
+
+SMOKE = str(REPO / "recipes" / "smoke.toml")
+ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+COLOCATE = ("run.steps=3", "trainer.checkpoint_every=100")
+"""The smoke recipe as shipped (colocate, the warm-started tiny model): 3 steps, one checkpoint, at
+the end. The world and its shutdown (test_local_run), colocate's training (test_rl_loop), and the
+straight run a preempted Slurm job must match step for step (test_slurm_faults) read it."""
+ELASTIC = (
+    "run.steps=2", "scheduler.mode=elastic", "cells.count=3", "tasks.prompts_per_step=4",
+    "tasks.eval_every=1", "tasks.eval_n=4", "observability.wandb_project=gyre-test",
+)  # fmt: skip
+"""Elastic, 3 cells, 2 steps, held-out evaluations before and after each step, TensorBoard and an
+offline W&B run: elastic's switches (test_rl_loop) and what a run records (test_tracking)."""
+
+
+def run_smoke(runs_dir: Path, sets: tuple[str, ...] | list[str], timeout: float = 900) -> Path:
+    """``gyre-hpc run recipes/smoke.toml`` with these overrides into ``runs_dir``; its directory."""
+    args = [a for s in (f"run.runs_dir={runs_dir}", *sets) for a in ("--set", s)]
+    proc = gyre("run", SMOKE, *args, timeout=timeout, env={**os.environ, **ROOT_OK})
+    assert proc.returncode == 0 and "run completed" in proc.stderr, proc.stderr[-3000:]
+    (path,) = runs_dir.iterdir()
+    return path
+
+
+@pytest.fixture(scope="session")
+def colocate_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return run_smoke(tmp_path_factory.mktemp("colocate"), COLOCATE)
+
+
+@pytest.fixture(scope="session")
+def elastic_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return run_smoke(tmp_path_factory.mktemp("elastic"), ELASTIC)

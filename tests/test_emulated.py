@@ -12,12 +12,14 @@ from statistics import mean
 import pytest
 from conftest import gyre
 
+from gyre_hpc.bench.modes import plan
 from gyre_hpc.bench.replay import observed, replay, run_tokens
 from gyre_hpc.builtin_models.resolve import resolve_model
 from gyre_hpc.engines.emulated import EmulatedEngine, planned_tokens
 from gyre_hpc.engines.sampling import SamplingParams
 from gyre_hpc.observability.events import read_events
 from gyre_hpc.proxy.chat import parse_reply
+from gyre_hpc.recipe import load_recipe
 from gyre_hpc.recipe.schema import ScoringConfig
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.scoring.builtin import CoinScorer
@@ -78,27 +80,40 @@ def test_the_coin_differs_within_groups_and_never_changes() -> None:
     assert rewards == [[coin.score(RunArtifacts(r, Path("."), "finished")) for r in g] for g in groups]
 
 
+def test_bench_modes_plans_every_async_split_or_the_recipe_s_and_ours() -> None:
+    every = load_recipe("recipes/emulated.toml", ["cells.count=3", 'bench.modes=["elastic", "async"]'])
+    assert list(plan(every, ours=True)) == [
+        "elastic", "async 1/3", "async 2/3", "elastic+carry", "in-flight k=1", "in-flight k=2",
+    ]  # fmt: skip
+    assert plan(every, ours=False)["async 2/3"] == ["scheduler.mode=async", "scheduler.async_train_cells=2"]
+    one = load_recipe("recipes/emulated.toml", ["cells.count=3", "bench.async_splits=[2]"])
+    assert [name for name in plan(one, ours=False) if name.startswith("async")] == ["async 2/3"]
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(900)
-def test_bench_modes_runs_every_async_split_and_ours_and_the_simulator_makes_the_same_switches(
+def test_bench_modes_runs_the_modes_and_ours_and_the_simulator_makes_the_same_switches(
     tmp_path: Path,
 ) -> None:
+    """Real emulated runs of each planned mode (every split is planned above; one runs here), the
+    table against the simulator's replay and the bounds, and the plots."""
     proc = gyre(
         "bench", "modes", "recipes/emulated.toml",
         "--steps", "2", "--cells", "3", "--ours", "--out", str(tmp_path),
         "--set", "tasks.prompts_per_step=3",
         "--set", "engine.emulated_tokens_median=60",
         "--set", 'bench.modes=["elastic", "async"]',
+        "--set", "bench.async_splits=[2]",
         timeout=800,
         env={**os.environ, "COLUMNS": "200"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "simulated / real" in out and "real / bound" in out and "vs the paper's elastic rule" in out
-    assert "(best async)" in out and "vs the best async (async " in out  # both splits ran, the best is named
+    assert "(best async)" in out and "vs the best async (async 2/3" in out
     runs = tmp_path / "runs"
     assert sorted(p.name for p in runs.iterdir()) == [
-        "async-1of3", "async-2of3", "elastic", "elastic+carry", "in-flight-k=1", "in-flight-k=2",
+        "async-2of3", "elastic", "elastic+carry", "in-flight-k=1", "in-flight-k=2",
     ]  # fmt: skip
     for kind in ("real", "simulated"):
         names = {p.name for p in (tmp_path / kind).iterdir()}

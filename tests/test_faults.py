@@ -128,12 +128,15 @@ def records_by_run(run: RunDir) -> dict[str, list[TitoRecord]]:
     return {r: list(t.records()) for r, t in trees.items()}
 
 
-@pytest.mark.parametrize(("executors", "workers"), [(0, 1), (2, 2)])
+@pytest.mark.parametrize(("executors", "workers"), [(2, 2)])
 def test_a_restart_continues_the_steps_executions_from_their_last_call(
     tmp_path: Path, executors: int, workers: int
 ) -> None:
     """With executor processes, the executions ran on them and run there again; with proxy
-    workers, each run's calls are in its worker's TITO segment, cut and continued alike."""
+    workers, each run's calls are in its worker's TITO segment, cut and continued alike. Without
+    executors the same Dispatcher, harness and journal run on the controller (``runtime.serving``
+    hands them the step's journal as a node does), and a restarted world continues the step under
+    way there (``test_a_rank_that_dies_is_restarted_by_itself``)."""
     sets = ["run.steps=1", "agent.max_calls=6", "cells.heartbeat_timeout_s=10"]
     sets += [f"executors.nodes={executors}", f"proxy.workers={workers}"]
     proc = start(tmp_path, *sets)
@@ -175,7 +178,7 @@ def test_a_restart_continues_the_steps_executions_from_their_last_call(
         assert runs and all(shard_of(r, workers) == n for r in runs)
 
 
-def test_a_rank_that_dies_is_restarted_by_itself_and_resume_overrides_are_kept_apart(tmp_path: Path) -> None:
+def test_a_rank_that_dies_is_restarted_by_itself(tmp_path: Path) -> None:
     proc = start(tmp_path, "run.steps=3", "run.max_restarts=1", "trainer.checkpoint_every=1")
     run = the_run(tmp_path)
     wait_for(lambda: any(isinstance(e, ev.Step) for e in events_of(run)), 240, "a step")
@@ -191,10 +194,5 @@ def test_a_rank_that_dies_is_restarted_by_itself_and_resume_overrides_are_kept_a
     steps = [e.step for e in events if isinstance(e, ev.Step)]
     assert steps[-1] == 3 and resumed.step == steps[steps.index(resumed.step - 1) + 1]
     assert [e.status for e in events if isinstance(e, ev.RunEnd)] == ["completed"]
-
-    created = run.recipe_path.read_text()
-    more = gyre("run", "--resume", str(run.path), "--set", "run.steps=4")
-    assert more.returncode == 0, more.stderr[-2000:]
-    assert run.recipe_path.read_text() == created  # the recipe as created stays
-    assert run.overrides() == ["run.steps=4"] and run.read_recipe().run.steps == 4
-    assert [e.step for e in run.read_events() if isinstance(e, ev.Step)][-1] == 4
+    # A resume's overrides kept apart from the recipe as created: launch.start.open_run, the same
+    # for run and submit (tests/test_slurm_faults.py resumes a job that way).

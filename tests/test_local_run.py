@@ -10,17 +10,15 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, gyre
+from conftest import COLOCATE, REPO, ROOT_OK, SMOKE, gyre
 
 from gyre_hpc.observability.events import read_events
 from gyre_hpc.recipe import load_recipe
 from gyre_hpc.rundir import RunDir
 
 pytestmark = pytest.mark.mpi
-SMOKE = str(REPO / "recipes" / "smoke.toml")
 # The world, not learning, is under test here: the untrained tiny model is built in seconds.
 FAST = ["run.model=tiny", "agent.max_calls=2"]
-ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
 def only_run(runs: Path) -> RunDir:
@@ -52,12 +50,9 @@ def wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def test_smoke_run_brings_up_the_world_and_exits_0(tmp_path: Path) -> None:
-    sets = [f"run.runs_dir={tmp_path}", *FAST, "run.steps=3"]
-    proc = gyre("run", SMOKE, *(a for s in sets for a in ("--set", s)))
-    assert proc.returncode == 0, proc.stderr
-    assert "run completed" in proc.stderr
-    run = only_run(tmp_path)
+def test_smoke_run_brings_up_the_world_and_exits_0(colocate_run: Path) -> None:
+    """The smoke recipe as shipped, 3 steps (the session's colocate run, ``conftest.COLOCATE``)."""
+    run = RunDir(colocate_run)
     events = read_events(run.events)
     world = next(e for e in events if e.kind == "world_up")
     assert (world.size, world.launcher) == (3, "mpirun")
@@ -67,6 +62,7 @@ def test_smoke_run_brings_up_the_world_and_exits_0(tmp_path: Path) -> None:
     assert [e.step for e in events if e.kind == "step"] == [1, 2, 3]
     assert kinds(run)[-2:] == ["shutdown", "run_end"] and events[-1].status == "completed"
     assert [r["rank"] for r in run.read_ranks()] == [0, 1, 2]
+    sets = [f"run.runs_dir={colocate_run.parent}", *COLOCATE]
     assert load_recipe(run.recipe_path) == load_recipe(SMOKE, sets)
     assert processes_of(run) == []
 

@@ -7,10 +7,11 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
-from conftest import gyre
-from test_local_run import SMOKE, wait_for
+from conftest import COLOCATE, gyre
+from test_local_run import wait_for
 from test_slurm_job import submit, wait_for_event
 
 from gyre_hpc.launch.slurm import job_state
@@ -24,11 +25,12 @@ def ends(run: RunDir) -> list[ev.RunEnd]:
     return [e for e in run.read_events() if isinstance(e, ev.RunEnd)]
 
 
-def test_sigusr2_checkpoints_requeues_and_the_job_completes_as_a_straight_run(tmp_path) -> None:  # noqa: ANN001
-    sets = ["run.steps=3", "trainer.checkpoint_every=100", "run.model=tiny-warm", "agent.max_calls=6"]
-    local = [a for s in [f"run.runs_dir={tmp_path / 'local'}", *sets] for a in ("--set", s)]
-    straight = gyre("run", SMOKE, *local, timeout=600)
-    assert straight.returncode == 0, straight.stderr[-2000:]
+def test_sigusr2_checkpoints_requeues_and_the_job_completes_as_a_straight_run(
+    tmp_path: Path, colocate_run: Path
+) -> None:
+    """The straight run is the session's colocate run (``conftest.COLOCATE``, the recipe as
+    shipped otherwise): the job runs the same recipe, but for the run directory."""
+    sets = [*COLOCATE, "run.model=tiny-warm", "agent.max_calls=6"]  # submit's own defaults undone
     job_id, run = submit(tmp_path / "slurm", *sets)
     wait_for_event(run, "step", timeout=180)
     # What --signal=B:USR2@grace does near the time limit: the batch shell alone is signalled.
@@ -51,7 +53,7 @@ def test_sigusr2_checkpoints_requeues_and_the_job_completes_as_a_straight_run(tm
     out = (run.logs / "slurm.out").read_text()
     assert "run preempted" in out and "requeued" in out and "run completed" in out  # both attempts
     steps = {e.step: e.reward_mean for e in events if isinstance(e, ev.Step)}
-    local = RunDir(next((tmp_path / "local").iterdir()))
+    local = RunDir(colocate_run)
     assert steps == {e.step: e.reward_mean for e in local.read_events() if isinstance(e, ev.Step)}
     status = gyre("status", str(run.path), "--once")
     assert "run: completed · attempt 2 · step 3/3" in status.stdout, status.stdout
@@ -78,9 +80,12 @@ def test_a_killed_cell_is_named_the_world_restarts_and_submit_resume_continues(t
     assert [e.attempt for e in events if isinstance(e, ev.WorldUp)] == [1, 2]
     assert [e.step for e in events if isinstance(e, ev.Step)][-1] == 3
 
+    created = run.recipe_path.read_text()
     more = gyre("submit", "--resume", str(run.path), "--set", "run.steps=4")
     assert more.returncode == 0, more.stderr
     wait_for_event_count(run, ev.RunEnd, 2, timeout=300)
     assert ends(run)[-1].status == "completed"
     assert [e.step for e in run.read_events() if isinstance(e, ev.Step)][-1] == 4
-    assert run.overrides() == ["run.steps=4"] and run.read_job()["job_id"] != job_id
+    assert run.recipe_path.read_text() == created  # the recipe as created stays; the resume's apart
+    assert run.overrides() == ["run.steps=4"] and run.read_recipe().run.steps == 4
+    assert run.read_job()["job_id"] != job_id

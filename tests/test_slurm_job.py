@@ -43,35 +43,13 @@ def wait_for_event(run: RunDir, kind: str, timeout: float = 120) -> dict:
     )
 
 
-def wait_for_state(job_id: str, expected: str, timeout: float = 60) -> JobState:
+def wait_for_state(job_id: str, expected: str, timeout: float = 60, components: int = 2) -> JobState:
     """Accounting lags the job by a second or so, and lists a het job's components late."""
     deadline = time.monotonic() + timeout
-    while (state := job_state(job_id)).state != expected or len(state.components) < 2:
+    while (state := job_state(job_id)).state != expected or len(state.components) < components:
         assert time.monotonic() < deadline, f"job {job_id} is {state}, expected {expected}"
         time.sleep(0.5)
     return state
-
-
-def test_submit_runs_one_het_world_to_completed(tmp_path: Path) -> None:
-    job_id, run = submit(tmp_path)
-    assert run.read_job()["job_id"] == job_id
-    end = wait_for_event(run, "run_end")
-    assert end.status == "completed", end
-    events = read_events(run.events)
-    world = next(e for e in events if e.kind == "world_up")
-    assert (world.size, world.launcher, world.job_id) == (3, "slurm", job_id)
-    ranks = {r["rank"]: r for r in run.read_ranks()}
-    hello_hosts = {e.cell: e.host for e in events if e.kind == "hello"}
-    # One MPI_COMM_WORLD spans the components: the controller and each cell on its own emulated node.
-    assert len({ranks[0]["host"], *hello_hosts.values()}) == 3
-    first_roles = [(e.cell, e.role) for e in events if e.kind == "role_switched"][:2]
-    assert sorted(first_roles) == [(0, "sampling"), (1, "sampling")]
-    state = wait_for_state(job_id, "COMPLETED")
-    assert state.components == {f"{job_id}+0": "COMPLETED", f"{job_id}+1": "COMPLETED"}
-    for target in (str(run.path), job_id):
-        proc = gyre("status", target, "--once", "--runs-dir", str(tmp_path))
-        assert proc.returncode == 0, proc.stderr
-        assert f"slurm job {job_id}: COMPLETED" in proc.stdout and "run: completed · step 3/3" in proc.stdout
 
 
 def test_cancel_interrupts_the_job_and_records_it(tmp_path: Path) -> None:
@@ -102,11 +80,12 @@ def test_a_megatron_cell_spans_the_ranks_of_its_node(tmp_path: Path) -> None:
     wait_for_state(job_id, "COMPLETED")
 
 
-def test_executor_nodes_run_the_executions_as_the_controller_would_and_outlive_one_killed(
+def test_submit_runs_one_het_world_whose_executor_nodes_run_the_executions_and_outlive_one_killed(
     tmp_path: Path,
 ) -> None:
-    """A seeded colocate run, once with its executions on the controller (mpirun) and once on two
-    executor nodes of its het job: the same rewards; then one executor is SIGKILLed mid-burst."""
+    """A seeded colocate run, once with its executions on the controller (mpirun) and once as one
+    het job (controller, cells, two executor nodes): one MPI world over its components' nodes, the
+    same rewards; one executor is SIGKILLed mid-burst, and the job completes all the same."""
     same = [
         "run.model=tiny-warm",
         "agent.max_calls=6",
@@ -136,6 +115,15 @@ def test_executor_nodes_run_the_executions_as_the_controller_would_and_outlive_o
     end = wait_for_event(run, "run_end", timeout=240)
     assert end.status == "completed", end
     events = read_events(run.events)
+    assert run.read_job()["job_id"] == job_id
+    world = next(e for e in events if e.kind == "world_up")
+    assert (world.size, world.launcher, world.job_id) == (3, "slurm", job_id)  # executors: outside it
+    ranks = {r["rank"]: r for r in run.read_ranks()}
+    hello_hosts = {e.cell: e.host for e in events if e.kind == "hello"}
+    # One MPI_COMM_WORLD spans the components: the controller and each cell on its own emulated node.
+    assert len({ranks[0]["host"], *hello_hosts.values()}) == 3
+    first_roles = [(e.cell, e.role) for e in events if e.kind == "role_switched"][:2]
+    assert sorted(first_roles) == [(0, "sampling"), (1, "sampling")]
     steps = [e for e in events if e.kind == "step"]
     assert (first.reward_mean, first.calls) == (alone[0].reward_mean, alone[0].calls)  # as on the controller
     placed = [e for e in events if e.kind == "placed"]
@@ -147,4 +135,9 @@ def test_executor_nodes_run_the_executions_as_the_controller_would_and_outlive_o
     assert sorted(again) == lost.runs and {e.node for e in again.values()} == {"node5"}
     assert [s.executions for s in steps] == [16, 16] and steps[1].statuses == {"finished": 16}
     assert all(s.tool_calls > 0 and s.controller_cpu_s > 0 for s in steps)  # what bench_executors reads
-    wait_for_state(job_id, "COMPLETED")
+    state = wait_for_state(job_id, "COMPLETED", components=3)
+    assert state.components == {f"{job_id}+{c}": "COMPLETED" for c in range(3)}
+    for target in (str(run.path), job_id):
+        proc = gyre("status", target, "--once", "--runs-dir", str(tmp_path / "slurm"))
+        assert proc.returncode == 0, proc.stderr
+        assert f"slurm job {job_id}: COMPLETED" in proc.stdout and "run: completed · step 2/2" in proc.stdout

@@ -218,7 +218,7 @@ def test_a_built_in_model_s_build_shows_a_bar_and_a_cached_one_nothing(
 ) -> None:
     from rich.console import Console
 
-    from gyre_hpc import builtin_models
+    from gyre_hpc.builtin_models import resolve as builtin_models
     from gyre_hpc.cli.model import resolve_shown
     from gyre_hpc.models.tiny import init_tiny
 

@@ -61,6 +61,7 @@ MakeServing = Callable[[dict[str, int], Callable[[str, str], None]], Serving]
 class Controller:
     def __init__(
         self,
+        *,
         fleet: Fleet,
         make_serving: MakeServing,
         events: ev.EventLog,
@@ -194,7 +195,7 @@ class Controller:
         self.watch.trackers.record(self.events.emit(event))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Watch:
     """What the controller watches beside the steps: the trackers it feeds, the cells' books
     (kept by the fleet), the fleet's weight loads, and where the last step's window ended."""

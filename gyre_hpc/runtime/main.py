@@ -213,11 +213,23 @@ def controller(
         world.comm, world.layout, recipe.cells, transport, events, waits, point.version, hours=hours
     )
     r = recipe
-    watch = Watch(trackers(r, run_dir), hours, fleet.loads, fleet.clock, since)
+    watch = Watch(
+        trackers=trackers(r, run_dir), hours=hours, loads=fleet.loads, clock=fleet.clock, since=since
+    )
     return Controller(
-        fleet, make_serving, events, run_dir, r.run, r.scheduler, r.tasks, r.trajectory, r.trainer,
-        first_step=point.step + 1, checkpoint_now=checkpoint_now, watch=watch,
-    )  # fmt: skip
+        fleet=fleet,
+        make_serving=make_serving,
+        events=events,
+        run_dir=run_dir,
+        run=r.run,
+        scheduler=r.scheduler,
+        tasks=r.tasks,
+        trajectory=r.trajectory,
+        trainer=r.trainer,
+        first_step=point.step + 1,
+        checkpoint_now=checkpoint_now,
+        watch=watch,
+    )
 
 
 def trackers(recipe: Recipe, run_dir: RunDir) -> Trackers:

@@ -29,7 +29,7 @@ from gyre_hpc.trainer import checkpoint
 from gyre_hpc.trajectory.codec import encode_frame, read_frames
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ResumePoint:
     step: int = 0
     """The last step the resumed state includes (0: none; the run starts at step 1)."""
@@ -72,8 +72,14 @@ def prepare(run_dir: RunDir) -> ResumePoint:
         else:
             journal.forget(run)  # its records are gone (or never matched): it starts afresh
     return ResumePoint(
-        step, version, str(path or ""), skipped, continued, finished, dropped
-    )  # fmt: skip
+        step=step,
+        version=version,
+        checkpoint=str(path or ""),
+        skipped=skipped,
+        continued=continued,
+        kept_finished=finished,
+        dropped_records=dropped,
+    )
 
 
 def _journals(run_dir: RunDir, step: int) -> list[Journal]:

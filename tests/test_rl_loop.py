@@ -1,5 +1,6 @@
-"""The RL loop end to end under mpirun: colocate, async and elastic steps, checkpoints, resume.
-The colocate and elastic runs are the session's (``conftest.COLOCATE``, ``conftest.ELASTIC``)."""
+"""The RL loop end to end under mpirun: colocate and elastic steps, checkpoints, resume. The
+colocate and elastic runs are the session's (``conftest.COLOCATE``, ``conftest.ELASTIC``); async's
+fixed split and staleness are ``test_local_run.test_multi_rank_cells_pool_and_async_roles``."""
 
 from __future__ import annotations
 
@@ -70,19 +71,6 @@ def test_colocate_steps_train_on_every_cell_and_checkpoint(colocate_run: Path, p
     )
     assert delta > 0
     assert (rd.path / "metrics.png").stat().st_size > 10_000
-
-
-def test_async_keeps_its_split_and_records_staleness(tmp_path: Path, policy: Path) -> None:
-    rd = run(tmp_path, policy, "run.steps=3", "scheduler.mode=async")
-    events = read_events(rd.events)
-    switched = [(e.cell, e.role) for e in events if e.kind == "role_switched"]
-    assert sorted(switched) == [(0, "training"), (1, "sampling")]  # set once, never changed
-    done = steps(rd)
-    assert [e.step for e in done] == [1, 2, 3]
-    stale = {k for e in done for k, n in e.staleness.items() if n}
-    assert stale <= {"0", "1"}, "staleness is bounded by one version"
-    assert "1" in stale, "later steps train on calls served one version behind"
-    assert all(e.skipped or e.claims == {"0": e.micro_steps} for e in done)
 
 
 def test_resume_continues_with_the_same_next_step(tmp_path: Path, policy: Path) -> None:

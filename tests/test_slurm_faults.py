@@ -66,8 +66,10 @@ def wait_for_event_count(run: RunDir, kind: type, n: int, timeout: float) -> Non
         time.sleep(0.25)
 
 
-def test_a_killed_cell_is_named_the_world_restarts_and_submit_resume_continues(tmp_path) -> None:  # noqa: ANN001
-    job_id, run = submit(tmp_path, "run.steps=3", "run.max_restarts=1", "trainer.checkpoint_every=1")
+def test_a_killed_cell_is_named_the_world_restarts_and_submit_resume_continues_until_cancelled(
+    tmp_path: Path,
+) -> None:
+    job_id, run = submit(tmp_path, "run.steps=2", "run.max_restarts=1", "trainer.checkpoint_every=1")
     wait_for_event(run, "step", timeout=180)
     cell1 = next(r for r in run.read_ranks() if r["rank"] == 2)
     os.kill(cell1["pid"], signal.SIGKILL)  # every emulated node is a process on this host
@@ -78,14 +80,19 @@ def test_a_killed_cell_is_named_the_world_restarts_and_submit_resume_continues(t
     assert end.status == "completed", end
     events = run.read_events()
     assert [e.attempt for e in events if isinstance(e, ev.WorldUp)] == [1, 2]
-    assert [e.step for e in events if isinstance(e, ev.Step)][-1] == 3
+    assert [e.step for e in events if isinstance(e, ev.Step)][-1] == 2
 
     created = run.recipe_path.read_text()
-    more = gyre("submit", "--resume", str(run.path), "--set", "run.steps=4")
+    more = gyre("submit", "--resume", str(run.path), "--set", "run.steps=100000")
     assert more.returncode == 0, more.stderr
-    wait_for_event_count(run, ev.RunEnd, 2, timeout=300)
-    assert ends(run)[-1].status == "completed"
-    assert [e.step for e in run.read_events() if isinstance(e, ev.Step)][-1] == 4
     assert run.recipe_path.read_text() == created  # the recipe as created stays; the resume's apart
-    assert run.overrides() == ["run.steps=4"] and run.read_recipe().run.steps == 4
-    assert run.read_job()["job_id"] != job_id
+    assert run.overrides() == ["run.steps=100000"] and run.read_recipe().run.steps == 100000
+    again = run.read_job()["job_id"]
+    assert again != job_id
+    wait_for(lambda: 3 in [e.step for e in run.read_events() if isinstance(e, ev.Step)], 300, "step 3")
+    # A job under way is cancelled by its run directory: interrupted, recorded, and Slurm says so.
+    cancelled = gyre("cancel", str(run.path))
+    assert cancelled.returncode == 0 and f"cancelled job {again}" in cancelled.stdout
+    wait_for_event_count(run, ev.RunEnd, 2, timeout=120)
+    assert ends(run)[-1].status == "interrupted"
+    wait_for(lambda: job_state(again).state == "CANCELLED", 60, "the cancelled job's state")

@@ -52,16 +52,6 @@ def wait_for_state(job_id: str, expected: str, timeout: float = 60, components: 
     return state
 
 
-def test_cancel_interrupts_the_job_and_records_it(tmp_path: Path) -> None:
-    job_id, run = submit(tmp_path, "run.steps=100000")
-    wait_for_event(run, "step")
-    proc = gyre("cancel", str(run.path))
-    assert proc.returncode == 0 and f"cancelled job {job_id}" in proc.stdout
-    end = wait_for_event(run, "run_end", timeout=60)
-    assert end.status == "interrupted"
-    wait_for_state(job_id, "CANCELLED")
-
-
 @pytest.mark.megatron
 def test_a_megatron_cell_spans_the_ranks_of_its_node(tmp_path: Path) -> None:
     """Each cell: 2 tensor-parallel ranks on one emulated node, meeting at their leader's host."""

@@ -71,7 +71,7 @@ def test_multi_rank_cells_pool_and_async_roles(tmp_path: Path) -> None:
     """Cells of 2 ranks, a rollout pool, async: the world's shape, every replica serving, the
     fixed split and its one-version staleness (the warm-started model: steps that train)."""
     sets = [f"run.runs_dir={tmp_path}", "cells.ranks_per_cell=2", "cells.rollout_pool=1"]
-    sets += ["scheduler.mode=async", "run.steps=3", "tasks.prompts_per_step=2"]
+    sets += ["scheduler.mode=async", "run.steps=3", "tasks.prompts_per_step=4"]  # 16: every engine serves
     proc = gyre("run", SMOKE, *(a for s in sets for a in ("--set", s)), timeout=600)
     assert proc.returncode == 0, proc.stderr
     run = only_run(tmp_path)

@@ -38,8 +38,9 @@ from gyre_hpc.engines.sglang import (
     sglang_command,
 )
 from gyre_hpc.models.catalog import model_shape
+from gyre_hpc.models.config import Qwen3Config
 from gyre_hpc.models.flat import FlatLayout
-from gyre_hpc.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.observability import events as ev
 from gyre_hpc.observability.events import read_events

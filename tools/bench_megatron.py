@@ -27,9 +27,10 @@ from safetensors.torch import save_file
 
 warnings.filterwarnings("ignore")
 
+from gyre_hpc.models.catalog import tiny_config  # noqa: E402
+from gyre_hpc.models.config import Qwen3Config  # noqa: E402
 from gyre_hpc.models.flat import FlatLayout  # noqa: E402
-from gyre_hpc.models.qwen3 import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
-from gyre_hpc.models.tiny import tiny_config  # noqa: E402
+from gyre_hpc.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 from gyre_hpc.recipe.schema import TrainerConfig  # noqa: E402
 from gyre_hpc.trainer import megatron_backend  # noqa: E402
 from gyre_hpc.trainer.megatron_backend import MegatronTrainer  # noqa: E402

@@ -13,9 +13,7 @@ from gyre_hpc.cli import output
 from gyre_hpc.cli.model import resolve_shown
 from gyre_hpc.cli.output import CsvOption, JsonOption, Results, chosen
 from gyre_hpc.cli.recipe import RecipeArg, SetOption, load
-from gyre_hpc.evaluation.evaluate import SuiteEval
 from gyre_hpc.rundir import RunDir
-from gyre_hpc.tasks.suites import load_suite
 
 
 def evaluate(
@@ -34,6 +32,9 @@ def evaluate(
 
     Example: `gyre-hpc eval recipes/smoke.toml --set run.model=tiny-warm --n 32`
     """
+    from gyre_hpc.evaluation.evaluate import SuiteEval  # engines, torch: only when it runs
+    from gyre_hpc.tasks.suites import load_suite
+
     results = Results(chosen(as_json, as_csv))
     r = load(recipe, set_)
     suite = suite or r.tasks.suite

@@ -11,21 +11,20 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
-from gyre_hpc.agents.workspace import Workspace
 from gyre_hpc.cli.recipe import SetOption
 from gyre_hpc.errors import GyreError
-from gyre_hpc.evaluation.verify import score_workspace, seed
 from gyre_hpc.launch.start import recipe_in_force
 from gyre_hpc.recipe import Recipe, load_recipe
 from gyre_hpc.rundir import RunDir
-from gyre_hpc.sandbox.confine import Sandbox, for_run
-from gyre_hpc.scoring import ScoringRunners
 from gyre_hpc.tasks.suites import find_task
+
+if TYPE_CHECKING:  # the sandbox, the harness and scoring load when a command runs
+    from gyre_hpc.sandbox.confine import Sandbox
 
 app = typer.Typer(help="Run commands as an execution's tool calls run them.", no_args_is_help=True)
 RecipeOption = Annotated[
@@ -50,6 +49,9 @@ def exec(  # noqa: A001 - the verb users type
 
     Example: `gyre-hpc sandbox exec --workspace runs/smoke-…/workspaces/step-0001/smoke-0-0-g0 -- ls -la`
     """
+    from gyre_hpc.agents.workspace import Workspace
+    from gyre_hpc.evaluation.verify import seed
+
     command = ctx.args[1:] if ctx.args[:1] == ["--"] else ctx.args
     if not command:
         raise GyreError("no command: give it after --, e.g. gyre-hpc sandbox exec --workspace DIR -- ls")
@@ -92,6 +94,9 @@ def score(
 
     Example: `gyre-hpc sandbox score --recipe r.toml --set tasks.suite=my.jsonl --task calc --workspace ref/`
     """
+    from gyre_hpc.evaluation.verify import score_workspace
+    from gyre_hpc.scoring import ScoringRunners
+
     workspace = workspace.resolve()
     if not workspace.is_dir():
         raise GyreError(f"--workspace {workspace} does not exist")
@@ -108,6 +113,8 @@ def score(
 
 
 def _sandbox(r: Recipe, run: RunDir | None, console: Console) -> Sandbox:
+    from gyre_hpc.sandbox.confine import for_run
+
     return for_run(
         r.agent,
         run.path if run else None,

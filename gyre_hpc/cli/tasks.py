@@ -16,12 +16,7 @@ from rich.table import Table
 from gyre_hpc.cli import output
 from gyre_hpc.cli.recipe import SetOption
 from gyre_hpc.errors import GyreError
-from gyre_hpc.evaluation.verify import verify_task
 from gyre_hpc.recipe import load_recipe
-from gyre_hpc.sandbox.confine import for_run
-from gyre_hpc.scoring import ScoringRunners
-from gyre_hpc.tasks.harbor import read_task, task_dirs
-from gyre_hpc.tasks.suites import load_suite
 
 app = typer.Typer(help="Check and verify task suites in the formats users bring.", no_args_is_help=True)
 SuiteArg = Annotated[
@@ -34,6 +29,9 @@ def check(suite: SuiteArg) -> None:
     """Validate every task of SUITE without running it: one line per task, notes on what of it
     does not run as written here; the first malformed task is one line naming its file and field
     (exit 2, as every user error)."""
+    from gyre_hpc.tasks.harbor import read_task, task_dirs
+    from gyre_hpc.tasks.suites import load_suite
+
     suite = suite.resolve()
     if suite.is_dir():
         found = [read_task(d) for d in task_dirs(suite)]
@@ -59,6 +57,11 @@ def verify(
 ) -> None:
     """Score each task's reference solution (expect 1.0) and an empty attempt (expect 0.0), in
     the sandbox the recipe's `agent.sandbox` names; exit 2 if any task misses either."""
+    from gyre_hpc.evaluation.verify import verify_task  # the harness, scoring: only when it runs
+    from gyre_hpc.sandbox.confine import for_run
+    from gyre_hpc.scoring import ScoringRunners
+    from gyre_hpc.tasks.suites import load_suite
+
     r = load_recipe(recipe, [*(set_ or []), f"tasks.suite={suite.resolve()}"])
     console = Console(stderr=True, highlight=False, soft_wrap=True)
     sandbox = for_run(r.agent, None, r.tasks.suite, lambda line: console.print(f"warning: {line}"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gyre_hpc.models.qwen3 import Qwen3Config
+from gyre_hpc.models.config import Qwen3Config
 
 
 def _qwen3(hidden: int, ffn: int, layers: int, heads: int, tied: bool) -> Qwen3Config:
@@ -27,6 +27,26 @@ def _qwen3(hidden: int, ffn: int, layers: int, heads: int, tied: bool) -> Qwen3C
 
 
 # Each model's config.json as published: hidden, intermediate, layers, attention heads, tied.
+VOCAB_SIZE = 2048
+"""The tiny model's vocabulary (``models.tiny``)."""
+
+
+def tiny_config(vocab_size: int, eos: list[int]) -> Qwen3Config:
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+        eos_token_id=eos,
+        bos_token_id=None,
+    )
+
+
 KNOWN: dict[str, Qwen3Config] = {
     "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, True),
     "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, True),
@@ -40,8 +60,6 @@ KNOWN: dict[str, Qwen3Config] = {
 def model_shape(model: str) -> Qwen3Config | None:
     """The config of ``run.model``: its ``config.json`` where the directory exists here, the tiny
     model's for the built-ins, a published model's by the directory's name, else None."""
-    from gyre_hpc.models.tiny import VOCAB_SIZE, tiny_config
-
     if model in ("tiny", "tiny-warm"):
         return tiny_config(VOCAB_SIZE, [])
     path = Path(model)

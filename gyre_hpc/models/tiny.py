@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from gyre_hpc.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from gyre_hpc.models.catalog import VOCAB_SIZE, tiny_config
+from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -29,7 +30,6 @@ SPECIAL_TOKENS = [
     "<think>",
     "</think>",
 ]
-VOCAB_SIZE = 2048
 TEMPLATE = (Path(__file__).parent / "chat_template.jinja").read_text()
 
 _CORPUS = [
@@ -70,22 +70,6 @@ def train_tokenizer(words: Sequence[str] = ()) -> Tokenizer:
     corpus = _CORPUS * 8 + [TEMPLATE] + [" ".join(words), " ".join(f'"{w}"' for w in words)] * 64
     tok.train_from_iterator(corpus, trainer=trainer)
     return tok
-
-
-def tiny_config(vocab_size: int, eos: list[int]) -> Qwen3Config:
-    return Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        tie_word_embeddings=True,
-        max_position_embeddings=32768,
-        eos_token_id=eos,
-        bos_token_id=None,
-    )
 
 
 def init_tiny(model_dir: str | Path, seed: int = 0, words: Sequence[str] = ()) -> Path:

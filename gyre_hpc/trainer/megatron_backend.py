@@ -48,8 +48,8 @@ from safetensors import safe_open
 from gyre_hpc.launch.ports import free_port
 from gyre_hpc.loss.diagnostics import entropy_from_logprobs
 from gyre_hpc.loss.token_stats import TokenStats
+from gyre_hpc.models.config import Qwen3Config
 from gyre_hpc.models.flat import FlatLayout
-from gyre_hpc.models.qwen3 import Qwen3Config
 from gyre_hpc.recipe.schema import TrainerConfig
 from gyre_hpc.step.claims import MicroStats, micro_stats
 from gyre_hpc.trainer.base import (

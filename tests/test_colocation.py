@@ -17,7 +17,7 @@ from gyre_hpc.engines.client import EngineError
 from gyre_hpc.engines.colocation import CONTINUE, LOAD, PAUSE, RELEASE, RESUME, State, VerbNotAllowed, step
 from gyre_hpc.engines.hosted import SGLangHost
 from gyre_hpc.engines.sglang import SGLangServer
-from gyre_hpc.models.config import Qwen3Config
+from gyre_hpc.models.architecture import Qwen3Config
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.recipe.schema import EngineConfig

@@ -16,7 +16,7 @@ import torch
 from conftest import flat_of, gyre
 
 from gyre_hpc.builtin_models.resolve import resolve_model
-from gyre_hpc.models.config import Qwen3Config
+from gyre_hpc.models.architecture import Qwen3Config
 from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 from gyre_hpc.models.tiny import init_tiny, save_weights
 from gyre_hpc.observability.events import read_events

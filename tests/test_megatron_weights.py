@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gyre_hpc.models.config import Qwen3Config
+from gyre_hpc.models.architecture import Qwen3Config
 from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 from gyre_hpc.trainer.megatron_weights import MegatronLayout, hf_to_megatron, megatron_to_hf
 

@@ -37,8 +37,8 @@ from gyre_hpc.engines.sglang import (
     server_env,
     sglang_command,
 )
+from gyre_hpc.models.architecture import Qwen3Config
 from gyre_hpc.models.catalog import model_shape
-from gyre_hpc.models.config import Qwen3Config
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 from gyre_hpc.models.tiny import init_tiny

@@ -27,8 +27,8 @@ from safetensors.torch import save_file
 
 warnings.filterwarnings("ignore")
 
+from gyre_hpc.models.architecture import Qwen3Config  # noqa: E402
 from gyre_hpc.models.catalog import tiny_config  # noqa: E402
-from gyre_hpc.models.config import Qwen3Config  # noqa: E402
 from gyre_hpc.models.flat import FlatLayout  # noqa: E402
 from gyre_hpc.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 from gyre_hpc.recipe.schema import TrainerConfig  # noqa: E402

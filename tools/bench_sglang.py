@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from gyre_hpc.engines.sglang import SGLangServer, TensorPush, call  # noqa: E402
-from gyre_hpc.models.config import Qwen3Config  # noqa: E402
+from gyre_hpc.models.architecture import Qwen3Config  # noqa: E402
 from gyre_hpc.models.flat import FlatLayout  # noqa: E402
 from gyre_hpc.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 from gyre_hpc.models.tiny import init_tiny  # noqa: E402

@@ -44,7 +44,7 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 
-from gyre_hpc.models.config import Qwen3Config  # noqa: E402
+from gyre_hpc.models.architecture import Qwen3Config  # noqa: E402
 from gyre_hpc.step.batch import pack  # noqa: E402
 from gyre_hpc.trajectory import TitoRecord, TrajectoryTree, select_paths  # noqa: E402
 from gyre_hpc.trajectory.codec import by_run as encoded_by_run  # noqa: E402
@@ -149,7 +149,7 @@ def measure(args: argparse.Namespace) -> None:
     import torch
 
     from gyre_hpc.builtin_models.resolve import resolve_model
-    from gyre_hpc.models.config import Qwen3Config
+    from gyre_hpc.models.architecture import Qwen3Config
     from gyre_hpc.recipe.schema import TrainerConfig
     from gyre_hpc.trainer.torch_backend import TorchTrainer
 
@@ -222,7 +222,7 @@ def main() -> None:
         return measure(args)
 
     from gyre_hpc.builtin_models.resolve import resolve_model
-    from gyre_hpc.models.config import Qwen3Config
+    from gyre_hpc.models.architecture import Qwen3Config
 
     console = Console(width=140)
     vocab = Qwen3Config.load(resolve_model("tiny-warm")).vocab_size

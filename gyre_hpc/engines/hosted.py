@@ -35,7 +35,7 @@ from gyre_hpc.engines.pushed import Pushed
 from gyre_hpc.engines.server import make_app
 from gyre_hpc.engines.sglang import SGLangServer, Span
 from gyre_hpc.errors import LaunchError
-from gyre_hpc.models.config import Qwen3Config
+from gyre_hpc.models.architecture import Qwen3Config
 from gyre_hpc.plan.memory import Shape
 from gyre_hpc.recipe.schema import EngineConfig
 

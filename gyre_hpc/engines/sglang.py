@@ -48,7 +48,7 @@ from gyre_hpc.engines.pushed import Pushed
 from gyre_hpc.engines.weight_delta import LOADER
 from gyre_hpc.errors import LaunchError
 from gyre_hpc.launch.ports import free_port
-from gyre_hpc.models.config import Qwen3Config
+from gyre_hpc.models.architecture import Qwen3Config
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.recipe.schema import EngineConfig
 

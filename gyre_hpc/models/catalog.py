@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gyre_hpc.models.config import Qwen3Config
+from gyre_hpc.models.architecture import Qwen3Config
 
 
 def _qwen3(hidden: int, ffn: int, layers: int, heads: int, tied: bool) -> Qwen3Config:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from gyre_hpc.models.config import Qwen3Config
+from gyre_hpc.models.architecture import Qwen3Config
 from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_FILES = (

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from gyre_hpc.models.config import Qwen3Config
+from gyre_hpc.models.architecture import Qwen3Config
 
 KV = tuple[torch.Tensor, torch.Tensor]  # per layer: keys, values [batch, kv_heads, length, head_dim]
 

@@ -39,7 +39,7 @@ from gyre_hpc.engines.client import EngineClient
 from gyre_hpc.engines.sampling import BadRequest, SamplingParams
 from gyre_hpc.engines.server import read_json_object
 from gyre_hpc.errors import GyreError
-from gyre_hpc.models.config import Qwen3Config
+from gyre_hpc.models.architecture import Qwen3Config
 from gyre_hpc.models.tokenizer import ChatTokenizer
 from gyre_hpc.proxy import messages as anthropic_messages
 from gyre_hpc.proxy import responses as openai_responses

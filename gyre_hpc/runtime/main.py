@@ -20,7 +20,7 @@ from types import FrameType
 from gyre_hpc.builtin_models.resolve import resolve_model
 from gyre_hpc.diskspace import describe
 from gyre_hpc.launch.env import JobEnvironment
-from gyre_hpc.models.config import Qwen3Config
+from gyre_hpc.models.architecture import Qwen3Config
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.observability import events as ev
 from gyre_hpc.observability.cell_time import CellHours

@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from gyre_hpc.diskspace import DiskFull, ensure_room, free_bytes, is_disk_full, message
-from gyre_hpc.models.config import Qwen3Config
+from gyre_hpc.models.architecture import Qwen3Config
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.rundir import checkpoint_dir, checkpoint_dirs, checkpoint_state
 from gyre_hpc.trainer.base import Trainer

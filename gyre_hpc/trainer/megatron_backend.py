@@ -48,7 +48,7 @@ from safetensors import safe_open
 from gyre_hpc.launch.ports import free_port
 from gyre_hpc.loss.diagnostics import entropy_from_logprobs
 from gyre_hpc.loss.token_stats import TokenStats
-from gyre_hpc.models.config import Qwen3Config
+from gyre_hpc.models.architecture import Qwen3Config
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.recipe.schema import TrainerConfig
 from gyre_hpc.step.claims import MicroStats, micro_stats

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gyre_hpc.models.config import Qwen3Config
+from gyre_hpc.models.architecture import Qwen3Config
 
 
 @dataclass(frozen=True)

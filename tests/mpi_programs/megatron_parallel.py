@@ -19,7 +19,7 @@ warnings.filterwarnings("ignore")
 from test_megatron_backend import CFG, sequences  # noqa: E402
 from test_tree_packing import forked_sequences  # noqa: E402
 
-from gyre_hpc.models.config import Qwen3Config  # noqa: E402
+from gyre_hpc.models.architecture import Qwen3Config  # noqa: E402
 from gyre_hpc.trainer.megatron_backend import MegatronTrainer, MegatronWorld  # noqa: E402
 
 comm = MPI.COMM_WORLD

@@ -465,7 +465,7 @@ class StreamingStep(StepKind):
     policy sends join, and waits for one trainer's report."""
 
     def open(
-        self, step: int, dispatched: int, carried: StepQueue = (), pending: Pending | None = None
+        self, step: int, dispatched: int, carried: StepQueue | tuple[()] = (), pending: Pending | None = None
     ) -> Burst:
         """The step's burst, its queue led by ``carried`` micro-steps; nobody claims yet."""
         c, t = self.ctx, self.ctx.tasks

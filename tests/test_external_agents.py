@@ -233,43 +233,31 @@ def mini_swe_agent_command(step_limit: int = 3) -> str:
     return json.dumps(argv)
 
 
-@pytest.mark.mpi
 @pytest.mark.agents
-def test_mini_swe_agent_is_trained_through_the_proxy_in_elastic_mode(tmp_path: Path) -> None:
-    # repo-mini's instructions and seeds; the tiny model solves none of them in mini-swe-agent's
-    # format, so a coin verifier gives the differing rewards a step needs to apply.
+def test_mini_swe_agent_calls_through_the_proxy_and_its_calls_keep_their_exact_ids(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """mini-swe-agent, a third-party program, against the real proxy and engine on a repo-mini task
+    (scored by a coin verifier: the tiny model solves none in its format). Training a black-box
+    program's calls is ``test_gyre_run_trains_a_black_box_program_in_elastic_mode``'s."""
     coin = "python3 -c 'import random; print(random.random())'"
-    tasks = [
-        Task(id=t.id, spec=t.spec, seed=t.seed, verifier=coin, scorer="verifier") for t in repo_mini(4, 0)
+    (task,) = [
+        Task(id=t.id, spec=t.spec, seed=t.seed, verifier=coin, scorer="verifier") for t in repo_mini(1, 0)
     ]
-    write_jsonl(tmp_path / "repo-mini.jsonl", tasks)
-    sets = [
-        f"run.runs_dir={tmp_path / 'runs'}", "run.model=tiny", "run.steps=1", "scheduler.mode=elastic",
-        f"tasks.suite={tmp_path / 'repo-mini.jsonl'}", "tasks.prompts_per_step=2", "tasks.eval_every=0",
-        "agent.kind=command", f"agent.command={mini_swe_agent_command()}",
-    ]  # fmt: skip
-    proc = gyre("run", SMOKE, *(a for s in sets for a in ("--set", s)), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run = RunDir(next((tmp_path / "runs").iterdir()))
-    steps = [e for e in run.read_events() if isinstance(e, ev.Step)]
-    # One step: a black-box program's elastic steps are test_gyre_run_trains_a_black_box_program's.
-    assert [s.executions for s in steps] == [8] and steps[-1].version >= 1  # scored, trained
-    assert all(s.statuses == {"finished": 8} for s in steps), [s.statuses for s in steps]
-    trees = {r: TrajectoryTree.from_encoded(recs) for r, recs in by_run(read_records(run.tito_log).records)}
-    assert len(trees) == 8
-    for tree in trees.values():
-        records = [tree.record(i) for i in range(tree.num_records)]
-        assert len(records) == 3  # agent.step_limit
-        # mini-swe-agent drops a malformed reply from its history (the tiny model never makes its
-        # bash call), so its calls branch after the shared prompt; that prompt's ids are reused
-        # exactly, never re-tokenised.
-        head = records[0].input_ids
-        n = min(len(head), len(records[1].input_ids))
-        shared = next((i for i in range(n) if head[i] != records[1].input_ids[i]), n)
-        assert shared > len(head) // 2
-        for r in records[1:]:
-            assert np.array_equal(r.input_ids[:shared], head[:shared])
-    shown = gyre("traj", "show", str(run.path), "--run", next(iter(trees)))
+    config = AgentConfig(kind="command", command=json.loads(mini_swe_agent_command()), timeout_s=120)
+    outcome, records = run_one(tiny, tmp_path, config, task)
+    assert (outcome.execution.status, outcome.score.kind) == ("finished", "scored"), outcome
+    assert len(records) == 3  # agent.step_limit
+    # mini-swe-agent drops a malformed reply from its history (the tiny model never makes its
+    # bash call), so its calls branch after the shared prompt; that prompt's ids are reused
+    # exactly, never re-tokenised.
+    head = records[0].input_ids
+    n = min(len(head), len(records[1].input_ids))
+    shared = next((i for i in range(n) if head[i] != records[1].input_ids[i]), n)
+    assert shared > len(head) // 2
+    for r in records[1:]:
+        assert np.array_equal(r.input_ids[:shared], head[:shared])
+    shown = gyre("traj", "show", str(tmp_path / "run"), "--run", "ext-1")
     assert "3 calls" in shown.stdout and "main ×1" in shown.stdout, shown.stdout
 
 

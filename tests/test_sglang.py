@@ -430,7 +430,7 @@ def test_an_elastic_run_with_sglang_cells_whose_killed_server_comes_back(tmp_pat
     """One run for both (an SGLang run is the suite's dearest): three elastic steps; in step 2,
     cell 1's server is killed, comes back at the newest version the cell holds, and no execution
     is lost."""
-    proc = start_run(tmp_path)
+    proc = start_run(tmp_path, "tasks.prompts_per_step=2")
     try:
         port, run = None, None
         deadline = time.monotonic() + 900
@@ -453,7 +453,7 @@ def test_an_elastic_run_with_sglang_cells_whose_killed_server_comes_back(tmp_pat
     steps = [e for e in events if isinstance(e, ev.Step)]
     assert [s.step for s in steps] == [1, 2, 3] and [s.version for s in steps] == published(steps)
     for s in steps:  # none failed: drained calls, and those of the killed server, continued elsewhere
-        assert set(s.statuses) <= {"finished", "timed_out"} and s.executions == 16, s.statuses
+        assert set(s.statuses) <= {"finished", "timed_out"} and s.executions == 8, s.statuses
     log = (run.logs / "rank-2.log").read_text()  # cell 1's leader
     assert "died" in log and "back at version" in log
     joined = [e for e in events if isinstance(e, ev.Switch) and e.direction == "sampling→training"]

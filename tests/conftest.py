@@ -175,10 +175,14 @@ def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 SMOKE = str(REPO / "recipes" / "smoke.toml")
 ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-COLOCATE = ("run.steps=3", "trainer.checkpoint_every=100")
-"""The smoke recipe as shipped (colocate, the warm-started tiny model): 3 steps, one checkpoint, at
-the end. The world and its shutdown (test_local_run), colocate's training (test_rl_loop), and the
-straight run a preempted Slurm job must match step for step (test_slurm_faults) read it."""
+NO_EVAL = "tasks.eval_every=0"
+"""The smoke recipe evaluates 32 held-out tasks before step 1 (~10 s of a short run); the runs that
+do not test evaluation skip it (``ELASTIC`` and test_tracking do)."""
+COLOCATE = ("run.steps=3", "trainer.checkpoint_every=100", NO_EVAL)
+"""The smoke recipe as shipped (colocate, the warm-started tiny model) without its evaluation: 3
+steps, one checkpoint, at the end. The world and its shutdown (test_local_run), colocate's
+training (test_rl_loop), and the straight run a preempted Slurm job must match step for step
+(test_slurm_faults) read it."""
 ELASTIC = (
     "run.steps=2", "scheduler.mode=elastic", "cells.count=3", "tasks.prompts_per_step=4",
     "tasks.eval_every=1", "tasks.eval_n=4", "observability.wandb_project=gyre-test",

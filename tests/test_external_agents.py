@@ -184,17 +184,17 @@ def test_gyre_run_trains_a_black_box_program_in_elastic_mode(tmp_path: Path) -> 
     command = f'["{sys.executable}", "{tmp_path / "coin.py"}", "{{instruction}}"]'
     sets = [
         f"run.runs_dir={tmp_path / 'runs'}", "run.model=tiny", "run.steps=2", "scheduler.mode=elastic",
-        f"tasks.suite={tmp_path / 'coins.jsonl'}", "tasks.prompts_per_step=4", "tasks.eval_every=0",
+        f"tasks.suite={tmp_path / 'coins.jsonl'}", "tasks.prompts_per_step=2", "tasks.eval_every=0",
         "agent.kind=command", f"agent.command={command}",
     ]  # fmt: skip
     proc = gyre("run", SMOKE, *(a for s in sets for a in ("--set", s)), timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = RunDir(next((tmp_path / "runs").iterdir()))
     steps = [e for e in run.read_events() if isinstance(e, ev.Step)]
-    assert [s.executions for s in steps] == [16, 16]
+    assert [s.executions for s in steps] == [8, 8]
     assert steps[-1].version >= 1 and any(s.micro_steps for s in steps)  # the black box's calls trained
     trees = {r: TrajectoryTree.from_encoded(recs) for r, recs in by_run(read_records(run.tito_log).records)}
-    assert len(trees) == 32
+    assert len(trees) == 16
     for tree in trees.values():  # each execution: 3 calls, one path with exact prefix reuse
         one_path([tree.record(i) for i in range(tree.num_records)])
     shown = gyre("traj", "show", str(run.path), "--run", "s0001-coin-0-g0")

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import COLOCATE, REPO, ROOT_OK, SMOKE, gyre
+from conftest import COLOCATE, NO_EVAL, REPO, ROOT_OK, SMOKE, gyre
 
 from gyre_hpc.observability.events import read_events
 from gyre_hpc.recipe import load_recipe
@@ -18,7 +18,7 @@ from gyre_hpc.rundir import RunDir
 
 pytestmark = pytest.mark.mpi
 # The world, not learning, is under test here: the untrained tiny model is built in seconds.
-FAST = ["run.model=tiny", "agent.max_calls=2"]
+FAST = ["run.model=tiny", "agent.max_calls=2", NO_EVAL]
 
 
 def only_run(runs: Path) -> RunDir:
@@ -71,7 +71,8 @@ def test_multi_rank_cells_pool_and_async_roles(tmp_path: Path) -> None:
     """Cells of 2 ranks, a rollout pool, async: the world's shape, every replica serving, the
     fixed split and its one-version staleness (the warm-started model: steps that train)."""
     sets = [f"run.runs_dir={tmp_path}", "cells.ranks_per_cell=2", "cells.rollout_pool=1"]
-    sets += ["scheduler.mode=async", "run.steps=3", "tasks.prompts_per_step=4"]  # 16: every engine serves
+    sets += ["scheduler.mode=async", "run.steps=3", NO_EVAL]
+    sets += ["tasks.prompts_per_step=4"]  # 16 executions: every engine serves
     proc = gyre("run", SMOKE, *(a for s in sets for a in ("--set", s)), timeout=600)
     assert proc.returncode == 0, proc.stderr
     run = only_run(tmp_path)
@@ -117,10 +118,7 @@ def start_long_run(tmp_path: Path) -> tuple[subprocess.Popen[str], RunDir]:
             f"run.runs_dir={tmp_path}",
             "--set",
             "run.steps=100000",
-            "--set",
-            FAST[0],
-            "--set",
-            FAST[1],
+            *(a for s in FAST for a in ("--set", s)),
         ],
         cwd=REPO,
         stdout=subprocess.PIPE,

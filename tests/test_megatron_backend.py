@@ -171,8 +171,10 @@ def test_the_runtime_trains_with_megatron_cells_of_one_rank_or_of_several(tmp_pa
     tensor-parallel cells end to end; by hand, TP 2 updates differ from one rank's by 1.4e-4)."""
     from safetensors.numpy import load_file
 
-    one = smoke_run(tmp_path / "tp1")
-    pp2 = smoke_run(tmp_path / "pp2", "--set", "trainer.pp_size=2", "--set", "cells.ranks_per_cell=2")
+    one_cell = ("--set", "cells.count=1")  # the comparison needs no more
+    pp = ("--set", "trainer.pp_size=2", "--set", "cells.ranks_per_cell=2")
+    one = smoke_run(tmp_path / "tp1", *one_cell)
+    pp2 = smoke_run(tmp_path / "pp2", *one_cell, *pp)
     assert [s.version for s in step_events(pp2)] == [1, 2]
     assert all(s.micro_steps > 0 for s in step_events(pp2))
     # Each cell's replica spans both of its ranks (its leader alone cannot compute a step), and
@@ -341,17 +343,21 @@ def test_a_member_waits_at_the_rendezvous_as_long_as_its_leader_s_engine_may_tak
     wait is the engine's start timeout instead: past it, one line, not a hang."""
     from gyre_hpc.launch.ports import free_port
 
-    member, leader = rendezvous(free_port("127.0.0.1"), delay_s=4, start_timeout_s=20)
+    ports = [free_port("127.0.0.1")]
+    while (port := free_port("127.0.0.1")) == ports[0]:
+        pass
+    # Both cases side by side (their time is mostly waiting): a late leader, and one too late.
+    member, leader = rendezvous(ports[0], delay_s=4, start_timeout_s=20)
+    late_member, late_leader = rendezvous(port, delay_s=600, start_timeout_s=2)
     said = {}
     for proc, rank in ((member, 1), (leader, 0)):
         said[rank], err = proc.communicate(timeout=120)
         assert proc.returncode == 0 and f"rank {rank} up" in said[rank], err[-2000:]
     assert float(said[1].split()[-2]) >= 3  # it waited for the late leader
 
-    member, leader = rendezvous(free_port("127.0.0.1"), delay_s=600, start_timeout_s=2)
     try:
-        out, err = member.communicate(timeout=60)  # 3 s allowed: far below torch's 300
+        out, err = late_member.communicate(timeout=60)  # 3 s allowed: far below torch's 300
     finally:
-        leader.kill()
-    assert member.returncode == 3, err[-2000:]
+        late_leader.kill()
+    assert late_member.returncode == 3, err[-2000:]
     assert "rank 1 of 2: the replica's rendezvous at 127.0.0.1:" in err and "within 3 s" in err, err[-2000:]

@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from loopback import TOOLS, Stack, tool_calling_model
+from loopback import TOOLS, Stack
 
 from gyre_hpc.engines.embedded import Engine
 from gyre_hpc.engines.server import make_app
@@ -31,11 +31,6 @@ from gyre_hpc.trajectory.tree import TrajectoryTree
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_tiny(tmp_path_factory.mktemp("models") / "tiny", seed=0)
-
-
-@pytest.fixture(scope="module")
-def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tool_calling_model(tmp_path_factory.mktemp("models") / "tools")
 
 
 async def post(

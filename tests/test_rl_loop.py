@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import gyre
+from conftest import NO_EVAL, gyre
 from safetensors.torch import load_file
 
 from gyre_hpc.builtin_models.resolve import resolve_model
@@ -29,7 +29,7 @@ def policy() -> Path:
 
 def run(tmp_path: Path, policy: Path, *sets: str, resume: Path | None = None) -> RunDir:
     args = ["run", "--resume", str(resume)] if resume else ["run", SMOKE]
-    base = [f"run.runs_dir={tmp_path}", f"run.model={policy}", "tasks.prompts_per_step=2"]
+    base = [f"run.runs_dir={tmp_path}", f"run.model={policy}", "tasks.prompts_per_step=2", NO_EVAL]
     for s in ([] if resume else base) + list(sets):
         args += ["--set", s]
     proc = gyre(*args, timeout=400)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,20 @@ from gyre_hpc.scheduler.policy import Role
 from gyre_hpc.scheduler.steps import StepRecord
 from gyre_hpc.sim.bound import run_bound, step_bound, work_bound
 from gyre_hpc.sim.config import CONFIGS, SimConfig, ablations, variants
-from gyre_hpc.sim.simulate import PromptGroup, Simulation, Workload, sampled, simulate
+from gyre_hpc.sim.simulate import PromptGroup, SimResult, Simulation, Workload, sampled, simulate
 
 LONG_TAIL = SimConfig(cells=4, capacity=8, prompts=8, group_size=4, steps=5, duration_sigma=1.0)
+PAPER = {
+    "paper-2.4t": CONFIGS["paper-2.4t"].with_(steps=12),
+    "paper-122b": CONFIGS["paper-122b"].with_(steps=4),
+}
+"""The paper regimes at a length the tests can afford (122B: 16 cells, 15 async splits)."""
+
+
+@functools.cache
+def paper_run(cfg: SimConfig, mode: str) -> SimResult:
+    """A paper regime's simulation, once for the module: several tests compare the same runs."""
+    return simulate(cfg, mode)
 
 
 def trained(record: StepRecord) -> set[int]:
@@ -48,8 +60,8 @@ def test_modes_behave_as_their_rules_say() -> None:
 
 @pytest.mark.parametrize("name", ["paper-2.4t", "paper-122b"])
 def test_elastic_is_at_least_as_fast_as_the_best_async_split_and_faster_than_colocate(name: str) -> None:
-    cfg = CONFIGS[name].with_(steps=12 if name == "paper-2.4t" else 4)  # 122B: 16 cells, 15 splits
-    times = {n: simulate(c, mode).total_s for n, (mode, c) in variants(cfg).items()}
+    cfg = PAPER[name]
+    times = {n: paper_run(c, mode).total_s for n, (mode, c) in variants(cfg).items()}
     best = min(t for n, t in times.items() if n.startswith("async"))
     assert len([n for n in times if n.startswith("async")]) == cfg.cells - 1  # every split was run
     assert times["elastic"] <= best * 1.02  # against the best-tuned baseline, within noise
@@ -115,10 +127,9 @@ def test_bench_sim_prints_ratios_and_plots(tmp_path: Path) -> None:
 
 
 def test_carry_tail_beats_the_paper_rule_in_both_paper_regimes() -> None:
-    for name in ("paper-2.4t", "paper-122b"):
-        cfg = CONFIGS[name].with_(steps=16)
-        paper = simulate(cfg, "elastic")
-        ours = simulate(cfg.with_(carry_tail=True), "elastic")
+    for name, cfg in PAPER.items():
+        paper = paper_run(cfg, "elastic")
+        ours = paper_run(cfg.with_(carry_tail=True), "elastic")
         assert ours.total_s < paper.total_s * 0.99, name  # the last step still trains its whole tail
 
 
@@ -137,10 +148,9 @@ def test_carried_work_is_trained_once_and_never_carried_twice() -> None:
 
 
 def test_ablations_go_the_paper_s_way() -> None:
-    cfg = CONFIGS["paper-2.4t"].with_(steps=12)
     ratio = {}
-    for name, ((m0, c0), (m1, c1)) in ablations(cfg).items():
-        ratio[name] = simulate(c0, m0).total_s / simulate(c1, m1).total_s
+    for name, ((m0, c0), (m1, c1)) in ablations(PAPER["paper-2.4t"]).items():
+        ratio[name] = paper_run(c0, m0).total_s / paper_run(c1, m1).total_s
     assert 0.95 <= ratio["half as many cells, twice as large"] <= 1.0
 
 

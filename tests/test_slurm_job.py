@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, gyre
+from conftest import NO_EVAL, REPO, gyre
 
 from gyre_hpc.launch.slurm import JobState, job_state
 from gyre_hpc.observability.events import read_events
@@ -21,7 +21,7 @@ SMOKE = str(REPO / "recipes" / "smoke.toml")
 
 def submit(tmp_path: Path, *sets: str) -> tuple[str, RunDir]:
     args = ["submit", SMOKE, "--set", f"run.runs_dir={tmp_path}", "--set", "run.model=tiny"]
-    args += ["--set", "agent.max_calls=2", "--set", "run.steps=3"]
+    args += ["--set", "agent.max_calls=2", "--set", "run.steps=3", "--set", NO_EVAL]
     for s in sets:
         args += ["--set", s]
     proc = gyre(*args)
@@ -80,7 +80,7 @@ def test_submit_runs_one_het_world_whose_executor_nodes_run_the_executions_and_o
         "run.model=tiny-warm",
         "agent.max_calls=6",
         "run.steps=2",
-        "tasks.eval_every=0",
+        NO_EVAL,
         "tasks.prompts_per_step=4",
     ]
     local = gyre(

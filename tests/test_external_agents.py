@@ -197,7 +197,7 @@ def test_gyre_run_trains_a_black_box_program_in_elastic_mode(tmp_path: Path) -> 
     assert len(trees) == 16
     for tree in trees.values():  # each execution: 3 calls, one path with exact prefix reuse
         one_path([tree.record(i) for i in range(tree.num_records)])
-    shown = gyre("traj", "show", str(run.path), "--run", "s0001-coin-0-g0")
+    shown = gyre("traj", "show", str(run.path), "--run", min(trees))
     assert "3 calls" in shown.stdout and "main ×3" in shown.stdout, shown.stdout
 
 

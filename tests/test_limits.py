@@ -298,3 +298,42 @@ def test_a_harbor_task_s_own_memory_and_storage_bound_its_execution(tmp_path: Pa
                 assert re.search(r"over its quota: \d+ MiB \(at most 1 MiB\)", over), over[:300]
         finally:
             group.close()
+
+
+# ---- what the quota and the copies see, at any path length and for sparse files ---------------------
+# The policy's own shell builds these in its workspace; the quota and every scorer's copy read them.
+
+NEST_PAST_PATH_MAX = "d=$(printf 'a%.0s' $(seq 250)); for i in $(seq 20); do mkdir $d && cd $d; done; "
+
+
+def test_a_file_nested_past_path_max_counts_toward_the_quota_and_is_left_out_of_a_copy(
+    tmp_path: Path,
+) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    made = subprocess.run(["bash", "-c", NEST_PAST_PATH_MAX + "head -c 5M /dev/zero > hidden"], cwd=ws)
+    assert made.returncode == 0
+    used = untrusted.usage(ws, 10**9, 10**12)
+    assert used.bytes == 5 * MiB and used.entries == 21  # 20 directories and the file, 5,020 bytes deep
+    assert used.over(200_000, 1 * MiB) == "5 MiB (at most 1 MiB)"
+    copied = untrusted.copy_tree(ws, tmp_path / "copy", 10**6, 10**12)
+    assert any("longer than 4096 bytes" in why for why in copied.left_out), copied.left_out
+    assert untrusted.usage(tmp_path / "copy", 10**9, 10**12).bytes == 0
+    untrusted.remove(ws)
+    assert not ws.exists()
+
+
+def test_a_sparse_file_is_counted_at_its_size_and_copied_sparse(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    script = "truncate -s 1G sparse && head -c 64K /dev/urandom | dd of=sparse bs=64K seek=8000 conv=notrunc"
+    assert subprocess.run(["bash", "-c", script], cwd=ws).returncode == 0
+    assert untrusted.usage(ws, 10**9, 10**12).bytes == 1 << 30  # counted at its size, not its blocks
+    copied = untrusted.copy_tree(ws, tmp_path / "copy", 10, 2 << 30)
+    assert copied.left_out == [] and copied.bytes == 1 << 30
+    src, dst = ws / "sparse", tmp_path / "copy" / "sparse"
+    assert dst.stat().st_size == 1 << 30 and dst.stat().st_blocks * 512 <= 1 * MiB  # holes stay holes
+    with src.open("rb") as a, dst.open("rb") as b:
+        for offset in (0, 8000 * 64 * 1024, (1 << 30) - 4096):
+            a.seek(offset), b.seek(offset)
+            assert a.read(64 * 1024) == b.read(64 * 1024), offset

@@ -25,6 +25,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+PATH_MAX = 4096
+"""Linux's limit on a path the kernel takes whole: a workspace may nest past it (the quota counts
+what lies there, a copy leaves it out)."""
 MAX_DEPTH = 64
 """Directories deeper than this below a workspace are neither listed nor copied."""
 _OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -42,22 +45,29 @@ class WalkEntry:
 
 def walk(root: Path, max_depth: int = MAX_DEPTH, max_entries: int | None = None) -> Iterator[WalkEntry]:
     """Every entry below ``root``, breadth first, without following links; directories deeper than
-    ``max_depth`` are not entered, and the walk stops after ``max_entries``. A directory that cannot
-    be read is skipped."""
+    ``max_depth`` are not entered, and the walk stops after ``max_entries``. Paths past PATH_MAX
+    are walked like any other (by directory fd); a directory that cannot be read is skipped."""
     count = 0
     queue: deque[tuple[str, int]] = deque([("", 1)])
     while queue:
         rel, depth = queue.popleft()
+        fd = _open_dir(root, rel)
+        if fd is None:
+            continue
         try:
-            with os.scandir(root / rel if rel else root) as it:
+            with os.scandir(fd) as it:  # by fd: a path past PATH_MAX is listed like any other
                 entries = sorted(it, key=lambda e: e.name)
+            stats = []
+            for e in entries:
+                try:
+                    stats.append((e, e.stat(follow_symlinks=False)))
+                except OSError:
+                    continue
         except OSError:
             continue
-        for e in entries:
-            try:
-                st = e.stat(follow_symlinks=False)
-            except OSError:
-                continue
+        finally:
+            os.close(fd)
+        for e, st in stats:
             kind = _kind(st.st_mode)
             sub = f"{rel}/{e.name}" if rel else e.name
             yield WalkEntry(sub, kind, st.st_size if kind == "file" else 0, depth)
@@ -66,6 +76,22 @@ def walk(root: Path, max_depth: int = MAX_DEPTH, max_entries: int | None = None)
                 return
             if kind == "dir" and depth < max_depth:
                 queue.append((sub, depth + 1))
+
+
+def _open_dir(root: Path, rel: str) -> int | None:
+    """An fd of the directory ``root/rel``, never through a link; by its path when the kernel takes
+    it, else component by component (a tree may nest past PATH_MAX, and its files still count)."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+    try:
+        return os.open(root / rel, flags | os.O_NOFOLLOW) if rel else os.open(root, flags)
+    except OSError as err:
+        if err.errno != errno.ENAMETOOLONG:
+            return None
+    fd = _open_inside(root, rel)
+    if fd is not None and not stat.S_ISDIR(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
 
 
 def _kind(mode: int) -> str:
@@ -205,6 +231,9 @@ def copy_tree(src: Path, dst: Path, max_entries: int, max_bytes: int, owner: int
         if done.entries >= max_entries or done.bytes + e.size > max_bytes:
             done.note(f"{e.rel}: past the copy's bounds ({max_entries:,} entries, {max_bytes >> 20} MiB)")
             continue
+        if len(os.fsencode(target)) >= PATH_MAX:
+            done.note(f"{e.rel[:64]}…: a path longer than {PATH_MAX} bytes, left out of the copy")
+            continue
         if not target.parent.is_dir() or target.parent.is_symlink():
             continue  # its directory was left out
         try:
@@ -237,16 +266,39 @@ def _copy_file(src: Path, dst: Path, limit: int) -> bool:
             return False
         out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            left = st.st_size
-            while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
-                os.write(out, chunk)
-                left -= len(chunk)
+            for start, end in _data_extents(fd, st.st_size):  # holes stay holes: a sparse file
+                os.lseek(fd, start, os.SEEK_SET)  # costs its data, not its size, in every copy
+                os.lseek(out, start, os.SEEK_SET)
+                left = end - start
+                while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
+                    os.write(out, chunk)
+                    left -= len(chunk)
+            os.ftruncate(out, st.st_size)
             os.fchmod(out, stat.S_IMODE(st.st_mode) & 0o777 | 0o600)
         finally:
             os.close(out)
         return True
     finally:
         os.close(fd)
+
+
+def _data_extents(fd: int, size: int) -> Iterator[tuple[int, int]]:
+    """The ``[start, end)`` ranges of ``fd`` that hold data (``SEEK_DATA``/``SEEK_HOLE``); the
+    whole file where the file system cannot tell."""
+    at = 0
+    while at < size:
+        try:
+            start = os.lseek(fd, at, os.SEEK_DATA)
+            end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+        except OSError as err:
+            if err.errno == errno.ENXIO:  # nothing but a hole from here
+                return
+            yield at, size
+            return
+        if start >= size:
+            return
+        yield start, end
+        at = end
 
 
 def _own(path: Path, owner: int | None) -> None:

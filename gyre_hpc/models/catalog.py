@@ -26,7 +26,6 @@ def _qwen3(hidden: int, ffn: int, layers: int, heads: int, tied: bool) -> Qwen3C
     )
 
 
-# Each model's config.json as published: hidden, intermediate, layers, attention heads, tied.
 VOCAB_SIZE = 2048
 """The tiny model's vocabulary (``models.tiny``)."""
 
@@ -47,6 +46,7 @@ def tiny_config(vocab_size: int, eos: list[int]) -> Qwen3Config:
     )
 
 
+# Each model's config.json as published: hidden, intermediate, layers, attention heads, tied.
 KNOWN: dict[str, Qwen3Config] = {
     "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, True),
     "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, True),

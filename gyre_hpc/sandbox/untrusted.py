@@ -57,7 +57,7 @@ def walk(root: Path, max_depth: int = MAX_DEPTH, max_entries: int | None = None)
         try:
             with os.scandir(fd) as it:  # by fd: a path past PATH_MAX is listed like any other
                 entries = sorted(it, key=lambda e: e.name)
-            stats = []
+            stats = []  # while ``fd`` is open: an entry listed by fd is stat'ed through it
             for e in entries:
                 try:
                     stats.append((e, e.stat(follow_symlinks=False)))

@@ -430,7 +430,9 @@ def test_an_elastic_run_with_sglang_cells_whose_killed_server_comes_back(tmp_pat
     """One run for both (an SGLang run is the suite's dearest): three elastic steps; in step 2,
     cell 1's server is killed, comes back at the newest version the cell holds, and no execution
     is lost."""
-    proc = start_run(tmp_path, "tasks.prompts_per_step=2")
+    # 8 executions in 4 groups of 2: a group is packed while others still run, so the core
+    # trains mid-burst (2 groups of 4 tend to end together, and then it trains after the burst).
+    proc = start_run(tmp_path, "tasks.prompts_per_step=4", "tasks.group_size=2")
     try:
         port, run = None, None
         deadline = time.monotonic() + 900

@@ -10,11 +10,10 @@ cannot reach. Files a scorer reads itself it reads from its copy, never through 
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import json
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from gyre_hpc.scoring import checks as hidden_checks
 from gyre_hpc.scoring.contract import EvaluationError, RunArtifacts, Scorer, WorkspaceFault
 from gyre_hpc.scoring.pytest_run import passed, run_tests
 from gyre_hpc.scoring.session import ScoringSession, bench, command
+from gyre_hpc.scoring.testbench import count_tests
 
 READ_BYTES = 64 << 20
 """The most of one file a ``file_contains`` milestone reads."""
@@ -62,30 +62,7 @@ class HiddenTestsScorer:
         return passed / total
 
     def _checks(self, session: ScoringSession, checks: list[dict[str, str]]) -> tuple[int, int]:
-        work = session.copy()
-        calls = session.input(
-            "checks.json", json.dumps([{k: c[k] for k in ("module", "call")} for c in checks])
-        )
-        argv = bench(
-            "checks",
-            "--workspace",
-            str(work),
-            "--checks",
-            str(calls),
-            "--timeout",
-            f"{self.test_timeout_s:g}",
-        )
-        b = session.ready(session.run(work, argv, self.timeout_s))
-        values: dict[int, Any] = {}
-        for line in b.lines:
-            i = line.get("check")
-            if isinstance(i, int) and i not in values:
-                values[i] = line.get("value")
-        passed = sum(
-            i in values and hidden_checks.same(hidden_checks.expected(c), hidden_checks.decode(values[i]))
-            for i, c in enumerate(checks)
-        )
-        return passed, len(checks)
+        return sum(run_checks(session, checks, self.timeout_s, self.test_timeout_s)), len(checks)
 
     def _tests(self, session: ScoringSession, hidden: Path, count: int) -> tuple[int, int]:
         work = session.copy()
@@ -97,49 +74,42 @@ class HiddenTestsScorer:
         return done, max(len(real), count_tests(hidden), count)
 
 
-def count_tests(root: Path) -> int:
-    """How many tests pytest would find in ``root``'s files, read from their source (a module that
-    cannot be imported still counts its tests; a literal ``parametrize`` list multiplies them)."""
-    total = 0
-    for path in sorted(root.rglob("*.py")):
-        if not (path.name.startswith("test_") or path.name.endswith("_test.py")):
-            continue
-        try:
-            tree = ast.parse(path.read_text(errors="replace"))
-        except (SyntaxError, ValueError, RecursionError):
-            continue
-        for node in tree.body:
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.startswith("test"):
-                total += _cases(node)
-            elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
-                total += sum(
-                    _cases(n)
-                    for n in node.body
-                    if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name.startswith("test")
-                )
-    return total
-
-
-def _cases(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
-    n = 1
-    for d in fn.decorator_list:
-        if isinstance(d, ast.Call) and getattr(d.func, "attr", "") == "parametrize" and len(d.args) >= 2:
-            if isinstance(d.args[1], ast.List | ast.Tuple):
-                n *= max(1, len(d.args[1].elts))
-    return n
+def run_checks(
+    session: ScoringSession, checks: list[dict[str, str]], timeout_s: float, test_timeout_s: float
+) -> list[bool]:
+    """Whether each check's call returns its expected value, on one fresh copy (``scoring.checks``)."""
+    work = session.copy()
+    calls = session.input("checks.json", json.dumps([{k: c[k] for k in ("module", "call")} for c in checks]))
+    limit = f"{test_timeout_s:g}"
+    argv = bench("checks", "--workspace", str(work), "--checks", str(calls), "--timeout", limit)
+    b = session.ready(session.run(work, argv, timeout_s))
+    values: dict[int, Any] = {}
+    for line in b.lines:
+        i = line.get("check")
+        if isinstance(i, int) and i not in values:
+            values[i] = line.get("value")
+    return [
+        i in values and hidden_checks.same(hidden_checks.expected(c), hidden_checks.decode(values[i]))
+        for i, c in enumerate(checks)
+    ]
 
 
 class MilestonesScorer:
     """Weighted fraction of ``task["milestones"]`` reached in the workspace's end state.
 
     Each milestone is ``{"weight": w, <check>}`` with one check: ``"file_exists": path``,
-    ``"file_contains": [path, text]`` (read from a copy, never through a link) or ``"command":
-    shell`` (reached when it exits 0; each command on its own pristine copy, in the sandbox, so no
-    command's side effects reach another).
+    ``"file_contains": [path, text]`` (read from a copy, never through a link), ``"check": {"module",
+    "call", "expect"}`` (a call into the workspace's code whose value is compared outside the
+    sandbox: ``scoring.checks``) or ``"command": shell`` (reached when it exits 0; each command on
+    its own pristine copy, in the sandbox, so no command's side effects reach another). A command's
+    exit status is its verdict: it must not be the workspace's code's own (``python3 -c 'import
+    calc; …'`` is decided by whatever ``calc`` does at import; the current directory is not on
+    Python's path there). To test the workspace's code use ``check``, or ``$GYRE_PYTEST TESTS…``
+    (``test "$($GYRE_PYTEST t)" = 1``: every test passed).
     """
 
     def __init__(self, config: ScoringConfig) -> None:
-        self.timeout_s = config.timeout_s
+        self.timeout_s, self.test_timeout_s = config.timeout_s, config.test_timeout_s
 
     def score(self, artifacts: RunArtifacts) -> float:
         milestones = artifacts.task.get("milestones")
@@ -148,16 +118,21 @@ class MilestonesScorer:
         total = reached = 0.0
         with ScoringSession(artifacts) as session:
             base = session.copy()
+            calls = [m["check"] for m in milestones if isinstance(m.get("check"), dict)]
+            values = iter(run_checks(session, calls, self.timeout_s, self.test_timeout_s) if calls else [])
             for m in milestones:
                 weight = float(m.get("weight", 1.0))
                 total += weight
-                reached += weight * self._reached(m, session, base)
+                reached += weight * self._reached(m, session, base, values)
         return reached / total
 
-    def _reached(self, milestone: Mapping[str, Any], session: ScoringSession, base: Path) -> bool:
+    def _reached(
+        self, milestone: Mapping[str, Any], session: ScoringSession, base: Path, values: Iterator[bool]
+    ) -> bool:
         checks: dict[str, Callable[[Any], bool]] = {
             "file_exists": lambda p: untrusted.exists(base, _rel(p)),
             "file_contains": lambda a: _contains(untrusted.read(base, _rel(a[0]), READ_BYTES), a[1]),
+            "check": lambda c: isinstance(c, dict) and next(values),
             "command": lambda c: self._command_ok(c, session),
         }
         kinds = [k for k in checks if k in milestone]
@@ -167,7 +142,8 @@ class MilestonesScorer:
 
     def _command_ok(self, line: str, session: ScoringSession) -> bool:
         work = session.copy()
-        b = session.ready(session.run(work, command(line), self.timeout_s))
+        env = session.verdict(work, self.test_timeout_s)
+        b = session.ready(session.run(work, command(line), self.timeout_s, **env))
         return b.exit_code == 0 and not b.killed
 
 
@@ -186,24 +162,27 @@ VERIFIER_ENV = {
     # The current directory is not put first on Python's path (a workspace pytest.py would run as
     # pytest); pytest loads no conftest.py, no ini file and no plugin of the workspace's.
     "PYTHONSAFEPATH": "1",
-    "PYTHONNOUSERSITE": "1",
     "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
 }
 
 
 class VerifierScorer:
-    """Runs ``task["verifier"]`` (a shell command) on a copy of the workspace: the reward is the
-    number its last line of standard output prints, if it is one in [0, 1]; else 1.0 when it exits
-    0, 0.0 otherwise. What a task for a black-box harness brings instead of hidden tests.
+    """Runs ``task["verifier"]`` (a shell command) on a copy of the workspace. When it exits 0, the
+    reward is the number its last line of standard output prints, if it is one in [0, 1], else
+    1.0; when it exits otherwise, 0.0 whatever it printed. What a task for a black-box harness
+    brings instead of hidden tests.
 
     It runs as a command milestone does, with Python and pytest told not to take their runner or
     configuration from the workspace (``VERIFIER_ENV``; pytest is given our ini, which puts the
-    workspace on its path, and ``--noconftest``). A verifier that runs past ``scoring.timeout_s``
-    on the policy's code scores 0.
+    workspace on its path, and ``--noconftest``). Tests are run by ``$GYRE_PYTEST TESTS…`` as the
+    verifier's last command: it prints the fraction passed last, after every process of the tested
+    code is gone (the test bench's ``verdict``); ``pytest … && echo 1`` takes its verdict from the
+    tested code's own exit status, which that code can set. A verifier that runs past
+    ``scoring.timeout_s`` on the policy's code scores 0.
     """
 
     def __init__(self, config: ScoringConfig) -> None:
-        self.timeout_s = config.timeout_s
+        self.timeout_s, self.test_timeout_s = config.timeout_s, config.test_timeout_s
 
     def score(self, artifacts: RunArtifacts) -> float:
         line = artifacts.task.get("verifier")
@@ -212,22 +191,19 @@ class VerifierScorer:
         with ScoringSession(artifacts) as session:
             work = session.copy()
             ini = session.input("pytest.ini", f"[pytest]\naddopts =\npythonpath = {work}\n")
-            addopts = f"-c {ini} --noconftest -p no:cacheprovider"
-            b = session.ready(
-                session.run(
-                    work, command(line, stderr=False), self.timeout_s, **VERIFIER_ENV, PYTEST_ADDOPTS=addopts
-                )
-            )
+            env = {**VERIFIER_ENV, **session.verdict(work, self.test_timeout_s)}
+            env["PYTEST_ADDOPTS"] = f"-c {ini} --noconftest -p no:cacheprovider"
+            b = session.ready(session.run(work, command(line, stderr=False), self.timeout_s, **env))
         if b.killed:
             raise WorkspaceFault(f"the verifier was {b.why()} on the workspace's code")
+        if b.exit_code != 0:  # a last line an atexit hook of the tested code printed counts for nothing
+            return 0.0
         lines = b.output.strip().splitlines()
         try:
             value = float(lines[-1]) if lines else None
         except ValueError:
             value = None
-        if value is not None and 0.0 <= value <= 1.0:
-            return value
-        return 1.0 if b.exit_code == 0 else 0.0
+        return value if value is not None and 0.0 <= value <= 1.0 else 1.0
 
 
 class CoinScorer:

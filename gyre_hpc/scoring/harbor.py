@@ -5,16 +5,21 @@ the reward to ``/logs/verifier/reward.txt`` (a number) or ``reward.json`` (``{"r
  scorer copy of the workspace ─▶ /app (the task's workdir), read-write
  the task's tests/  ─▶ /tests, read-only          a fresh directory ─▶ /logs/verifier
  bash /tests/test.sh ── in the run's sandbox, within the time limit ──▶ every process killed
+ test.sh exited non-zero ─▶ 0 (a reward write the tested code made fail fails test.sh)
  the runtime reads logs/reward.json and reward.txt: regular files (no link, no FIFO), at most
  64 KiB, one finite number in [0, 1], the same in both if both are there; anything else: 0
 ```
 
 The log directory exists only for this run of the tests, so nothing the agent left in its
 workspace, and nothing it started (its processes are gone before scoring), writes there first.
-What it cannot tell apart: the tests writing the reward and the tested code writing it while the
-tests run it — a task's ``test.sh`` should write its reward last, whatever the outcome (the
-tasks under ``examples/harbor`` do); a process of the tested code that outlives its test and
-races the last write is beyond this rule (and beyond Harbor's).
+What this rule cannot tell apart: the tests writing the reward and the tested code writing it
+while the tests run it, since both are processes of the same user in one sandbox. A task's
+``test.sh`` is safe when it follows the pattern of ``examples/harbor/fix-wordcount``: it runs the
+tested code in processes of its own and compares their output in the shell, stops and kills
+every process but its own ancestors, then writes the reward as its last command (so a write the
+tested code made fail, by a read-only ``reward.txt`` of its own, fails test.sh: a 0). A ``test.sh``
+that derives its reward from a file the tested code can write (pytest's ``junit.xml``) or from
+pytest's exit status is only as safe as the tested code lets it be.
 """
 
 from __future__ import annotations
@@ -62,6 +67,8 @@ class HarborScorer:
             b = session.ready(session.run(work, command(f"bash {TESTS}/test.sh"), timeout, **env))
             if b.killed:
                 raise WorkspaceFault(f"the tests were {b.why()} on the workspace's code")
+            if b.exit_code != 0:
+                raise WorkspaceFault(f"tests/test.sh failed ({b.why()})")
             return reward(logs, b.why())
 
 

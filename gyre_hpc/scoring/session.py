@@ -2,7 +2,8 @@
 over a pipe the tested code cannot reach.
 
 ```
- workspace (the policy's) ─untrusted.copy_tree─▶ scratch/work-N   (read-write; one per command)
+ workspace (the policy's) ─untrusted.copy_tree─▶ scratch/work-N   (read-write; one per command;
+                                                  its configuration made inert: scoring.inert)
  hidden tests, checks, ini, canary ────────────▶ scratch/inputs   (read-only)
  the test bench, or a command under `ready`   ─▶ a fresh sandbox in the scorer's limits group
                                                   └─ report pipe ─▶ Bench: ready? what it said
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import shlex
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -34,6 +37,7 @@ from types import TracebackType
 from gyre_hpc.sandbox import supervise, untrusted
 from gyre_hpc.sandbox.limits import Group
 from gyre_hpc.sandbox.spec import Mount
+from gyre_hpc.scoring import inert
 from gyre_hpc.scoring.contract import EvaluationError, RunArtifacts
 
 TESTBENCH = Path(__file__).with_name("testbench.py")
@@ -89,8 +93,9 @@ class ScoringSession:
         self.dir.chmod(0o755)  # the sandbox's uid traverses it to its copy
         self.inputs = self.dir / "inputs"
         self.inputs.mkdir(mode=0o755)
+        self.home = inert.home(self.dir)
         sandbox = self.artifacts.sandbox
-        self.sandbox = sandbox.showing([self.inputs, TESTBENCH]) if sandbox.confined else sandbox
+        self.sandbox = sandbox.showing([self.inputs, self.home, TESTBENCH]) if sandbox.confined else sandbox
         task = self.artifacts.task  # where the task's tests look, in its image
         self.sandbox = self.sandbox.at(task.get("workdir"), image=task.get("image") or "")
         self.group: Group = self.sandbox.groups.open(f"score-{self.artifacts.run_id}")
@@ -105,10 +110,11 @@ class ScoringSession:
         self.runs += 1
         work = self.dir / f"work-{self.runs}"
         limits = self.sandbox.limits
+        owner = self.sandbox.owner_in(self.group)
         untrusted.copy_tree(
-            self.artifacts.workspace, work, limits.workspace_entries, limits.workspace_bytes,
-            self.sandbox.owner_in(self.group),
-        )  # fmt: skip
+            self.artifacts.workspace, work, limits.workspace_entries, limits.workspace_bytes, owner
+        )
+        inert.scrub(work, owner)  # data, not configuration
         return work
 
     def place(self, *mounts: Mount) -> None:
@@ -123,10 +129,25 @@ class ScoringSession:
         path.chmod(0o644)
         return path
 
+    def verdict(self, work: Path, test_timeout_s: float) -> dict[str, str]:
+        """``GYRE_PYTEST``: the command a verifier or a milestone runs tests on ``work`` with, whose
+        verdict the tested code can neither forge nor outlive (the test bench's ``verdict``)."""
+        nonce = secrets.token_hex(8)
+        must_fail = f"def test_{nonce}():\n    assert False, 'must fail'\n"
+        canary = self.input(f"verdict/test_{nonce}.py", must_fail)
+        ini = self.input("verdict/pytest.ini", "[pytest]\naddopts =\n")
+        python = "python3" if self.sandbox.rooted is not None else sys.executable
+        script = self.input("verdict/gyre-pytest", "#!/bin/sh\n" + shlex.join([
+            python, "-I", "-B", str(TESTBENCH), "verdict", "--workspace", str(work), "--ini", str(ini),
+            "--canary", nonce, "--canary-file", str(canary), "--timeout", f"{test_timeout_s:g}", "--tests",
+        ]) + ' "$@"\n')  # fmt: skip
+        script.chmod(0o755)
+        return {"GYRE_PYTEST": str(script)}
+
     def run(self, work: Path, argv: list[str], timeout_s: float, **env: str) -> Bench:
         """``argv`` in a fresh sandbox on ``work``; its report, what it printed, how it ended."""
         base = {k: v for k, v in os.environ.items() if k in ENV_KEEP}
-        env = {**base, "HOME": str(work), "PYTHONDONTWRITEBYTECODE": "1", **env}
+        env = {**base, **inert.environment(self.home, work), "PYTHONDONTWRITEBYTECODE": "1", **env}
         read, write = supervise.report_pipe()
         argv = [a.replace(REPORT, str(write)) for a in argv]
         if self.sandbox.rooted is not None and argv[0] == sys.executable:

@@ -13,7 +13,7 @@ One task per line::
      "visible_tests": {"files": {...}} | {"dir": ...},                 # copied into tests_visible/
      "milestones": [{"weight": 1, "file_exists": "out.txt"}, ...],    # for the milestones scorer
      "setup": "git init -q && pip install -q -e .",                   # run in the workspace first
-     "verifier": "pytest -q tests && echo 1",                         # the verifier scorer's check
+     "verifier": "$GYRE_PYTEST tests",                                # the verifier scorer's check
      "timeout_s": 1800,
      "workdir": "/app",                       # where the workspace appears in the sandbox (optional)
      "image": "images/calc-rootfs.tar"}       # the task's own system (optional; sandbox.image)
@@ -24,7 +24,12 @@ included (``scoring.checks``). ``hidden_tests`` are pytest files, run in the sam
 code they test: they resist every generic way to forge a result (``scoring.testbench``), but not
 code written against our runner in particular. Both score with ``hidden-tests``.
 
-A task with a ``verifier`` and no ``scorer`` is scored by it (``scoring.builtin.VerifierScorer``).
+A task with a ``verifier`` and no ``scorer`` is scored by it (``scoring.builtin.VerifierScorer``):
+its reward is its last line of output if it exits 0, else 0. A verifier must not take its verdict
+from the workspace's code: ``pytest -q tests && echo 1`` passes when the tested code ends pytest
+with status 0 while it is collected; ``$GYRE_PYTEST tests`` (the scorer's own runner, last) prints
+the fraction passed after every process of the tested code is gone. A milestone that calls the
+workspace's code is a ``check`` (``{"check": {"module": …, "call": …, "expect": …}}``).
 ``setup`` runs in the seeded workspace before the agent starts (an execution whose setup fails
 is ``crashed``). Together they let a suite carry what an external harness needs without hidden
 test files: ``examples/verifier-tasks.jsonl``.

@@ -1,14 +1,28 @@
 #!/bin/bash
-# The fraction of the three tests that pass, written last. Fewer than three collected is 0.
+# The safe pattern for a reward the tested code cannot write:
+#   1. each check runs the tested code in a process of its own and compares what it printed here,
+#      in this shell (the tested code's exit status and files decide nothing);
+#   2. before the reward, every process but this shell's ancestors is stopped and killed, so
+#      nothing the tested code left running writes after it;
+#   3. the reward is written last: if that write fails, test.sh fails, and a failed test.sh is 0.
 cd /app
-python -m pytest -q -p no:cacheprovider --junitxml=/logs/verifier/junit.xml /tests/test_outputs.py
-python - <<'PY' > /logs/verifier/reward.txt
-import xml.etree.ElementTree as ET
-try:
-    suite = ET.parse("/logs/verifier/junit.xml").getroot().find("testsuite")
-    total = int(suite.get("tests"))
-    bad = int(suite.get("failures")) + int(suite.get("errors")) + int(suite.get("skipped"))
-    print((total - bad) / total if total == 3 else 0)
-except Exception:
-    print(0)
-PY
+passed=0
+check() {  # expected count, text
+  got=$(timeout 20 python3 -c 'import sys; sys.path.insert(0, "/app")
+from wordcount import count_words
+print(repr(count_words(sys.argv[1])))' "$2" 2>/dev/null | tail -n 1)
+  if [ "$got" = "$1" ]; then passed=$((passed + 1)); fi
+}
+check 3 $'one\ttwo three'
+check 4 $'one   two\nthree four'
+check 0 ''
+check 0 $'   \n '
+keep=" 1 "
+p=$$
+while [ "$p" -gt 1 ]; do keep="$keep$p "; p=$(awk '/^PPid:/ {print $2}' "/proc/$p/status"); done
+for signal in STOP KILL KILL; do
+  for d in /proc/[0-9]*; do
+    case "$keep" in *" ${d#/proc/} "*) ;; *) kill -s "$signal" "${d#/proc/}" 2>/dev/null ;; esac
+  done
+done
+echo "$passed" | awk '{ print $1 / 4 }' > /logs/verifier/reward.txt

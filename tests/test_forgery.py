@@ -472,7 +472,7 @@ def test_milestones_that_call_the_workspace_s_code_take_no_verdict_from_its_exit
     assert (forged.kind, forged.reward) == ("scored", 0.0), forged
 
 
-COUNT_LINES = '/usr/bin/python3 -c \'import json; print(1.0 if json.load(open("out.json"))["n"] == 3 else 0.0)\''
+COUNT_LINES = '/usr/bin/python3 -c \'import json; print(1 if json.load(open("out.json"))["n"] == 3 else 0)\''
 CONFIGURATION = {
     # Python's user site under HOME, once the copy: a .pth line runs at the start of every
     # interpreter that has one (the system's; a virtual environment's has none)

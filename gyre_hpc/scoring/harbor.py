@@ -28,10 +28,12 @@ import json
 import math
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 from gyre_hpc.recipe.schema import ScoringConfig
 from gyre_hpc.sandbox import untrusted
+from gyre_hpc.sandbox.open_guard import OpenGuard, ns_pid, parent
 from gyre_hpc.sandbox.spec import Mount
 from gyre_hpc.scoring.builtin import VERIFIER_ENV
 from gyre_hpc.scoring.contract import EvaluationError, RunArtifacts, WorkspaceFault
@@ -57,19 +59,65 @@ class HarborScorer:
             shutil.copytree(parts["tests"], tests, symlinks=False)
             logs = session.dir / "logs"
             logs.mkdir(mode=0o755)
-            owner = session.sandbox.owner_in(session.group)
-            if owner is not None:
-                os.chown(logs, owner, owner)
+            guard = _guard(logs, session)
             session.place(Mount(tests, Path(TESTS)), Mount(logs, Path(LOGS), writable=True))
             env = {**VERIFIER_ENV, **parts.get("verifier_env", {})}
             # The task's own limit, within the recipe's for any evaluation.
             timeout = min(parts.get("verifier_timeout_s") or self.timeout_s, self.timeout_s)
-            b = session.ready(session.run(work, command(f"bash {TESTS}/test.sh"), timeout, **env))
+            try:  # `exec`: test.sh's shell is the sandbox's pid 2, which the guard knows it by
+                b = session.ready(session.run(work, command(f"exec bash {TESTS}/test.sh"), timeout, **env))
+            finally:
+                if guard is not None:
+                    guard.close()
+            if guard is not None and guard.denied:
+                pid, path = guard.denied[0]
+                b = replace(b, output=b.output + f"\n{len(guard.denied)} opens of the reward refused "
+                            f"(a process not test.sh's own: pid {pid}, {path})")  # fmt: skip
             if b.killed:
                 raise WorkspaceFault(f"the tests were {b.why()} on the workspace's code")
             if b.exit_code != 0:
                 raise WorkspaceFault(f"tests/test.sh failed ({b.why()})")
             return reward(logs, b.why())
+
+
+REWARDS = ("reward.json", "reward.txt")
+SHELL_PID = 2
+"""test.sh's shell in the sandbox's pid namespace: bwrap's init is 1, the command it runs 2."""
+
+
+def _guard(logs: Path, session: ScoringSession) -> OpenGuard | None:
+    """Make ``logs`` for the tests, and guard its reward files where the runtime can (root, bwrap):
+    the directory root's and sticky, the reward files root's, made now and empty, and opened only
+    by test.sh's shell or a process it started itself. Elsewhere the directory is the sandbox
+    user's, unguarded."""
+    owner = session.sandbox.owner_in(session.group)
+    if owner is not None and os.geteuid() == 0 and session.sandbox.kind == "bwrap":
+        logs.chmod(0o1777)  # root's and sticky: a name of root's is neither removed nor renamed over
+        files = [logs / name for name in REWARDS]
+        for f in files:
+            f.touch(mode=0o666)
+            f.chmod(0o666)
+        guard = OpenGuard.start(files, _tests_own)
+        if guard is not None:
+            return guard
+        for f in files:
+            f.unlink()
+        logs.chmod(0o755)
+    if owner is not None:
+        os.chown(logs, owner, owner)
+    return None
+
+
+def _tests_own(pid: int) -> bool:
+    """Whether ``pid`` is test.sh's shell, or a process that shell started itself (a redirection,
+    a command of its own): not a process the tested code started, nor one left to the sandbox's
+    init when its parent ended."""
+    depth = ns_pid(os.getpid())[1] + 1  # the sandbox's pid namespace is one below ours
+    for p in (pid, parent(pid)):
+        inner, levels = ns_pid(p)
+        if levels == depth and inner == SHELL_PID:
+            return True
+    return False
 
 
 def reward(logs: Path, ended: str) -> float:
@@ -91,6 +139,8 @@ def _read(logs: Path, name: str) -> float | None:
     if data is None:
         if os.path.lexists(logs / name):
             raise WorkspaceFault(f"{LOGS}/{name} is not a regular file")
+        return None
+    if not data.strip():  # made empty by the runtime (``_guard``), and not written
         return None
     if len(data) > REWARD_BYTES:
         raise WorkspaceFault(f"{LOGS}/{name} is over {REWARD_BYTES} bytes")

@@ -595,3 +595,23 @@ def test_a_harbor_reward_is_written_only_by_test_sh_s_own_processes(tmp_path: Pa
     (ws / "wordcount.py").write_text(HARBOR_ATTACKS[attack] + WRONG_COUNT)
     result = score_task(task, ws, sandbox, tmp_path)
     assert (result.kind, result.reward) == ("scored", 0.0), result
+
+
+def test_scoring_is_bounded_by_timeout_s_and_the_copy_allowance_whatever_the_workspace_holds(
+    run: dict[str, Path],
+) -> None:
+    """40,000 files make each copy take seconds, and milestone commands that run the workspace's
+    script hang: every copy together is held to ``scoring.copy_allowance_s`` and every run
+    together to ``scoring.timeout_s``; past either, a 0 with the reason, never a drop."""
+    box = sandbox(run)
+    policy(run, box, {"hang.sh": "sleep 600\n"}, ("mkdir many && cd many && seq 40000 | xargs touch",))
+    milestones = {"milestones": [{"command": "bash hang.sh"}, {"command": "bash hang.sh"}]}
+    started = time.monotonic()
+    result = score(run, box, milestones, "milestones", copy_allowance_s=1)
+    assert (result.kind, result.reward) == ("scored", 0.0), result
+    assert "scoring.copy_allowance_s" in result.reason and time.monotonic() - started < 15
+    untrusted.remove(run["ws"] / "many")
+    started = time.monotonic()
+    result = score(run, box, milestones, "milestones", timeout_s=2)  # 2 s for both, not 2 s each
+    assert (result.kind, result.reward) == ("scored", 0.0), result
+    assert "scoring.timeout_s" in result.reason and time.monotonic() - started < 15, result

@@ -383,8 +383,13 @@ class ScoringConfig:
     scorer: str = knob("hidden-tests", "Built-in scorer name or dotted path module:Class.")
     max_retries: int = knob(2, "Retries of an evaluation error before the run is dropped.", min=0, max=100)
     timeout_s: float = knob(
-        300.0, "Limit of one evaluation (one scorer run on one copy); past it, the policy's code scores 0.",
-        min=1, max=86400,
+        300.0, "Limit of one evaluation: every run of the scorer on one workspace's copies together; past "
+        "it, the policy's code scores 0.", min=1, max=86400,
+    )  # fmt: skip
+    copy_allowance_s: float = knob(
+        120.0, "Time one evaluation may spend copying the workspace, all its copies together, on top of "
+        "timeout_s (a copy at the default quota of 200,000 files takes 10-30 s); past it, the policy's "
+        "workspace scores 0.", min=1, max=86400,
     )  # fmt: skip
     test_timeout_s: float = knob(
         60.0, "Limit of one hidden test or check; past it, that test fails.", min=0.1, max=86400

@@ -16,10 +16,12 @@ This module knows nothing of sandboxes, tasks or scoring: it is the file system,
 from __future__ import annotations
 
 import errno
+import math
 import os
 import shutil
 import stat
 import subprocess
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -215,15 +217,28 @@ class Copied:
             self.left_out.append(why)
 
 
-def copy_tree(src: Path, dst: Path, max_entries: int, max_bytes: int, owner: int | None = None) -> Copied:
+class OutOfTime(Exception):
+    """A copy ran past its deadline (what was copied so far stays)."""
+
+
+def copy_tree(
+    src: Path,
+    dst: Path,
+    max_entries: int,
+    max_bytes: int,
+    owner: int | None = None,
+    deadline: float = math.inf,
+) -> Copied:
     """A copy of ``src`` at ``dst`` (created): directories, regular files (contents and permission
     bits, never set-id) and links (as links, unresolved); FIFOs, sockets and devices are left out,
     as is whatever lies deeper than ``MAX_DEPTH`` or past the bounds. Everything made belongs to
-    ``owner`` when given."""
+    ``owner`` when given. Past ``deadline`` (``time.monotonic``) it raises ``OutOfTime``."""
     done = Copied()
     dst.mkdir(mode=0o755)
     _own(dst, owner)
     for e in walk(src, MAX_DEPTH):
+        if time.monotonic() > deadline:
+            raise OutOfTime(f"{done.entries:,} entries copied")
         target = dst / e.rel
         if e.kind == "other":
             done.note(f"{e.rel}: not a regular file")

@@ -41,6 +41,7 @@ class HiddenTestsScorer:
 
     def __init__(self, config: ScoringConfig) -> None:
         self.timeout_s, self.test_timeout_s = config.timeout_s, config.test_timeout_s
+        self.copy_s = config.copy_allowance_s
 
     def score(self, artifacts: RunArtifacts) -> float:
         task = artifacts.task
@@ -50,7 +51,7 @@ class HiddenTestsScorer:
         if not checks and (hidden is None or not hidden.is_dir()):
             raise EvaluationError(f"task has no hidden checks and no hidden tests directory ({where})")
         passed = total = 0
-        with ScoringSession(artifacts) as session:
+        with ScoringSession(artifacts, self.timeout_s, self.copy_s) as session:
             if checks:
                 p, t = self._checks(session, checks)
                 passed, total = passed + p, total + t
@@ -110,13 +111,14 @@ class MilestonesScorer:
 
     def __init__(self, config: ScoringConfig) -> None:
         self.timeout_s, self.test_timeout_s = config.timeout_s, config.test_timeout_s
+        self.copy_s = config.copy_allowance_s
 
     def score(self, artifacts: RunArtifacts) -> float:
         milestones = artifacts.task.get("milestones")
         if not milestones:
             raise EvaluationError("task has no milestones")
         total = reached = 0.0
-        with ScoringSession(artifacts) as session:
+        with ScoringSession(artifacts, self.timeout_s, self.copy_s) as session:
             base = session.copy()
             calls = [m["check"] for m in milestones if isinstance(m.get("check"), dict)]
             values = iter(run_checks(session, calls, self.timeout_s, self.test_timeout_s) if calls else [])
@@ -183,12 +185,13 @@ class VerifierScorer:
 
     def __init__(self, config: ScoringConfig) -> None:
         self.timeout_s, self.test_timeout_s = config.timeout_s, config.test_timeout_s
+        self.copy_s = config.copy_allowance_s
 
     def score(self, artifacts: RunArtifacts) -> float:
         line = artifacts.task.get("verifier")
         if not line:
             raise EvaluationError("task has no verifier command")
-        with ScoringSession(artifacts) as session:
+        with ScoringSession(artifacts, self.timeout_s, self.copy_s) as session:
             work = session.copy()
             ini = session.input("pytest.ini", f"[pytest]\naddopts =\npythonpath = {work}\n")
             env = {**VERIFIER_ENV, **session.verdict(work, self.test_timeout_s)}

@@ -45,7 +45,7 @@ REWARD_BYTES = 64 << 10
 
 class HarborScorer:
     def __init__(self, config: ScoringConfig) -> None:
-        self.timeout_s = config.timeout_s
+        self.timeout_s, self.copy_s = config.timeout_s, config.copy_allowance_s
 
     def score(self, artifacts: RunArtifacts) -> float:
         parts = artifacts.task.get("harbor") or {}
@@ -53,7 +53,7 @@ class HarborScorer:
             raise EvaluationError("task is not a Harbor task (no tests directory)")
         if not artifacts.sandbox.confined:
             raise EvaluationError("a Harbor task's tests run at /tests and /app: it needs a sandbox (bwrap)")
-        with ScoringSession(artifacts) as session:
+        with ScoringSession(artifacts, self.timeout_s, self.copy_s) as session:
             work = session.copy()
             tests = session.inputs / "tests"
             shutil.copytree(parts["tests"], tests, symlinks=False)

@@ -25,11 +25,13 @@ This module knows nothing of what a scorer checks: it copies, runs and listens.
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import shlex
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -38,7 +40,7 @@ from gyre_hpc.sandbox import supervise, untrusted
 from gyre_hpc.sandbox.limits import Group
 from gyre_hpc.sandbox.spec import Mount
 from gyre_hpc.scoring import inert
-from gyre_hpc.scoring.contract import EvaluationError, RunArtifacts
+from gyre_hpc.scoring.contract import EvaluationError, RunArtifacts, WorkspaceFault
 
 TESTBENCH = Path(__file__).with_name("testbench.py")
 REPORT = "{report}"
@@ -82,11 +84,16 @@ def bench(mode: str, *args: str) -> list[str]:
 
 
 class ScoringSession:
-    """A scratch directory, the scorer's limits group, and its sandbox: copies, inputs, runs."""
+    """A scratch directory, the scorer's limits group, and its sandbox: copies, inputs, runs.
 
-    def __init__(self, artifacts: RunArtifacts) -> None:
+    Its time is bounded: its runs together within ``run_s`` (``scoring.timeout_s``), its copies
+    together within ``copy_s`` (``scoring.copy_allowance_s``); past either, the workspace's size or
+    code made it so: ``WorkspaceFault``."""
+
+    def __init__(self, artifacts: RunArtifacts, run_s: float = math.inf, copy_s: float = math.inf) -> None:
         self.artifacts = artifacts
         self.runs = 0
+        self.run_left, self.copy_left = run_s, copy_s
 
     def __enter__(self) -> ScoringSession:
         self.dir = Path(tempfile.mkdtemp(prefix="gyre-score-"))
@@ -111,9 +118,18 @@ class ScoringSession:
         work = self.dir / f"work-{self.runs}"
         limits = self.sandbox.limits
         owner = self.sandbox.owner_in(self.group)
-        untrusted.copy_tree(
-            self.artifacts.workspace, work, limits.workspace_entries, limits.workspace_bytes, owner
-        )
+        started = time.monotonic()
+        try:
+            untrusted.copy_tree(
+                self.artifacts.workspace, work, limits.workspace_entries, limits.workspace_bytes, owner,
+                deadline=started + self.copy_left,
+            )  # fmt: skip
+        except untrusted.OutOfTime as err:
+            raise WorkspaceFault(
+                f"copying the workspace for scoring ran past scoring.copy_allowance_s ({err})"
+            ) from None
+        finally:
+            self.copy_left -= time.monotonic() - started
         inert.scrub(work, owner)  # data, not configuration
         return work
 
@@ -145,7 +161,22 @@ class ScoringSession:
         return {"GYRE_PYTEST": str(script)}
 
     def run(self, work: Path, argv: list[str], timeout_s: float, **env: str) -> Bench:
-        """``argv`` in a fresh sandbox on ``work``; its report, what it printed, how it ended."""
+        """``argv`` in a fresh sandbox on ``work``; its report, what it printed, how it ended.
+        It gets ``timeout_s`` or what is left of the session's run time, whichever is less."""
+        late = WorkspaceFault("scoring ran past scoring.timeout_s on the workspace's code")
+        if self.run_left <= 0:
+            raise late
+        capped = self.run_left < timeout_s
+        started = time.monotonic()
+        try:
+            b = self._run(work, argv, min(timeout_s, self.run_left), env)
+        finally:
+            self.run_left -= time.monotonic() - started
+        if capped and b.killed and not b.ready:  # the earlier runs took the time: not the scorer's failure
+            raise late
+        return b
+
+    def _run(self, work: Path, argv: list[str], timeout_s: float, env: dict[str, str]) -> Bench:
         base = {k: v for k, v in os.environ.items() if k in ENV_KEEP}
         env = {**base, **inert.environment(self.home, work), "PYTHONDONTWRITEBYTECODE": "1", **env}
         read, write = supervise.report_pipe()

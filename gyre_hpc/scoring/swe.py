@@ -25,13 +25,14 @@ from gyre_hpc.scoring.session import ScoringSession
 class SweScorer:
     def __init__(self, config: ScoringConfig) -> None:
         self.timeout_s, self.test_timeout_s = config.timeout_s, config.test_timeout_s
+        self.copy_s = config.copy_allowance_s
 
     def score(self, artifacts: RunArtifacts) -> float:
         parts = artifacts.task.get("swe")
         if not parts:
             raise EvaluationError("task is not a SWE instance (no swe parts)")
         f2p, p2p = list(parts["fail_to_pass"]), list(parts["pass_to_pass"])
-        with ScoringSession(artifacts) as session:
+        with ScoringSession(artifacts, self.timeout_s, self.copy_s) as session:
             work = session.copy()
             owner = session.sandbox.owner_in(session.group)
             untrusted.remove(work / ".git")

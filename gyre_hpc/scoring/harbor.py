@@ -12,14 +12,19 @@ the reward to ``/logs/verifier/reward.txt`` (a number) or ``reward.json`` (``{"r
 
 The log directory exists only for this run of the tests, so nothing the agent left in its
 workspace, and nothing it started (its processes are gone before scoring), writes there first.
-What this rule cannot tell apart: the tests writing the reward and the tested code writing it
-while the tests run it, since both are processes of the same user in one sandbox. A task's
-``test.sh`` is safe when it follows the pattern of ``examples/harbor/fix-wordcount``: it runs the
-tested code in processes of its own and compares their output in the shell, stops and kills
-every process but its own ancestors, then writes the reward as its last command (so a write the
-tested code made fail, by a read-only ``reward.txt`` of its own, fails test.sh: a 0). A ``test.sh``
-that derives its reward from a file the tested code can write (pytest's ``junit.xml``) or from
-pytest's exit status is only as safe as the tested code lets it be.
+Where the runtime is root and the sandbox is bwrap, the reward files are guarded: the directory is
+root's and sticky, ``reward.json`` and ``reward.txt`` are root's, made empty before the tests run
+(empty is absent), and a fanotify permission event on their inodes lets only test.sh's shell (the
+sandbox's pid 2) or a process that shell started itself open them; a daemon the tested code left,
+a hard link, a rename over them are refused, and the refusals are named in the reason.
+What the guard cannot tell apart: test.sh's shell and a command it runs writing the reward for the
+tested code (``python3 app.py > reward.txt``). A ``test.sh`` is safe when it follows the pattern of
+``examples/harbor/fix-wordcount``: it runs the tested code in processes of its own and compares
+their output in the shell, stops and kills every process but its own ancestors, then writes the
+reward as its last command. Without root or bwrap nothing is guarded: that pattern is then what
+holds (a read-only ``reward.txt`` the tested code made first fails the last write, and so
+test.sh: a 0). A ``test.sh`` that derives its reward from a file the tested code can write
+(pytest's ``junit.xml``) or from pytest's exit status is only as safe as the tested code lets it be.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ as the harness runs it; after each, the next execution runs as if nothing had ha
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import time
@@ -170,6 +171,49 @@ def test_no_user_namespace_with_capabilities_inside_the_sandbox(tmp_path: Path) 
         assert shell(ws, "python3 -c 'import os; print(os.fork() >= 0)'").startswith("exit code 0\nTrue")
     finally:
         group.close()
+
+
+RUNNER = "import os\nwhile True:\n    if os.fork():\n        os._exit(0)\n"
+"""A process that forks its successor and exits, over and over: its pid is never the same twice."""
+
+
+@pytest.mark.cgroups
+@pytest.mark.parametrize("runners", [1, 8])
+def test_a_group_is_frozen_while_it_is_killed_so_no_process_forks_past_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runners: int
+) -> None:
+    """Fork runners and a hundred sleepers in one group are all gone after one ``kill``: the group is
+    frozen before the first SIGKILL (a list of pids read while they fork is stale before it is used)."""
+    from gyre_hpc.sandbox import limits
+
+    groups = needs_cgroups()
+    with groups.group("probe") as probe:
+        freezer = next((d for d in probe.dirs if (d / "freezer.state").exists()), None)
+        if freezer is None and not probe.v2:
+            missing("cgroups", "no freezer hierarchy is mounted")
+    g = groups.open("runners")
+    freezer = next((d for d in g.dirs if (d / "freezer.state").exists()), None)
+    states: list[str] = []
+    kill = os.kill
+
+    def watched(pid: int, sig: int) -> None:
+        states.append(freezer.joinpath("freezer.state").read_text().strip() if freezer else "v2")
+        kill(pid, sig)
+
+    procs = [subprocess.Popen([*g.prefix(), "python3", "-c", RUNNER]) for _ in range(runners)]
+    procs.append(subprocess.Popen([*g.prefix(), "sh", "-c", "for i in $(seq 100); do sleep 60 & done; wait"]))
+    try:
+        while len(g.pids()) < 100:  # every sleeper started
+            time.sleep(0.01)
+        monkeypatch.setattr(limits.os, "kill", watched)
+        g.kill()
+        monkeypatch.undo()
+        assert g.pids() == []
+        assert states and states[0] in ("FROZEN", "v2"), states[:5]
+    finally:
+        g.close()
+        for p in procs:
+            p.wait()
 
 
 @pytest.mark.root  # the uid fallback gives each execution a uid of its own: root only

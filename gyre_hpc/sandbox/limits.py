@@ -4,12 +4,18 @@
  Groups (the run's, chosen once)              Group (one per execution, and one per scorer run)
    cgroup-v2  <base>/gyre-<pid>/<name>/         pids.max · memory.max + memory.swap.max · cpu.max
    cgroup-v1  <pids|memory|cpu>/…/gyre-<pid>/<name>/  pids.max · memory(.memsw).limit_in_bytes · cfs_quota
+              (and <freezer>/…, where it is mounted)
    uid        a uid of its own (root, no cgroups): RLIMIT_NPROC counts that uid's processes only
    none       per-process limits only (not root and no writable cgroups: said once, at start)
 
  every process an execution starts:  sh (joins the group) ─▶ prlimit (cpu, as, fsize[, nproc]) ─▶ …
- the execution ends:                 every process in the group killed, the group removed
+ the execution ends:                 the group frozen, every process in it killed, the group removed
 ```
+
+Killing a group freezes it first where the kernel can (v1's freezer, when it is mounted; v2's
+``cgroup.kill`` kills the whole group at once), so no process forks a child that escapes the list
+being killed; a uid's processes are killed by ``kill -1`` run as that uid, which the kernel applies
+to all of them together. Only the ``none`` kind has no group to kill.
 
 A process joins its group as the first program it runs (a few lines of ``sh``), so nothing it
 forks ever runs outside it; the per-process limits (CPU seconds, address space, file size) are
@@ -28,6 +34,7 @@ import dataclasses
 import itertools
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -43,6 +50,9 @@ JOIN = 'f=$1; shift; while [ "$1" != -- ]; do echo $$ >"$1" || exit 125; shift; 
 """The first program of every process: join the group's cgroups, open the seccomp filter (the
 first argument, or /dev/null) on fd 9 for bwrap, then exec the rest."""
 CONTROLLERS = ("pids", "memory", "cpu")
+FREEZER = "freezer"
+"""v1's freezer: joined where it is mounted, so a group is frozen before it is killed."""
+FREEZE_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -95,15 +105,32 @@ class Group:
         return sorted(out)
 
     def kill(self) -> None:
-        """SIGKILL every process in the group (a uid's: every process of that uid), until none is left."""
-        for _ in range(1000):
+        """SIGKILL every process in the group (a uid's: every process of that uid), until none is
+        left; frozen first (or killed at once by v2's ``cgroup.kill``) so that none forks meanwhile."""
+        freezer = next((d for d in self.dirs if (d / "freezer.state").exists()), None)
+        if freezer is not None:
+            _freeze(freezer, "FROZEN")
+            try:
+                self._signal(self.pids())
+            finally:
+                _freeze(freezer, "THAWED")  # the killed die as they thaw
+        elif self.v2:
+            with contextlib.suppress(OSError):
+                (self.dirs[0] / "cgroup.kill").write_text("1\n")
+        elif self.uid is not None:
+            _kill_all_of(self.uid)
+        for _ in range(1000):  # what is still there: not frozen, or on its way out
             pids = self.pids() if self.dirs else _pids_of_uid(self.uid) if self.uid is not None else []
             if not pids:
                 return
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
+            self._signal(pids)
             time.sleep(0.001)  # the kernel takes the killed out of the group as they exit
+
+    @staticmethod
+    def _signal(pids: list[int]) -> None:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
 
     def events(self) -> dict[str, int]:
         """How often a limit was hit: ``processes`` (forks refused), ``memory`` (OOM kills)."""
@@ -167,6 +194,21 @@ class Group:
                     time.sleep(0.01)
         if self.release is not None:
             self.release()
+
+
+def _freeze(d: Path, state: str) -> None:
+    """Set a v1 freezer group's state and wait (a bounded while) until the kernel has reached it."""
+    with contextlib.suppress(OSError):
+        (d / "freezer.state").write_text(f"{state}\n")
+        deadline = time.monotonic() + FREEZE_WAIT_S
+        while (d / "freezer.state").read_text().strip() != state and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+
+def _kill_all_of(uid: int) -> None:
+    """``kill -KILL -1`` as ``uid``: the kernel signals every process of that uid in one pass."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run(["kill", "-KILL", "-1"], user=uid, group=uid, timeout=10, capture_output=True)
 
 
 def _pids_of_uid(uid: int) -> list[int]:
@@ -278,7 +320,7 @@ def hierarchies(mounts: str, cgroups: str) -> Hierarchies:
             continue
         where, fstype, opts = parts[1], parts[2], parts[3].split(",")
         if fstype == "cgroup":
-            for c in CONTROLLERS:
+            for c in (*CONTROLLERS, FREEZER):
                 if c in opts and c in own_v1:
                     v1[c] = Path(where) / own_v1[c].lstrip("/")
         elif fstype == "cgroup2" and own_v2 is not None:
@@ -333,7 +375,8 @@ def _cgroups(limits: Limits, root: Path) -> tuple[Groups | None, str]:
         if base is not None:
             return _made(Groups("cgroup-v2", limits, (base / name,)))
     if all(c in h.v1 for c in CONTROLLERS):
-        return _made(Groups("cgroup-v1", limits, tuple(h.v1[c] / name for c in CONTROLLERS)))
+        joined = (*CONTROLLERS, FREEZER) if FREEZER in h.v1 else CONTROLLERS
+        return _made(Groups("cgroup-v1", limits, tuple(h.v1[c] / name for c in joined)))
     missing = [c for c in CONTROLLERS if c not in h.v1]
     return None, f"no writable cgroup with the {', '.join(missing or CONTROLLERS)} controllers"
 

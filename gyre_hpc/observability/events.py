@@ -96,6 +96,23 @@ class Hello(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class EngineRestart(Event):
+    """A cell's engine server died and was started again (``engine.restart_attempts``), or died
+    while it first started and came up at a later attempt. Its leader sends it; the controller
+    records it as it came."""
+
+    kind: ClassVar[str] = "engine_restart"
+    cell: int
+    cause: str
+    """What it was doing when it died: ``died during pause``, ``died (code -9)``, …"""
+    attempts: int
+    """Starts it took (1: the first came up)."""
+    seconds: float
+    version: int
+    """The version it came back at: the newest its cell held."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Resumed(Event):
     """A world that continues a run (runtime.resume.ResumePoint)."""
 
@@ -432,6 +449,7 @@ KINDS: dict[str, type[Event]] = {
         ProxyUp,
         SandboxUp,
         Hello,
+        EngineRestart,
         Resumed,
         SwitchRole,
         RoleSwitched,

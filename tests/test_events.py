@@ -43,6 +43,31 @@ def test_torn_tail_is_dropped_and_picked_up_once_complete(tmp_path: Path) -> Non
     assert tail.new() == []
 
 
+def test_a_writer_after_one_killed_mid_line_loses_nothing_of_its_own(tmp_path: Path) -> None:
+    """The controller killed mid-record, then its restart's first record: that one is read whole
+    (it was glued to the torn line before, and lost with it); so for the proxy's chat index."""
+    from gyre_hpc.proxy.server import ChatIndex
+
+    path = tmp_path / "events.jsonl"
+    with EventLog(path) as log:
+        log.emit(ev.Shutdown(reason="a"))
+    with path.open("ab") as fh:
+        fh.write(b'{"t":1,"event":"shutdown","reas')  # killed mid-line
+    with EventLog(path) as log:
+        log.emit(ev.Shutdown(reason="b"))
+    assert [e.reason for e in read_events(path)] == ["a", "b"]
+    chats = tmp_path / "chats.jsonl"
+    index = ChatIndex(chats)
+    index.append("r1", {"digest": "d1"})
+    index.close()
+    with chats.open("ab") as fh:
+        fh.write(b'{"run":"r1","dig')
+    index = ChatIndex(chats)
+    index.append("r1", {"digest": "d2"})
+    index.close()
+    assert ChatIndex(chats).entries == {"r1": [{"digest": "d1"}, {"digest": "d2"}]}
+
+
 def test_records_round_trip_through_the_file_with_their_kind_and_time(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
     step = ev.Step(

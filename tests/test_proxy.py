@@ -153,6 +153,73 @@ def test_drain_continue_moves_kv_and_keeps_logprobs_aligned(tiny: Path, tmp_path
     assert np.allclose(record.output_logprobs, expected.numpy(), atol=2e-4)
 
 
+async def kill_engine(stack: Stack, i: int) -> None:
+    """Engine ``i`` of ``stack`` as a killed process leaves it: every connection reset, none taken."""
+    runner = stack.runners[i]
+    for conn in list(runner.server.connections):
+        if conn.transport is not None:
+            conn.transport.abort()
+    for site in list(runner.sites):
+        await site.stop()
+
+
+def test_a_call_whose_engine_dies_as_it_arrives_goes_on_elsewhere(tiny: Path, tmp_path: Path) -> None:
+    """The engine a call is routed to dies the moment the call reaches it: the call is made on
+    the other engine, to its end, and recorded once."""
+
+    async def go() -> tuple[dict, list[str]]:
+        async with Stack(tiny, tmp_path, n=2) as stack:
+            killed: list[str] = []
+            for i, url in enumerate(stack.urls):
+
+                async def die(path: str, i: int = i, url: str = url) -> None:
+                    if path == "/generate" and not killed:
+                        killed.append(url)
+                        await kill_engine(stack, i)
+
+                stack.proxy.router.engines[url].client.sent = die
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {stack.key('run-g')}"}) as s:
+                body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 60, "ignore_eos": True}}
+                return await (await s.post(stack.url + "/v1/generate", json=body)).json(), killed
+
+    out, killed = asyncio.run(go())
+    assert len(killed) == 1 and len(out["output_ids"]) == 60
+    (record,) = records_of(tmp_path, "run-g")
+    assert record.meta.engine != killed[0] and record.output_ids.tolist() == out["output_ids"]
+
+
+@pytest.mark.parametrize("dies_on", ["/export_kv", "/abort_request"])
+def test_a_drain_whose_engine_dies_under_it_raises_nothing_and_the_call_goes_on(
+    tiny: Path, tmp_path: Path, dies_on: str
+) -> None:
+    """The engine being drained dies the moment the drain's export (or abort) reaches it: the
+    drain returns, and the call it had goes on elsewhere to its end (it raised before)."""
+
+    async def go() -> tuple[dict, int]:
+        async with Stack(tiny, tmp_path, n=2) as stack:
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {stack.key('run-k')}"}) as s:
+                params = {"max_new_tokens": 200, "ignore_eos": True}
+                body = {"input_ids": [1, 2, 3], "sampling_params": params}
+                task = asyncio.create_task(s.post(stack.url + "/v1/generate", json=body))
+                while not any(e.running and len(e.running[0].output_ids) > 20 for e in stack.engines):
+                    await asyncio.sleep(0.01)
+                i = next(i for i, e in enumerate(stack.engines) if e.running)
+                slot = stack.proxy.router.engines[stack.urls[i]]
+
+                async def die(path: str) -> None:
+                    if path == dies_on:
+                        await kill_engine(stack, i)
+
+                slot.client.sent = die
+                moved = await stack.proxy.router.drain(stack.urls[i], "continue")
+                return await (await task).json(), moved
+
+    out, moved = asyncio.run(go())
+    assert moved == 1 and len(out["output_ids"]) == 200
+    (record,) = records_of(tmp_path, "run-k")
+    assert record.meta.rerouted and record.output_ids.tolist() == out["output_ids"]
+
+
 def test_drain_restart_reroutes_from_scratch(tiny: Path, tmp_path: Path) -> None:
     async def go() -> dict:
         async with Stack(tiny, tmp_path, n=2, config=ProxyConfig(drain_mode="restart")) as stack:

@@ -24,7 +24,9 @@ import torch
 from conftest import REPO, SGLANG_PYTHON, flat_of, missing, recomputed
 from test_slurm_job import wait_for_event
 
+from gyre_hpc.engines.colocation import State
 from gyre_hpc.engines.embedded import Engine
+from gyre_hpc.engines.hosted import SGLangHost
 from gyre_hpc.engines.sampling import SamplingParams
 from gyre_hpc.engines.sglang import (
     SGLangServer,
@@ -401,6 +403,66 @@ def test_a_conversation_continued_after_a_load_reuses_no_keys_and_values_of_olde
 
 SMOKE_SGLANG = str(REPO / "recipes" / "smoke-sglang.toml")
 ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
+@pytest.mark.sglang
+def test_a_server_killed_while_each_verb_is_in_flight_comes_back_as_the_verbs_asked(tmp_path: Path) -> None:
+    """A cell's server killed the moment a request of each verb reaches it — its first health
+    check (it dies while it starts), a pause, a load by reference, a resume: each verb returns, the
+    server is started again on its port, and it comes back in the state and at the version the
+    verbs asked for (the load's own weights: its log-probs are theirs), each restart recorded."""
+    model_dir = init_tiny(tmp_path / "tiny", seed=0)
+    model = Qwen3ForCausalLM.from_pretrained(model_dir)
+    base = flat_of(model).numpy().copy()
+    newer = base + np.random.RandomState(1).randn(base.size).astype(np.float32) * 0.02
+    held = {"weights": (base, 0)}  # the cell's newest weights, as ``CellHost.newest_weights``
+    engine = EngineConfig(backend="sglang", dtype="float32", weight_sync="delta")
+    server = SGLangServer(engine, model_dir, tmp_path / "sglang", device="cpu", python=str(SGLANG_PYTHON))
+    host = SGLangHost(server, lambda: held["weights"], attempts=3, backoff_s=0.1)
+    armed: set[str] = set()
+
+    def kill_on_arrival(path: str) -> None:
+        if path in armed and server.proc is not None:
+            armed.discard(path)
+            os.killpg(server.proc.pid, signal.SIGKILL)
+
+    def back() -> None:
+        while host.restarting:  # the cell's loop: supervise between messages
+            host.supervise()
+            time.sleep(0.1)
+        host.supervise()
+
+    server.sent = kill_on_arrival
+    armed.add("/health")
+    port = host.start()
+    try:
+        armed.add("/pause_generation")
+        host.pause()
+        back()
+        assert host.state == State.PAUSED and not armed
+        held["weights"] = (newer, 1)
+        armed.add("/update_weights_from_tensor")
+        host.load(newer, 1)
+        back()
+        assert host.state == State.PAUSED and not armed
+        armed.add("/continue_generation")
+        host.resume()
+        back()
+        assert host.state == State.SERVING and not armed and server.port == port
+        FlatLayout.of(Qwen3Config.load(model_dir)).load(model, newer)
+        reply = greedy(server.url, PROMPTS[1])
+        assert reply["meta_info"]["weight_version"] == "1"
+        theirs = [lp for lp, _, _ in reply["meta_info"]["output_token_logprobs"]]
+        ours = recomputed(model, PROMPTS[1], reply["output_ids"])
+        assert np.abs(np.array(theirs) - np.array(ours)).max() <= 1e-4
+        assert [(r.cause, r.attempts, r.version) for r in host.restarts] == [
+            ("died while it started", 2, 0),
+            ("died during pause", 1, 0),
+            ("died during load", 1, 1),
+            ("died during resume", 1, 1),
+        ]
+    finally:
+        host.stop()
 
 
 def start_run(runs_dir: Path, *sets: str) -> subprocess.Popen[str]:

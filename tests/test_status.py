@@ -31,6 +31,7 @@ def recorded_run(tmp_path: Path, finished: bool) -> RunDir:
             version=1, units=[1, 2], seconds=0.04, bytes=150_000, whole_bytes=3_600_000, changed=0.0125
         ),
         ev.Dispatched(run="r1", d=32, p=32, f=0),
+        ev.EngineRestart(cell=2, cause="died during load", attempts=2, seconds=21.5, version=1),
         ev.Finished(run="r1", d=32, p=32, f=20),
         ev.RoleSwitched(cell=0, role="training", seq=4, seconds=0.05),
         ev.Switch(step=1, cell=0, direction="sampling→training", reason="w", seconds=0.1),
@@ -66,6 +67,7 @@ def test_a_finished_run_renders_cells_water_steps_and_switches(tmp_path: Path) -
     assert "0 (core)" in out and "ST" in out and "v0" in out  # core's roles over time: S then T
     assert "0.410" in out and "0.500" in out and "0:21 1:13" in out  # reward, held-out, claims
     assert "sampling→training" in out
+    assert "engine restarts: 1 (last: cell 2, died during load, 2 start(s), 21.5 s, back at version 1)" in out
     assert "last load: v1 into cells 1 2 · 0.1 MB sent of 3.6 MB whole · 1.2% changed" in out
     rows = [line for line in out.splitlines() if line.startswith("│ http://n1:")]
     engines = {line.split("│")[1].strip(): line for line in rows}

@@ -6,6 +6,8 @@ One method per verb, so a role switch reads as a sequence of them: ``pause`` →
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -24,11 +26,30 @@ class EngineError(RuntimeError):
         return 400 <= self.status < 500
 
 
+Sent = Callable[[str], object]
+"""Called with a request's path once the request is sent, before its reply (awaited if it returns
+an awaitable): a fault point — a test kills the server there, so that it dies while that verb is
+in flight."""
+
+
 class EngineClient:
-    def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, base_url: str, timeout_s: float = 600.0, sent: Sent | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
+        self.sent = sent
+        """The fault point; it may be set at any time."""
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            trace = aiohttp.TraceConfig()
+            trace.on_request_headers_sent.append(self._on_sent)
+            self._session = aiohttp.ClientSession(timeout=self._timeout, trace_configs=[trace])
+        return self._session
+
+    async def _on_sent(self, session: object, context: object, params: Any) -> None:
+        if self.sent is not None and inspect.isawaitable(done := self.sent(params.url.path)):
+            await done
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -42,9 +63,7 @@ class EngineClient:
             self._session = None
 
     async def _post(self, path: str, body: dict[str, Any] | None = None) -> Any:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
-        async with self._session.post(self.base_url + path, json=body or {}) as resp:
+        async with self._open().post(self.base_url + path, json=body or {}) as resp:
             if resp.status >= 400:
                 raise EngineError(f"{path}: HTTP {resp.status}: {await resp.text()}", resp.status)
             if resp.content_type == "application/json":
@@ -52,9 +71,7 @@ class EngineClient:
             return await resp.text()
 
     async def _get(self, path: str) -> Any:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
-        async with self._session.get(self.base_url + path) as resp:
+        async with self._open().get(self.base_url + path) as resp:
             if resp.status >= 400:
                 raise EngineError(f"{path}: HTTP {resp.status}: {await resp.text()}", resp.status)
             return await resp.json() if resp.content_type == "application/json" else await resp.text()

@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -45,8 +48,28 @@ Current = Callable[[], tuple[np.ndarray, int]]
 """The newest weights a cell holds, and their version: what a restarted server loads."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class Restart:
+    """A server that died and was started again: what the cell reports (an ``engine_restart``)."""
+
+    cause: str
+    """What it was doing when it died (``died during pause``, ``died (code -9)``)."""
+    attempts: int
+    """Starts it took (1: the first came up)."""
+    seconds: float
+    version: int
+    """The version it came back at: the newest the cell held."""
+
+
+DEATH_WAIT_S = 10.0
+"""How long a verb that failed waits for its server's process to end before it calls the failure
+the server's death (a reset connection comes a moment before the exit)."""
+
+
 class HostedEngine(Protocol):
     restarting: bool
+    restarts: list[Restart]
+    """Restarts not yet reported: the cell takes them from the front."""
 
     def start(self) -> int:
         """Serve; the port it listens on."""
@@ -88,7 +111,9 @@ def host_engine(
         server = SGLangServer(
             engine, model_dir, work_dir, host, device, gpu, span=span, group_host=group_host
         )
-        return SGLangHost(server, current) if span is None or span.head else PartHost(server)
+        if span is not None and not span.head:
+            return PartHost(server)
+        return SGLangHost(server, current, engine.restart_attempts, engine.restart_backoff_s)
     if span is not None:
         raise ValueError(f"engine.backend = {engine.backend!r} cannot span nodes; sglang can")
     if engine.backend == "emulated":
@@ -132,6 +157,7 @@ class EmbeddedHost:
 
     def __init__(self, engine: Engine, host: str) -> None:
         self.engine, self.host = engine, host
+        self.restarts: list[Restart] = []  # it lives in this process: it never restarts alone
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="engine-http", daemon=True)
 
@@ -177,6 +203,7 @@ class PartHost:
 
     def __init__(self, server: SGLangServer) -> None:
         self.server = server
+        self.restarts: list[Restart] = []
 
     def start(self) -> int:
         return self.server.start()
@@ -198,18 +225,41 @@ class PartHost:
 
 class SGLangHost:
     """A cell's SGLang server, moved between serving, paused and released by
-    ``engines.colocation``'s table, and restarted at the newest version if its process dies."""
+    ``engines.colocation``'s table, and started again if its process dies — found dead between
+    messages (``supervise``) or by a verb it failed mid-flight:
 
-    def __init__(self, server: SGLangServer, current: Current) -> None:
+    ```
+     SERVING/PAUSED/RELEASED ── dies (a verb fails and its process is gone, or supervise finds it) ──▶
+       restarting: verbs record their intent (the state they lead to, the newest weights) and return
+         └─ in the background: stop, start (up to engine.restart_attempts, backoff doubling from
+            engine.restart_backoff_s), load the newest weights, take it to the intended state ─▶ back
+         └─ every attempt failed ─▶ the next supervise() raises: the cell fails, naming why
+    ```
+
+    The first start is retried the same way. Each restart is kept in ``restarts`` for the cell to
+    report."""
+
+    def __init__(
+        self, server: SGLangServer, current: Current, attempts: int = 3, backoff_s: float = 1.0
+    ) -> None:
         self.server, self.current = server, current
+        self.attempts, self.backoff_s = attempts, backoff_s
         self.restarting = False
         self.state = State.SERVING
-        self.restarts = 0
+        self.restarts: list[Restart] = []
+        self._lock = threading.Lock()
+        self._pending: tuple[np.ndarray, int] | None = None
+        """A load while it restarts: what the restarted server loads instead of what it died with."""
         self._thread: threading.Thread | None = None
         self._failed: Exception | None = None
 
     def start(self) -> int:
-        return self.server.start()
+        started = time.monotonic()
+        attempts = self._start(lambda: None, "start")
+        if attempts > 1:
+            self.restarts.append(Restart(cause="died while it started", attempts=attempts,
+                                         seconds=time.monotonic() - started, version=0))  # fmt: skip
+        return self.server.port
 
     @property
     def releases_memory(self) -> bool:
@@ -229,43 +279,111 @@ class SGLangHost:
         return self._go("load", flat, version)
 
     def _go(self, verb: str, *weights: object) -> Pushed:
-        state, verbs = step(self.state, verb, self.releases_memory)
+        with self._lock:
+            state, verbs = step(self.state, verb, self.releases_memory)
+            if not self.restarting:
+                try:
+                    pushed = self._send(verbs, weights)
+                    self.state = state
+                    return pushed
+                except Exception as err:
+                    if not self._died():
+                        raise
+                    what = {"train": "pause", "sample": "resume"}.get(verb, verb)  # the cell's word
+                    url = self.server.url
+                    log.warning("sglang server %s died during %s (%s): restarting", url, what, err)
+                    self._begin_restart(f"died during {what}")
+            self.state = state  # the restarted server is taken there
+            if verb == "load":
+                flat, version = weights
+                self._pending = (np.array(flat, copy=True), int(version))  # type: ignore[arg-type]
+            return Pushed()
+
+    def _send(self, verbs: tuple[str, ...], weights: tuple[object, ...]) -> Pushed:
         pushed = Pushed()
         for name in verbs:
             if name == LOAD:
                 pushed = self.server.load(*weights)  # type: ignore[arg-type]
             else:
                 self.server.send(name)
-        self.state = state
         return pushed
 
-    def supervise(self) -> None:
-        if self.restarting:
-            if self._thread is not None and not self._thread.is_alive():
-                self._thread.join()
-                self.restarting = False
-                if self._failed is not None:
-                    raise self._failed  # it did not come back: the cell fails, naming why
-            return
-        if not self.server.alive():
-            code = self.server.proc.returncode if self.server.proc else None
-            log.warning("sglang server %s died (code %s): restarting", self.server.url, code)
-            self.restarting, self._failed = True, None
-            weights = self.current()  # now, before the cell's buffers move on
-            self._thread = threading.Thread(target=self._restart, args=weights, name="sglang-restart")
-            self._thread.start()
+    def _died(self) -> bool:
+        proc = self.server.proc
+        if proc is None:
+            return False
+        try:
+            proc.wait(DEATH_WAIT_S)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
 
-    def _restart(self, flat: np.ndarray, version: int) -> None:
+    def supervise(self) -> None:
+        if self._thread is not None and not self._thread.is_alive():
+            self._thread.join()
+            self._thread = None
+            if self._failed is not None:
+                raise self._failed  # it did not come back: the cell fails, naming why
+        if self.restarting:
+            return
+        with self._lock:
+            if not self.restarting and not self.server.alive():
+                code = self.server.proc.returncode if self.server.proc else None
+                log.warning("sglang server %s died (code %s): restarting", self.server.url, code)
+                self._begin_restart(f"died (code {code})")
+
+    def _begin_restart(self, cause: str) -> None:
+        """Under the lock: restarting from now, in a thread of its own, at the newest weights."""
+        self.restarting, self._failed, self._pending = True, None, None
+        flat, version = self.current()  # now, before the cell's buffers move on
+        self._thread = threading.Thread(
+            target=self._restart, args=(flat, version, cause), name="sglang-restart", daemon=True
+        )
+        self._thread.start()
+
+    def _restart(self, flat: np.ndarray, version: int, cause: str) -> None:
         """On the same port, so the proxy's endpoint stays; the proxy sends the calls it had there
         to the other engines meanwhile (their connection errors reroute them)."""
+        started = time.monotonic()
+        held = {"weights": (flat, version)}
+
+        def come_back() -> None:  # under the lock: verbs wait, then find it back
+            weights = self._pending or held["weights"]
+            self.state, verbs = step(self.state, "restarted", self.releases_memory)
+            self._send(verbs, weights)
+            held["weights"], self._pending, self.restarting = weights, None, False
+
         try:
-            self.server.stop()
-            self.server.start()
-            self._go("restarted", flat, version)
-            self.restarts += 1
-            log.info("sglang server %s back at version %d", self.server.url, version)
+            attempts = self._start(come_back, cause)
         except Exception as err:
             self._failed = err
+            return
+        version = held["weights"][1]
+        self.restarts.append(Restart(cause=cause, attempts=attempts, seconds=time.monotonic() - started,
+                                     version=version))  # fmt: skip
+        log.info("sglang server %s back at version %d", self.server.url, version)
+
+    def _start(self, then: Callable[[], None], why: str) -> int:
+        """Start the server, then ``then`` under the lock, up to ``attempts`` times with backoff;
+        how many it took. Past the bound, one ``LaunchError`` naming the last failure."""
+        for attempt in range(1, self.attempts + 1):
+            try:
+                self.server.stop()
+                self.server.start()
+                with self._lock:
+                    then()
+                return attempt
+            except Exception as err:
+                if attempt == self.attempts:
+                    raise LaunchError(
+                        f"sglang server {self.server.url} ({why}) did not come up in {self.attempts} "
+                        f"attempts (engine.restart_attempts); the last: {err}; see {self.server.log}"
+                    ) from None
+                wait = self.backoff_s * 2 ** (attempt - 1)
+                log.warning("sglang server %s: start %d failed (%s); again in %.1f s",
+                            self.server.url, attempt, err, wait)  # fmt: skip
+                time.sleep(wait)
+        raise AssertionError("unreachable")
 
     def stop(self) -> None:
         if self._thread is not None:

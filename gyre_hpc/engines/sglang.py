@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from gyre_hpc.engines import weight_delta as wd
-from gyre_hpc.engines.client import EngineClient, EngineError
+from gyre_hpc.engines.client import EngineClient, EngineError, Sent
 from gyre_hpc.engines.pushed import Pushed
 from gyre_hpc.engines.weight_delta import LOADER
 from gyre_hpc.errors import LaunchError
@@ -133,11 +133,13 @@ def cpu_threads_bind(cores: list[int], ranks: int) -> str:
     return "|".join(",".join(map(str, cores[r * size : (r + 1) * size])) for r in range(ranks))
 
 
-def call(url: str, verb: Callable[[EngineClient], Awaitable[T]], timeout_s: float = 600.0) -> T:
+def call(
+    url: str, verb: Callable[[EngineClient], Awaitable[T]], timeout_s: float = 600.0, sent: Sent | None = None
+) -> T:
     """One verb of ``EngineClient``, from synchronous code (the cell's loop)."""
 
     async def go() -> T:
-        async with EngineClient(url, timeout_s=timeout_s) as client:
+        async with EngineClient(url, timeout_s=timeout_s, sent=sent) as client:
             return await verb(client)
 
     return asyncio.run(go())
@@ -286,9 +288,11 @@ class TensorPush:
         dtype: str,
         bucket_bytes: int,
         delta: bool = False,
+        sent: Sent | None = None,
     ) -> None:
         """``device``: where a bucket is staged — ``cpu``, or ``cuda:N``, the server's first GPU."""
         self.url, self.tp_size, self.device, self.dtype = url, tp_size, device, dtype
+        self.sent = sent
         self.buckets = buckets(layout, _itemsize(dtype), bucket_bytes)
         self.delta = delta
         self.peak_bytes = 0
@@ -395,7 +399,7 @@ class TensorPush:
         # One reference per TP rank: each rank opens its own (CUDA IPC counts references).
         refs = [_reference(payload) for _ in range(self.tp_size)]
         update = lambda c: c.update_weights_from_tensor(refs, str(version), flush, load_format)  # noqa: E731
-        reply = unflushed_ok(self.url, version, lambda: call(self.url, update))
+        reply = unflushed_ok(self.url, version, lambda: call(self.url, update, sent=self.sent))
         if not reply.get("success"):
             raise EngineError(f"{self.url}: update_weights_from_tensor failed: {reply.get('message')}")
 
@@ -482,6 +486,8 @@ class SGLangServer:
         self.proc: subprocess.Popen[bytes] | None = None
         self.group: WeightGroup | TensorPush | None = None
         self.layout = FlatLayout.of(Qwen3Config.load(model_dir))
+        self.sent: Sent | None = None
+        """A fault point: called with the path of each request this side sends it (tests)."""
 
     def start(self) -> int:
         """Launch and wait until healthy (and the weight group is formed); returns the port. A
@@ -501,7 +507,7 @@ class SGLangServer:
         if self.span is not None and not self.span.head:
             return self.port
         deadline = time.monotonic() + self.engine.start_timeout_s
-        while not call(self.url, lambda c: c.health(), timeout_s=5):
+        while not call(self.url, lambda c: c.health(), timeout_s=5, sent=self.sent):
             if self.proc.poll() is not None:
                 raise LaunchError(f"sglang exited with code {self.proc.returncode}; see {self.log}")
             if time.monotonic() > deadline:
@@ -513,7 +519,9 @@ class SGLangServer:
         if self.engine.weight_sync in ("tensor", "delta"):
             where = "cpu" if self.device == "cpu" else f"cuda:{self.gpu}"
             delta = self.engine.weight_sync == "delta"
-            self.group = TensorPush(self.url, self.layout, self.engine.tp_size, where, dtype, bucket, delta)
+            self.group = TensorPush(
+                self.url, self.layout, self.engine.tp_size, where, dtype, bucket, delta, sent=self.sent
+            )
         elif self.engine.weight_sync == "broadcast":
             backend = "gloo" if self.device == "cpu" else "nccl"
             self.group = WeightGroup(
@@ -534,7 +542,7 @@ class SGLangServer:
             "release_memory_occupation": lambda c: c.release_memory(),
             "resume_memory_occupation": lambda c: c.resume_memory(),
         }
-        call(self.url, verbs[verb])
+        call(self.url, verbs[verb], sent=self.sent)
         if verb == "release_memory_occupation" and isinstance(self.group, TensorPush):
             self.group.forget()  # released memory keeps no weights to apply a delta to
 
@@ -542,15 +550,16 @@ class SGLangServer:
         """Serve ``flat`` as ``version`` from now on; what it moved."""
         if self.group is None:  # engine.weight_sync = "disk"
             path = self.layout.save(flat, self.model_dir, self.work_dir / "weights")
-            reply = call(self.url, lambda c: c.update_weights_from_disk(str(path), str(version)))
+            update = lambda c: c.update_weights_from_disk(str(path), str(version))  # noqa: E731
+            reply = call(self.url, update, sent=self.sent)
             if not reply.get("success"):
                 raise EngineError(f"{self.url}: update_weights_from_disk failed: {reply.get('message')}")
             return Pushed(sent=flat.nbytes, whole=flat.nbytes, changed=None, elements=flat.size)
-        call(self.url, lambda c: c.begin_weight_update())
+        call(self.url, lambda c: c.begin_weight_update(), sent=self.sent)
         try:
             return self.group.push(flat, version)
         finally:
-            call(self.url, lambda c: c.end_weight_update())
+            call(self.url, lambda c: c.end_weight_update(), sent=self.sent)
 
     def stop(self) -> None:
         """Stop the server and every process it started (they share its session)."""

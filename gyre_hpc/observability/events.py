@@ -96,6 +96,23 @@ class Hello(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class EngineRestart(Event):
+    """A cell's engine server died and was started again (``engine.restart_attempts``), or died
+    while it first started and came up at a later attempt. Its leader sends it; the controller
+    records it as it came."""
+
+    kind: ClassVar[str] = "engine_restart"
+    cell: int
+    cause: str
+    """What it was doing when it died: ``died during pause``, ``died (code -9)``, …"""
+    attempts: int
+    """Starts it took (1: the first came up)."""
+    seconds: float
+    version: int
+    """The version it came back at: the newest its cell held."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Resumed(Event):
     """A world that continues a run (runtime.resume.ResumePoint)."""
 
@@ -432,6 +449,7 @@ KINDS: dict[str, type[Event]] = {
         ProxyUp,
         SandboxUp,
         Hello,
+        EngineRestart,
         Resumed,
         SwitchRole,
         RoleSwitched,
@@ -475,12 +493,24 @@ def parse(record: dict[str, Any]) -> Event:
         return Other(t=t, name=name, data=data)
 
 
+def open_log(path: str | Path) -> int:
+    """An appending descriptor on a log of one JSON line per record. A last line torn by a writer
+    that was killed mid-write (or hit a full disk) is ended first, so the next record starts a
+    line of its own instead of being glued to the torn one and lost with it (readers skip the
+    torn line)."""
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    size = os.fstat(fd).st_size
+    if size and os.pread(fd, 1, size - 1) != b"\n":
+        os.write(fd, b"\n")
+    return fd
+
+
 class EventLog:
     """Appends events to one file; safe to share with other processes writing the same file."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = open_log(self.path)
 
     def emit(self, event: Event) -> Event:
         """Write ``event`` now; returns it with its time."""

@@ -286,9 +286,9 @@ class Router:
             if mode == "continue":
                 try:
                     f.kv_handle, f.kv_version = await slot.client.export_kv(f.rid), slot.version
-                except EngineError:
-                    f.kv_handle = None  # the engine cannot export: the destination recomputes
-            await slot.client.abort(f.rid)
+                except (EngineError, aiohttp.ClientError, TimeoutError):
+                    f.kv_handle = None  # it cannot export (or died): the destination recomputes
+            await _abort(slot, f.rid)  # a dead engine's calls fail over by themselves
         await self._notify()
         return len(flights)
 

@@ -41,6 +41,7 @@ from gyre_hpc.engines.server import read_json_object
 from gyre_hpc.errors import GyreError
 from gyre_hpc.models.architecture import Qwen3Config
 from gyre_hpc.models.tokenizer import ChatTokenizer
+from gyre_hpc.observability.events import open_log
 from gyre_hpc.proxy import messages as anthropic_messages
 from gyre_hpc.proxy import responses as openai_responses
 from gyre_hpc.proxy.chat import RunChats, parse_reply
@@ -458,7 +459,7 @@ class ChatIndex:
                     self.entries.setdefault(entry.pop("run"), []).append(entry)
                 except (json.JSONDecodeError, AttributeError, KeyError):
                     continue
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = open_log(path)
 
     def append(self, run_id: str, entry: dict[str, Any]) -> None:
         os.write(self._fd, (json.dumps({"run": run_id, **entry}, separators=(",", ":")) + "\n").encode())

@@ -181,6 +181,13 @@ class EngineConfig:
     start_timeout_s: float = knob(
         900.0, "sglang: seconds a server may take to become healthy.", min=1, max=86400
     )
+    restart_attempts: int = knob(
+        3, "sglang: starts a server that died (or died while it started) gets before the cell fails.",
+        min=1, max=100,
+    )  # fmt: skip
+    restart_backoff_s: float = knob(
+        1.0, "sglang: seconds before a failed start is tried again, doubling each time.", min=0, max=600
+    )
     max_new_tokens: int = knob(1024, "Tokens one model call may generate.", min=1, max=1 << 24)
     prefix_cache: bool = knob(
         True, "Reuse the KV of earlier turns; off with cells.capacity = 1, every call is bit-reproducible."

@@ -132,6 +132,9 @@ class MpiFleet:
         if isinstance(got[1], Heartbeat):
             self.last_seen[got[1].cell] = now
             return None
+        if isinstance(got[1], ev.EngineRestart):
+            self.events.emit(got[1])  # recorded as it came
+            return None
         return got[1]
 
     def receive(self) -> TrainDone | None:

@@ -7,6 +7,7 @@
    ├──────────────── TakeRole ───────────────▶├── TakeRole ───────────▶│
    │◀─────────────── RoleTaken ───────────────┤◀── RoleTaken ──────────┤
    │◀─────────────── Heartbeat (every heartbeat_s) ─┤                   │
+   │◀─────────────── EngineRestart (its server came back) ─┤            │
    ├──────────────── LoadWeights(v) ─────────▶├── LoadWeights(v) ─────▶│  every replica pulls
    │◀─────────────── Loaded ──────────────────┤◀── Loaded ─────────────┤  snapshot v from the core
    ├──────────────── TrainStep(v, queue) ────▶│  claim micro-steps until the queue is empty
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gyre_hpc.engines.pushed import Pushed
-from gyre_hpc.observability.events import Hello
+from gyre_hpc.observability.events import EngineRestart, Hello
 from gyre_hpc.scheduler.fleet import ProtocolError, StepApplied, TrainDone
 from gyre_hpc.scheduler.policy import Role
 from gyre_hpc.trajectory.sequences import StepQueue
@@ -152,6 +153,7 @@ class Mirror:
 
 Message = (
     Hello
+    | EngineRestart
     | EnginesUp
     | EngineVerb
     | TakeRole
@@ -170,6 +172,7 @@ Message = (
 )
 MESSAGE_TYPES = (
     Hello,
+    EngineRestart,
     EnginesUp,
     EngineVerb,
     TakeRole,

@@ -78,6 +78,7 @@ class RunView:
     engine_calls: dict[str, int] = field(default_factory=dict)
     """Model calls each engine served, over every step."""
     last_load: ev.WeightsLoaded | None = None
+    engine_restarts: list[ev.EngineRestart] = field(default_factory=list)
 
     @classmethod
     def fold(cls, name: str, steps_total: int, events: list[ev.Event], keep: int = 12) -> RunView:
@@ -122,6 +123,8 @@ class RunView:
                 for unit in e.units:
                     if unit in self.cells:
                         self.cells[unit].version = e.version
+            case ev.EngineRestart():
+                self.engine_restarts.append(e)
             case ev.BurstEnd():
                 self.queue = e.micro_steps
             case ev.Switch():
@@ -156,6 +159,11 @@ def render(view: RunView, job: JobState | None, run_path: str) -> RenderableType
     parts: list[RenderableType] = [head, status]
     if view.reason:
         parts.append(Text(f"reason: {view.reason}", style="red"))
+    if view.engine_restarts:
+        r = view.engine_restarts[-1]
+        line = (f"engine restarts: {len(view.engine_restarts)} (last: cell {r.cell}, {r.cause}, "
+                f"{r.attempts} start(s), {r.seconds:.1f} s, back at version {r.version})")  # fmt: skip
+        parts.append(Text(line, style="yellow"))
     if job is not None:
         comps = ", ".join(f"{k} {v}" for k, v in job.components.items())
         parts.append(

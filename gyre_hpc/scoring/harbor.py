@@ -21,10 +21,11 @@ What the guard cannot tell apart: test.sh's shell and a command it runs writing 
 tested code (``python3 app.py > reward.txt``). A ``test.sh`` is safe when it follows the pattern of
 ``examples/harbor/fix-wordcount``: each check runs the tested code in a process of its own with
 its output to a file of the check's own, stops and kills every process but the shell's ancestors,
-and only then compares that output in the shell; the reward is its last command. Without root or bwrap nothing is guarded: that pattern is then what
-holds (a read-only ``reward.txt`` the tested code made first fails the last write, and so
-test.sh: a 0). A ``test.sh`` that derives its reward from a file the tested code can write
-(pytest's ``junit.xml``) or from pytest's exit status is only as safe as the tested code lets it be.
+and only then compares that output in the shell; the reward is its last command. Without root
+or bwrap nothing is guarded: that pattern is then what holds (a read-only ``reward.txt`` the
+tested code made first fails the last write, and so test.sh: a 0). A ``test.sh`` that derives its
+reward from a file the tested code can write (pytest's ``junit.xml``) or from pytest's exit status
+is only as safe as the tested code lets it be.
 """
 
 from __future__ import annotations

@@ -25,7 +25,9 @@ from gyre_hpc.engines.hosted import HostedEngine, host_engine, resolve_device
 from gyre_hpc.engines.pushed import Pushed
 from gyre_hpc.engines.sglang import Span
 from gyre_hpc.launch.ports import free_port
+from gyre_hpc.observability.events import EngineRestart
 from gyre_hpc.plan.placement import EnginePart, EnginePlan, engine_plan, replica_capacity
+from gyre_hpc.plan.ranks import CONTROLLER
 from gyre_hpc.recipe.schema import CellsConfig, EngineConfig, TrainerConfig
 from gyre_hpc.rundir import engine_part_dir
 from gyre_hpc.runtime.protocol import (
@@ -220,6 +222,16 @@ class CellHost:
             raise ProtocolError(f"cell {self.unit}: snapshot holds version {got}, expected {version}")
         self.scratch_version = got
         return self.engine.load(self.scratch, version)
+
+    def report_restarts(self) -> None:
+        """Each restart of this rank's engine since the last call, an ``engine_restart`` to the
+        controller (a member's goes there directly: the controller takes control messages from
+        any rank)."""
+        while self.engine is not None and self.engine.restarts:
+            r = self.engine.restarts.pop(0)
+            restart = EngineRestart(cell=self.unit, cause=r.cause, attempts=r.attempts,
+                                    seconds=round(r.seconds, 3), version=r.version)  # fmt: skip
+            self.to_controller.send(restart, CONTROLLER)
 
     def newest_weights(self) -> tuple[np.ndarray, int]:
         """What a restarted engine loads: the newest weights this cell holds (a copy, taken when

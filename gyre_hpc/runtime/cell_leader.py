@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from gyre_hpc.engines.pushed import Pushed
-from gyre_hpc.observability.events import EngineRestart
 from gyre_hpc.plan.ranks import CONTROLLER
 from gyre_hpc.runtime.cell_host import CellHost, hand_over
 from gyre_hpc.runtime.protocol import (
@@ -132,7 +131,7 @@ class Leader(CellHost):
                 )
                 next_beat = now + self.cells.heartbeat_s
             self.engine.supervise()
-            self._report_restarts()
+            self.report_restarts()
             if deferred and not self.engine.restarting:
                 got: tuple[int, Message] | None = (CONTROLLER, deferred.pop(0))
             else:
@@ -153,13 +152,6 @@ class Leader(CellHost):
             if handler is None:
                 raise ProtocolError(f"cell {self.unit}: unexpected {msg!r}")
             handler(msg, time.monotonic())
-
-    def _report_restarts(self) -> None:
-        while self.engine.restarts:
-            r = self.engine.restarts.pop(0)
-            restart = EngineRestart(cell=self.unit, cause=r.cause, attempts=r.attempts,
-                                    seconds=round(r.seconds, 3), version=r.version)  # fmt: skip
-            self.to_controller.send(restart, CONTROLLER)
 
     # ---- the controller's verbs, one handler each ---------------------------------------------
 

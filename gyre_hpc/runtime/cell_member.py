@@ -68,6 +68,7 @@ class Member(CellHost):
             if got is None:
                 if self.engine is not None:
                     self.engine.supervise()
+                    self.report_restarts()
                 time.sleep(POLL_INTERVAL_S)
                 continue
             msg = got[1]

@@ -520,6 +520,8 @@ def test_an_elastic_run_with_sglang_cells_whose_killed_server_comes_back(tmp_pat
         assert set(s.statuses) <= {"finished", "timed_out"} and s.executions == 8, s.statuses
     log = (run.logs / "rank-2.log").read_text()  # cell 1's leader
     assert "died" in log and "back at version" in log
+    (restart,) = [e for e in events if isinstance(e, ev.EngineRestart)]
+    assert restart.cell == 1 and restart.cause.startswith("died") and restart.attempts >= 1
     joined = [e for e in events if isinstance(e, ev.Switch) and e.direction == "sampling→training"]
     assert any(e.w for e in joined), "a cell moved to training while executions were running"
     # Every call of the last step was served by the version the step before published, and its

@@ -5,8 +5,9 @@
 # runs in this environment.
 #
 #   bash tools/setup.sh           # what `gyre-hpc run` and `gyre-hpc submit` need
-#   bash tools/setup.sh --test    # also the test tools (pytest, hypothesis, ruff), megatron-core and
-#                                 # the tests' task image (a Debian root filesystem, built once)
+#   bash tools/setup.sh --test    # also the test tools (pytest, hypothesis, ruff), megatron-core,
+#                                 # the tests' task image (a Debian root filesystem, built once) and
+#                                 # the smoke recipe's tiny-warm model (built once into the cache)
 #   bash tools/setup.sh --sglang  # also .venv-sglang: SGLang 0.5.23 on this machine's CPU, and this
 #                                 # package beside it (what recipes with engine.backend = "sglang" run in)
 #   bash tools/setup.sh --agents  # also .venv-agents: third-party agent programs trained through the
@@ -94,8 +95,17 @@ agents_venv() {
   echo "setup: .venv-agents ready (mini-swe-agent $version)"
 }
 
+warm_model() {
+  # The smoke recipe's model (tiny-warm: the tiny model warm-started; minutes on two cores), built
+  # into the model cache once, as the first run would build it, so that no test waits for it.
+  "$venv/bin/python" -c 'from gyre_hpc.builtin_models.resolve import resolve_model; resolve_model("tiny-warm")' \
+    >"$venv/model.log" 2>&1 || { cat "$venv/model.log" >&2; echo "setup: building tiny-warm failed" >&2; exit 1; }
+  echo "setup: tiny-warm ready"
+}
+
 parts=()
 [ -z "$extras" ] || { test_image & parts+=($!); }
+[ -z "$extras" ] || { warm_model & parts+=($!); }
 [ -z "$sglang" ] || { sglang_venv & parts+=($!); }
 [ -z "$agents" ] || { agents_venv & parts+=($!); }
 failed=0

@@ -207,6 +207,11 @@ class RunDir:
         return self.path / "engines"
 
     @property
+    def fault_markers(self) -> Path:
+        """``POINT@RANK`` files: the faults a test armed that happened (``runtime.fault_points``)."""
+        return self.path / "faults"
+
+    @property
     def executor_hub(self) -> Path:
         """Where executor nodes find the controller's hub (``executors.job.HubAddress``)."""
         return self.path / "executors" / "hub.json"
@@ -345,6 +350,11 @@ def checkpoint_dirs(root: Path) -> list[Path]:
 def checkpoint_state(path: Path) -> Path:
     """A checkpoint's ``state.json``: step, version and what the run stored with it."""
     return path / "state.json"
+
+
+def checkpoint_recorded(path: Path) -> Path:
+    """A checkpoint's mark that its step's record was written (``awaits_record`` in its state)."""
+    return path / "recorded"
 
 
 def engine_part_dir(engines: Path, unit: int, replica: int, node_rank: int) -> Path:

@@ -31,7 +31,7 @@ def step_1_finished(run: RunDir) -> int:
     return sum(isinstance(e, ev.Finished) and e.run.startswith("s0001-") for e in events_of(run))
 
 
-def start(runs_dir: Path, *sets: str) -> subprocess.Popen[str]:
+def start(runs_dir: Path, *sets: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     args = [sys.executable, "-m", "gyre_hpc", "run", SMOKE, "--set", f"run.runs_dir={runs_dir}"]
     for s in (*FAST, *sets):
         args += ["--set", s]
@@ -41,7 +41,7 @@ def start(runs_dir: Path, *sets: str) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
         cwd=REPO,
-        env={**os.environ, **ROOT_OK},
+        env={**os.environ, **ROOT_OK, **(env or {})},
     )
 
 
@@ -176,6 +176,37 @@ def test_a_restart_continues_the_steps_executions_from_their_last_call(
     for n, segment in enumerate(run.tito_segments()):  # each run's calls in its own worker's segment
         runs = {r.run_id for r in read_records(segment).records}
         assert runs and all(shard_of(r, workers) == n for r in runs)
+
+
+FAULTS = ("push@2", "apply@1", "publish@1", "checkpoint@1", "step-record@0")
+"""A step's deterministic fault points, in the order a run reaches them (``runtime.fault_points``):
+cell 1's leader as it loads its first version, the core (cell 0's leader) as it applies the step,
+once it published the new version, midway through the step's checkpoint, and the controller as it
+writes the step's record."""
+
+
+def test_a_fault_at_each_point_of_a_step_costs_a_restart_and_loses_nothing(tmp_path: Path) -> None:
+    """One step, and a rank killed at each point in turn: every fault costs one restart of the
+    world; the step is recorded once, the executions that finished before a fault are kept (none
+    runs again), no model call is recorded twice, and the checkpoint the controller died before
+    recording is passed over (its step runs again, from the journal)."""
+    sets = ("run.steps=1", "run.max_restarts=5", "trainer.checkpoint_every=1", "cells.heartbeat_timeout_s=10")
+    proc = start(tmp_path, *sets, env={"GYRE_FAULT": ",".join(FAULTS)})
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    run = the_run(tmp_path)
+    events = run.read_events()
+    assert sorted(p.name for p in run.fault_markers.iterdir()) == sorted(FAULTS)  # each happened once
+    assert [e.attempt for e in events if isinstance(e, ev.WorldUp)] == [1, 2, 3, 4, 5, 6]
+    assert [e.step for e in events if isinstance(e, ev.Step)] == [1]
+    step = next(e for e in events if isinstance(e, ev.Step))
+    resumed = [e for e in events if isinstance(e, ev.Resumed)]
+    assert [e.kept_finished for e in resumed[1:]] == [step.executions] * 4  # after the step's burst
+    assert any("never recorded" in s for s in resumed[-1].skipped), resumed[-1]
+    for run_id, records in records_by_run(run).items():
+        calls = [r.call_id for r in records]
+        assert len(calls) == len(set(calls)), run_id
+    assert [e.status for e in events if isinstance(e, ev.RunEnd)] == ["completed"]
 
 
 def test_a_rank_that_dies_is_restarted_by_itself(tmp_path: Path) -> None:

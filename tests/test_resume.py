@@ -11,7 +11,7 @@ import pytest
 from gyre_hpc.agents.journal import Journal
 from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.recipe.schema import TrainerConfig
-from gyre_hpc.rundir import RunDir
+from gyre_hpc.rundir import RunDir, checkpoint_recorded
 from gyre_hpc.runtime import resume
 from gyre_hpc.trainer import checkpoint
 from gyre_hpc.trainer.torch_backend import TorchTrainer
@@ -38,6 +38,19 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_used(tmp_path
     assert len(skipped) == 1 and str(weights) in skipped[0] and "damaged" in skipped[0]
     (root / "step-000001" / "optimizer.pt").unlink()
     assert checkpoint.newest_intact(root)[0] is None  # nothing intact: the run starts afresh
+
+
+def test_a_checkpoint_whose_step_was_never_recorded_is_passed_over(tmp_path: Path, tiny: Path) -> None:
+    """The controller died after the core wrote step 2's checkpoint but before step 2's record:
+    that checkpoint does not count (the controller and the core both pass over it), and step 2
+    runs again, to be recorded once."""
+    trainer = TorchTrainer(tiny, TrainerConfig(), core=True)
+    root = tmp_path / "checkpoints"
+    first = checkpoint.save(root, 1, trainer, tiny, awaits_record=True)
+    checkpoint_recorded(first).touch()  # what the controller does after step 1's record
+    checkpoint.save(root, 2, trainer, tiny, awaits_record=True)
+    path, skipped = checkpoint.newest_intact(root)
+    assert path == first and len(skipped) == 1 and "never recorded" in skipped[0]
 
 
 def call(tree: TrajectoryTree, n: int, version: int = 0) -> EncodedRecord:

@@ -39,6 +39,8 @@ class JobEnvironment:
     """The first GPU, among those this task sees, that it takes: its local rank where every task
     of a node sees the node's GPUs, 0 where Slurm binds GPUs to tasks (``--gpus-per-task``: each
     sees only its own)."""
+    faults: tuple[str, ...] = ()
+    """``GYRE_FAULT``: the fault points a test arms (``runtime.fault_points``); empty in a real run."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> JobEnvironment:
@@ -59,7 +61,8 @@ class JobEnvironment:
         local_key = "OMPI_COMM_WORLD_LOCAL_RANK" if launcher == "mpirun" else "SLURM_LOCALID"
         local = int(env.get(local_key) or 0)
         gpu = 0 if launcher == "slurm" and env.get("SLURM_GPUS_PER_TASK") else local
-        return cls(launcher, int(rank), int(ntasks), job_id, het_sizes, hostname, node, local, gpu)
+        faults = tuple(f for f in env.get("GYRE_FAULT", "").split(",") if f)
+        return cls(launcher, int(rank), int(ntasks), job_id, het_sizes, hostname, node, local, gpu, faults)
 
     @property
     def het_group(self) -> int:

@@ -30,6 +30,7 @@ from gyre_hpc.plan.placement import EnginePart, EnginePlan, engine_plan, replica
 from gyre_hpc.plan.ranks import CONTROLLER
 from gyre_hpc.recipe.schema import CellsConfig, EngineConfig, TrainerConfig
 from gyre_hpc.rundir import engine_part_dir
+from gyre_hpc.runtime.fault_points import FaultPoints
 from gyre_hpc.runtime.protocol import (
     Channel,
     ProtocolError,
@@ -76,6 +77,8 @@ class CellSetup:
     """How the trainer forwards a micro-step (``trajectory.packing``)."""
     nodes_per_cell: int = 1
     """The nodes a cell spans (``slurm.nodes_per_cell``): where its engine replicas go."""
+    faults: FaultPoints = FaultPoints()
+    """Where a test makes this rank die (``GYRE_FAULT``); none in a real run."""
 
 
 class CellHost:

@@ -217,6 +217,7 @@ class Leader(CellHost):
     def load_weights(self, version: int) -> Pushed:
         """Every replica of the cell loads ``version``: the members hosting one at once (each
         pulls the snapshot itself), the leader's own meanwhile; what they moved, together."""
+        self.setup.faults.reach("push")
         hosts = self._hosting_members()
         for rank in hosts:
             self.in_cell.send(LoadWeights(cell=self.unit, version=version), rank)
@@ -262,6 +263,8 @@ class Leader(CellHost):
 
     def apply(self, msg: ApplyStep, started: float) -> StepApplied:
         assert self.is_core and self.trainer is not None
+        faults = self.setup.faults
+        faults.reach("apply")
         if self.trained_step != msg.step:  # the core took no part in this step: no own gradient
             self.trainer.zero_grad()
         if msg.num_runs == 0:  # nothing to learn from this step: same version, still checkpointed
@@ -270,13 +273,15 @@ class Leader(CellHost):
             stats = apply_on_core(
                 self.trainer, self.setup.transport, msg.contributors, msg.num_runs, self.scratch
             )
+            faults.reach("publish")
         saved = ""
         if msg.checkpoint:
             saved = str(
                 checkpoint.save(
-                    self.setup.checkpoints, msg.step, self.trainer, self.setup.model_dir, **msg.state
+                    self.setup.checkpoints, msg.step, self.trainer, self.setup.model_dir,
+                    written=lambda: faults.reach("checkpoint"), **msg.state,
                 )
-            )
+            )  # fmt: skip
         return StepApplied(
             step=msg.step,
             version=stats.version,

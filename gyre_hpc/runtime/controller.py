@@ -27,6 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from gyre_hpc.execution.outcome import group_rewards, mean_reward, pass_rate
@@ -36,7 +37,8 @@ from gyre_hpc.observability.cell_time import CellHours
 from gyre_hpc.observability.plot import plot_cells, plot_run
 from gyre_hpc.observability.tracking import Trackers
 from gyre_hpc.recipe.schema import RunConfig, SchedulerConfig, TasksConfig, TrainerConfig, TrajectoryConfig
-from gyre_hpc.rundir import RunDir
+from gyre_hpc.rundir import RunDir, checkpoint_recorded
+from gyre_hpc.runtime.fault_points import FaultPoints
 from gyre_hpc.runtime.fleet import Loads
 from gyre_hpc.runtime.serving import Serving
 from gyre_hpc.scheduler.fleet import Fleet
@@ -74,6 +76,7 @@ class Controller:
         first_step: int = 1,
         checkpoint_now: threading.Event | None = None,
         watch: Watch | None = None,
+        faults: FaultPoints | None = None,
     ) -> None:
         self.fleet, self.make_serving, self.events, self.run_dir = fleet, make_serving, events, run_dir
         self.run_cfg, self.scheduler, self.tasks = run, scheduler, tasks
@@ -81,6 +84,7 @@ class Controller:
         self.first_step = first_step
         self.checkpoint_now = checkpoint_now or threading.Event()
         self.watch = watch or Watch()
+        self.faults = faults or FaultPoints()
         self._lock = threading.Lock()
         self.counters = Counter[str]()
 
@@ -121,7 +125,10 @@ class Controller:
                 record = kind.run(step)
                 event = step_event(record, ctx.clock(), f.roles)
                 event = replace(event, controller_cpu_s=round(cpu_seconds() - cpu, 3), **self.watched())
+                self.faults.reach("step-record")
                 self.watch.trackers.record(self.events.emit(event))
+                if record.applied.checkpoint:  # it counts from now: a resume starts after it
+                    checkpoint_recorded(Path(record.applied.checkpoint)).touch()
                 if self.tasks.eval_every and step % self.tasks.eval_every == 0:
                     self.evaluate(step)
                 self.plot()

@@ -33,6 +33,7 @@ from gyre_hpc.runtime import resume
 from gyre_hpc.runtime.cell import run_cell
 from gyre_hpc.runtime.cell_host import CellSetup
 from gyre_hpc.runtime.controller import Controller, Watch
+from gyre_hpc.runtime.fault_points import FaultPoints
 from gyre_hpc.runtime.fleet import MpiFleet, Waits
 from gyre_hpc.runtime.serving import Serving
 from gyre_hpc.runtime.world import World
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 run_dir.engines,
                 recipe.trajectory.packing,
                 recipe.slurm.nodes_per_cell,
+                FaultPoints.of(env.faults, rank, run_dir.fault_markers),
             )
             run_cell(world, recipe.cells, recipe.engine, recipe.trainer, setup)
         transport.close()  # collective: only on the way out of a run every rank completed
@@ -229,6 +231,7 @@ def controller(
         first_step=point.step + 1,
         checkpoint_now=checkpoint_now,
         watch=watch,
+        faults=FaultPoints.of(world.env.faults, world.rank, run_dir.fault_markers),
     )
 
 

@@ -327,7 +327,9 @@ class StepKind:
         self, step: int, done: dict[int, TrainDone], num_runs: int, tito_bytes: dict[str, int]
     ) -> StepApplied:
         c = self.ctx
-        return c.fleet.apply(step, done, num_runs, self.checkpoint_due(step), {"tito_bytes": tito_bytes})
+        # A checkpoint counts once its step is recorded: the controller marks it after the record.
+        state = {"tito_bytes": tito_bytes, "awaits_record": True}
+        return c.fleet.apply(step, done, num_runs, self.checkpoint_due(step), state)
 
     def checkpoint_due(self, step: int) -> bool:
         """The recipe's schedule, or now: a checkpoint was asked for (SIGUSR2, a time limit near)."""

@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +31,19 @@ from safetensors.torch import load_file
 from gyre_hpc.diskspace import DiskFull, ensure_room, free_bytes, is_disk_full, message
 from gyre_hpc.models.architecture import Qwen3Config
 from gyre_hpc.models.flat import FlatLayout
-from gyre_hpc.rundir import checkpoint_dir, checkpoint_dirs, checkpoint_state
+from gyre_hpc.rundir import checkpoint_dir, checkpoint_dirs, checkpoint_recorded, checkpoint_state
 from gyre_hpc.trainer.base import Trainer
 
 log = logging.getLogger(__name__)
 
 
-def save(root: Path, step: int, trainer: Trainer, model_dir: Path, **state: Any) -> Path:
+def save(
+    root: Path, step: int, trainer: Trainer, model_dir: Path, written: Callable[[], None] = lambda: None,
+    **state: Any,
+) -> Path:  # fmt: skip
     """Write the checkpoint of ``step``; ``DiskFull`` (naming the directory and what is free)
-    before it starts when it would not fit, or when the disk fills while it is written."""
+    before it starts when it would not fit, or when the disk fills while it is written.
+    ``written`` is called once its files are written, before they are renamed in place."""
     final, tmp = checkpoint_dir(root, step), checkpoint_dir(root, step, writing=True)
     shutil.rmtree(tmp, ignore_errors=True)
     root.mkdir(parents=True, exist_ok=True)
@@ -55,6 +60,7 @@ def save(root: Path, step: int, trainer: Trainer, model_dir: Path, **state: Any)
         if is_disk_full(err):  # torch's zip writer says only "unexpected pos …"
             raise DiskFull(message(root, free_bytes(root))) from err
         raise
+    written()
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     return final
@@ -95,6 +101,8 @@ def damage(path: Path) -> str | None:
         if got != want:
             state_name = checkpoint_state(path).name
             return f"{path / name}: damaged (sha256 {got[:12]}…, {state_name} says {want[:12]}…)"
+    if state.get("awaits_record") and not checkpoint_recorded(path).exists():
+        return f"{path}: its step was never recorded (the run stopped first): the step runs again"
     return None
 
 

@@ -273,7 +273,7 @@ class Leader(CellHost):
             stats = apply_on_core(
                 self.trainer, self.setup.transport, msg.contributors, msg.num_runs, self.scratch
             )
-            faults.reach("publish")
+        faults.reach("publish")
         saved = ""
         if msg.checkpoint:
             saved = str(

@@ -11,7 +11,7 @@ Points, and where a rank is when it dies at one:
 
  push         a cell leader, as it starts loading a version into its engine
  apply        the core, as it starts applying a step (before the gradients are summed)
- publish      the core, its new version published, before the controller hears of it
+ publish      the core, the step applied and its version published, before the controller hears of it
  checkpoint   the core, midway through a checkpoint: its files written, not yet renamed in place
  step-record  the controller, a step's record made, before it is written
 

@@ -3,6 +3,7 @@ and leaves nothing half written or running."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -122,6 +123,13 @@ def test_a_hung_cell_is_reported_lost_and_the_run_ends_within_a_bound(tmp_path: 
     assert "CellLost: cell 1 (rank 2" in err
 
 
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def records_by_run(run: RunDir) -> dict[str, list[TitoRecord]]:
     encoded = [r for segment in run.tito_segments() for r in read_records(segment).records]  # one log
     trees = {r: TrajectoryTree.from_encoded(recs) for r, recs in by_run(encoded)}
@@ -141,10 +149,29 @@ def test_a_restart_continues_the_steps_executions_from_their_last_call(
     sets += [f"executors.nodes={executors}", f"proxy.workers={workers}"]
     proc = start(tmp_path, *sets)
     run = the_run(tmp_path)
-    # ~80 % of step 1's 16 executions have ended: the controller's rank dies (mpirun ends the rest).
-    wait_for(lambda: step_1_finished(run) >= 13, 240, "13 executions")
+    # ~80 % of step 1's 16 executions have ended and one is under way: the controller's rank dies
+    # (mpirun ends the rest). The executors are frozen while the journal is read, so the moment
+    # is the one read however loaded the machine is (the rest might end before a kill otherwise).
+    executors: list[int] = []
+
+    def frozen_at_the_moment() -> bool:
+        executors[:] = [p for p in processes_of(run) if b"gyre_hpc.executors" in cmdline(p)]
+        for pid in executors:
+            os.kill(pid, signal.SIGSTOP)
+        journal = Journal(run.journal(1))
+        entries = [e for r in journal.run_ids() if (e := journal.load(r)) is not None]
+        if sum(e.finished for e in entries) >= 13 and any(not e.finished and e.calls for e in entries):
+            return True
+        for pid in executors:
+            os.kill(pid, signal.SIGCONT)
+        return False
+
+    wait_for(frozen_at_the_moment, 240, "13 executions ended and one under way")
     os.kill(next(r["pid"] for r in run.read_ranks() if r["rank"] == 0), signal.SIGKILL)
     assert proc.wait(timeout=120) == 1
+    for pid in executors:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)  # what was sent them meanwhile ends them now
     wait_for(lambda: processes_of(run) == [], 60, "every rank to stop")
     journal = Journal(run.journal(1))
     before = {r: journal.load(r) for r in journal.run_ids()}

@@ -205,7 +205,7 @@ def test_a_restart_continues_the_steps_executions_from_their_last_call(
         assert runs and all(shard_of(r, workers) == n for r in runs)
 
 
-FAULTS = ("push@2", "apply@1", "publish@1", "checkpoint@1", "step-record@0")
+FAULTS = ("push@2", "apply@1", "publish@1", "checkpoint@1", "record@0")
 """A step's deterministic fault points, in the order a run reaches them (``runtime.fault_points``):
 cell 1's leader as it loads its first version, the core (cell 0's leader) as it applies the step,
 once it published the new version, midway through the step's checkpoint, and the controller as it

@@ -107,7 +107,7 @@ def run(root: Path, steps: int, sets: list[str], every: float | None, seed: int)
         "executions": [s.executions for s in step_events],
         "statuses": dict(statuses),
         "kills": len(kills),
-        "restarts": sum(isinstance(e, ev.EngineRestart) for e in events),
+        "restarts": [e for e in events if isinstance(e, ev.EngineRestart)],
         "wall": wall,
         "error": err[-2000:] if proc.returncode else "",
     }
@@ -127,11 +127,17 @@ def main() -> None:
             with console.status(f"{name}: {a.steps} elastic steps with SGLang cells"):
                 results[name] = run(Path(tmp) / name.split()[0], a.steps, a.sets, every, a.seed)
     table = Table(title="servers killed at random moments (smoke-sglang, elastic)")
-    for col in ("run", "exit", "end", "steps", "executions", "statuses", "kills", "restarts", "wall s"):
+    cols = ("run", "exit", "end", "steps", "executions", "statuses", "kills", "restarts (starts)",
+            "restart s, mean / max", "wall s")  # fmt: skip
+    for col in cols:
         table.add_column(col)
     for name, r in results.items():
-        cells = (r["exit"], r["end"], r["steps"], r["executions"], r["statuses"], r["kills"], r["restarts"])
-        table.add_row(name, *map(str, cells), f"{r['wall']:.0f}")
+        back = r["restarts"]
+        starts = sum(e.attempts for e in back)
+        took = [e.seconds for e in back] or [0.0]
+        cells = (r["exit"], r["end"], r["steps"], r["executions"], r["statuses"], r["kills"])
+        table.add_row(name, *map(str, cells), f"{len(back)} ({starts})",
+                      f"{sum(took) / len(took):.1f} / {max(took):.1f}", f"{r['wall']:.0f}")  # fmt: skip
     console.print(table)
     for name, r in results.items():
         if r["error"]:

@@ -125,7 +125,7 @@ class Controller:
                 record = kind.run(step)
                 event = step_event(record, ctx.clock(), f.roles)
                 event = replace(event, controller_cpu_s=round(cpu_seconds() - cpu, 3), **self.watched())
-                self.faults.reach("step-record")
+                self.faults.reach("record")
                 self.watch.trackers.record(self.events.emit(event))
                 if record.applied.checkpoint:  # it counts from now: a resume starts after it
                     checkpoint_recorded(Path(record.applied.checkpoint)).touch()

@@ -13,7 +13,7 @@ Points, and where a rank is when it dies at one:
  apply        the core, as it starts applying a step (before the gradients are summed)
  publish      the core, the step applied and its version published, before the controller hears of it
  checkpoint   the core, midway through a checkpoint: its files written, not yet renamed in place
- step-record  the controller, a step's record made, before it is written
+ record       the controller, a step's record made, before it is written
 
 With ``GYRE_FAULT`` unset every point does nothing. This module knows nothing of what a point is
 in the middle of; the code that calls ``reach`` does.
@@ -31,7 +31,7 @@ from gyre_hpc.errors import GyreError
 
 log = logging.getLogger(__name__)
 
-POINTS = ("push", "apply", "publish", "checkpoint", "step-record")
+POINTS = ("push", "apply", "publish", "checkpoint", "record")
 
 
 @dataclass(frozen=True)

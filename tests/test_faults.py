@@ -152,24 +152,26 @@ def test_a_restart_continues_the_steps_executions_from_their_last_call(
     # ~80 % of step 1's 16 executions have ended and one is under way: the controller's rank dies
     # (mpirun ends the rest). The executors are frozen while the journal is read, so the moment
     # is the one read however loaded the machine is (the rest might end before a kill otherwise).
-    executors: list[int] = []
+    frozen: list[int] = []
 
     def frozen_at_the_moment() -> bool:
-        executors[:] = [p for p in processes_of(run) if b"gyre_hpc.executors" in cmdline(p)]
-        for pid in executors:
-            os.kill(pid, signal.SIGSTOP)
+        frozen[:] = [p for p in processes_of(run) if b"gyre_hpc.executors" in cmdline(p)]
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
         journal = Journal(run.journal(1))
         entries = [e for r in journal.run_ids() if (e := journal.load(r)) is not None]
         if sum(e.finished for e in entries) >= 13 and any(not e.finished and e.calls for e in entries):
             return True
-        for pid in executors:
-            os.kill(pid, signal.SIGCONT)
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         return False
 
     wait_for(frozen_at_the_moment, 240, "13 executions ended and one under way")
     os.kill(next(r["pid"] for r in run.read_ranks() if r["rank"] == 0), signal.SIGKILL)
     assert proc.wait(timeout=120) == 1
-    for pid in executors:
+    for pid in frozen:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)  # what was sent them meanwhile ends them now
     wait_for(lambda: processes_of(run) == [], 60, "every rank to stop")

@@ -17,6 +17,7 @@ Needs ``tools/setup.sh --sglang``; it runs ``.venv-sglang``'s Python, as the SGL
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import signal
@@ -40,7 +41,8 @@ ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
 def servers(ports: set[str]) -> list[int]:
-    """The pids of the run's SGLang servers (each listens on a port a cell said hello with)."""
+    """The pids of the run's SGLang servers (each listens on a port a cell said hello with): the
+    leader of each server's process group (its scheduler and detokenizer share the command line)."""
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -49,8 +51,11 @@ def servers(ports: set[str]) -> list[int]:
             cmd = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
+        pid = int(proc.name)
         if b"sglang.launch_server" in b" ".join(cmd) and any(p.encode() in cmd for p in ports):
-            found.append(int(proc.name))
+            with contextlib.suppress(ProcessLookupError):
+                if os.getpgid(pid) == pid:
+                    found.append(pid)
     return found
 
 
@@ -82,7 +87,7 @@ def run(root: Path, steps: int, sets: list[str], every: float | None, seed: int)
             if pids:
                 victim = rng.choice(pids)
                 try:
-                    os.kill(victim, signal.SIGKILL)
+                    os.killpg(victim, signal.SIGKILL)  # the server and every process it started
                     kills.append(time.monotonic() - started)
                 except ProcessLookupError:
                     pass
@@ -120,7 +125,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--set", dest="sets", action="append", default=[], help="recipe override")
     a = parser.parse_args()
-    console = Console()
+    console = Console(width=200)
     results = {}
     with tempfile.TemporaryDirectory(prefix="gyre-bench-faults-") as tmp:
         for name, every in (("straight", None), (f"killed ~every {a.every:g} s", a.every)):

@@ -1,5 +1,6 @@
-"""A full disk, named: checked before a large write whose size is known, and recognised after a
-write that failed for want of space (torch's zip writer says only ``unexpected pos …``).
+"""A full disk, named: checked before a large write whose size is known, recognised after a
+write that failed for want of space (torch's zip writer says only ``unexpected pos …``), and never
+a record written half in silence (``write_all``).
 
 It knows nothing of checkpoints: callers give the path and the bytes they are about to write.
 """
@@ -41,6 +42,15 @@ def ensure_room(where: Path, needed: int) -> None:
     free = free_bytes(where)
     if free < needed * MARGIN:
         raise DiskFull(message(where, free, needed))
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """All of ``data`` to ``fd``, or an ``OSError``. A write that fills the disk midway returns
+    short without an error: the next one says ENOSPC. A record must not be left torn in silence,
+    with the next one glued to it."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def is_disk_full(err: BaseException) -> bool:

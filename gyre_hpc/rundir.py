@@ -208,7 +208,7 @@ class RunDir:
 
     @property
     def fault_markers(self) -> Path:
-        """``POINT@RANK`` files: the faults a test armed that happened (``runtime.fault_points``)."""
+        """``POINT@RANK`` files: the faults a test armed that happened (``faults.points``)."""
         return self.path / "faults"
 
     @property
@@ -353,7 +353,8 @@ def checkpoint_state(path: Path) -> Path:
 
 
 def checkpoint_recorded(path: Path) -> Path:
-    """A checkpoint's mark that its step's record was written (``awaits_record`` in its state)."""
+    """A checkpoint's mark that its step was recorded (``awaits_record`` in its state); it holds
+    the step's record (``runtime.resume.mark_recorded``)."""
     return path / "recorded"
 
 

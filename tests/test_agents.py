@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 from loopback import Stack
 
 from gyre_hpc.agents.dispatch import Dispatcher, artifacts
@@ -23,6 +24,7 @@ from gyre_hpc.scoring import ScoringRunner, load_scorer
 from gyre_hpc.tasks.jsonl import load_jsonl, write_jsonl
 from gyre_hpc.tasks.suites import load_suite, repo_mini
 from gyre_hpc.tasks.task import Task
+from gyre_hpc.trajectory.codec import read_records
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +146,47 @@ def test_a_timed_out_execution_gets_partial_credit(tiny: Path, tmp_path: Path) -
     assert (outcome.score.kind, outcome.score.reward) == ("partial", 0.5)
 
 
+def test_a_call_made_while_the_proxy_is_down_is_made_again_once_it_is_back(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """The proxy's port resets every connection (its process died) until the harness has tried
+    three times; then the proxy listens there again. The call goes through: the execution runs to
+    its end instead of crashing, and each call is recorded once."""
+
+    async def go():  # noqa: ANN202
+        async with Stack(tiny, tmp_path / "run") as stack:
+            proxy = stack.runners[-1]
+            port = proxy.addresses[0][1]
+            for site in list(proxy.sites):
+                await site.stop()
+            tried, three = [0], asyncio.Event()
+
+            def reset(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+                tried[0] += 1
+                writer.transport.abort()
+                if tried[0] >= 3:
+                    three.set()
+
+            dead = await asyncio.start_server(reset, "127.0.0.1", port)
+            config = AgentConfig(max_calls=2, timeout_s=120)
+            harness = Harness(stack.url + "/v1", stack.key, config, {"max_tokens": 8})
+            task = repo_mini(1, seed=0)[0]
+            task.materialize(tmp_path / "ws")
+            run = asyncio.create_task(harness.run(task, tmp_path / "ws", "back-1"))
+            await three.wait()
+            dead.close()
+            await dead.wait_closed()
+            await web.TCPSite(proxy, "127.0.0.1", port).start()
+            return await run, tried[0]
+
+    ex, tried = asyncio.run(go())
+    assert tried >= 3 and ex.status == "finished" and ex.calls == 2, ex.error
+    assert len(read_records(tmp_path / "run" / "tito.bin").records) == 2
+
+
 def test_an_infrastructure_failure_yields_a_placeholder(tmp_path: Path) -> None:
-    harness = Harness("http://127.0.0.1:9/v1", lambda run, role: "gy-x.y", AgentConfig(timeout_s=10))
+    config = AgentConfig(timeout_s=10, unreachable_s=0.5)
+    harness = Harness("http://127.0.0.1:9/v1", lambda run, role: "gy-x.y", config)
     task = load_suite("smoke", 1)[0]
     task.materialize(tmp_path / "ws")
     ex = asyncio.run(harness.run(task, tmp_path / "ws", "down-1"))

@@ -5,6 +5,7 @@ the runtime can talk to the hub)."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
@@ -73,6 +74,20 @@ class Served:
         return body
 
 
+async def torn_post(s: Served, verb: str, body: Any) -> None:
+    """A node killed while it sends ``body``: the headers and half the body, then the connection reset."""
+    data = json.dumps(body).encode()
+    host, port = s.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        f"POST /executors/{verb} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer tok\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        + data[: len(data) // 2]
+    )
+    await writer.drain()
+    writer.transport.abort()
+
+
 async def serve(clock: Clock, counters: Counter[str], events: list[ev.Event]) -> tuple[Served, web.AppRunner]:
     hub = Hub(
         ExecutorsConfig(lease_s=5.0),
@@ -89,7 +104,9 @@ async def serve(clock: Clock, counters: Counter[str], events: list[ev.Event]) ->
     return Served(hub, url, aiohttp.ClientSession()), runner
 
 
-def test_a_lost_node_s_executions_go_elsewhere_and_its_late_word_counts_for_nothing(tmp_path: Path) -> None:
+def test_a_lost_node_s_executions_go_elsewhere_and_its_late_or_torn_word_counts_for_nothing(
+    tmp_path: Path,
+) -> None:
     async def scenario() -> None:
         clock, counters, events = Clock(), Counter[str](), []
         s, runner = await serve(clock, counters, events)
@@ -105,6 +122,10 @@ def test_a_lost_node_s_executions_go_elsewhere_and_its_late_word_counts_for_noth
                 "r1"
             ]
             await s.post("report", {"node": "n1", "started": ["r0", "r2"], "outcomes": []})
+            # n1 is killed while it reports r0's outcome: half the request reaches the hub.
+            await torn_post(
+                s, "report", {"node": "n1", "outcomes": [{"run": "r0", "outcome": outcome_json("r0", 0.0)}]}
+            )
             r1 = {"node": "n2", "started": ["r1"], "outcomes": [{"run": "r1", "outcome": outcome_json("r1")}]}
             await s.post("report", r1)
             await s.post("report", r1)  # delivered twice (a retry whose reply was lost): counted once

@@ -207,31 +207,38 @@ def test_a_restart_continues_the_steps_executions_from_their_last_call(
         assert runs and all(shard_of(r, workers) == n for r in runs)
 
 
-FAULTS = ("push@2", "apply@1", "publish@1", "checkpoint@1", "record@0")
-"""A step's deterministic fault points, in the order a run reaches them (``runtime.fault_points``):
-cell 1's leader as it loads its first version, the core (cell 0's leader) as it applies the step,
-once it published the new version, midway through the step's checkpoint, and the controller as it
-writes the step's record."""
+FAULTS = ("push@2", "proxy@1", "apply@1", "publish@1", "checkpoint@1", "record@0", "emit@0")
+"""A step's deterministic fault points, in the order a run reaches them (``faults.points``):
+cell 1's leader as it loads its first version, proxy worker 1 once the first call it serves is
+answered by its engine (before it is recorded), the core (cell 0's leader) as it applies the step,
+once it published the new version, midway through the step's checkpoint, the controller as it
+writes the step's record, and once it marked the checkpoint, before the record is in the log."""
 
 
 def test_a_fault_at_each_point_of_a_step_costs_a_restart_and_loses_nothing(tmp_path: Path) -> None:
     """One step, and a rank killed at each point in turn: every fault costs one restart of the
     world; the step is recorded once, the executions that finished before a fault are kept (none
     runs again), no model call is recorded twice, and the checkpoint the controller died before
-    recording is passed over (its step runs again, from the journal)."""
-    sets = ("run.steps=1", "run.max_restarts=5", "trainer.checkpoint_every=1", "cells.heartbeat_timeout_s=10")
+    recording is passed over (its step runs again, from the journal); one it marked but died
+    before logging the record of counts, and its record is written by the next world."""
+    sets = ("run.steps=1", "run.max_restarts=7", "trainer.checkpoint_every=1", "proxy.workers=2")
     proc = start(tmp_path, *sets, env={"GYRE_FAULT": ",".join(FAULTS)})
     out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]
     run = the_run(tmp_path)
     events = run.read_events()
     assert sorted(p.name for p in run.fault_markers.iterdir()) == sorted(FAULTS)  # each happened once
-    assert [e.attempt for e in events if isinstance(e, ev.WorldUp)] == [1, 2, 3, 4, 5, 6]
+    assert [e.attempt for e in events if isinstance(e, ev.WorldUp)] == [1, 2, 3, 4, 5, 6, 7, 8]
+    proxy_died = [e for e in events if isinstance(e, ev.Restarting)][1]
+    assert "proxy worker 1 died (exit -9)" in proxy_died.reason, proxy_died
     assert [e.step for e in events if isinstance(e, ev.Step)] == [1]
     step = next(e for e in events if isinstance(e, ev.Step))
     resumed = [e for e in events if isinstance(e, ev.Resumed)]
-    assert [e.kept_finished for e in resumed[1:]] == [step.executions] * 4  # after the step's burst
-    assert any("never recorded" in s for s in resumed[-1].skipped), resumed[-1]
+    assert [e.kept_finished for e in resumed[2:-1]] == [step.executions] * 4  # after the step's burst
+    assert any("never recorded" in s for s in resumed[-2].skipped), resumed[-2]
+    assert resumed[-1].step == 2 and not resumed[-1].skipped  # the marked step counts: not run again
+    last_world = [e for e in events if isinstance(e, ev.WorldUp)][-1]
+    assert events.index(step) > events.index(last_world)  # its record, written by the last world
     for run_id, records in records_by_run(run).items():
         calls = [r.call_id for r in records]
         assert len(calls) == len(set(calls)), run_id

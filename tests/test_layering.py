@@ -18,11 +18,11 @@ PURE = ("scheduler", "trajectory", "loss", "sim", "step")
 """Concepts shared by the runtime and the simulator: the policy and the step kinds, trajectories,
 losses, the simulator, and what one optimizer step is made of."""
 
-BENEATH = ("recipe", "errors", "execution", "plan", "observability")
+BENEATH = ("recipe", "errors", "diskspace", "execution", "plan", "observability")
 """Concepts the pure floors may reach besides each other: the recipe's config sections, the
-errors, an execution as a value, the plan of the hardware (engine replicas a cell serves), and
-the run's records (the event schema, where a cell's time went). What those reach in turn is
-held to the same rule."""
+errors, a full disk named (the event log writes whole records or fails), an execution as a
+value, the plan of the hardware (engine replicas a cell serves), and the run's records (the
+event schema, where a cell's time went). What those reach in turn is held to the same rule."""
 
 ROOT = {"__init__", "__main__", "errors", "rundir", "diskspace"}
 """The package root: what every floor uses and a newcomer finds by name; everything else lives

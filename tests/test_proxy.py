@@ -188,6 +188,33 @@ def test_a_call_whose_engine_dies_as_it_arrives_goes_on_elsewhere(tiny: Path, tm
     assert record.meta.engine != killed[0] and record.output_ids.tolist() == out["output_ids"]
 
 
+def test_a_call_whose_connection_to_its_engine_is_reset_mid_answer_goes_on_elsewhere(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """The connection between proxy and engine is reset while the engine is generating the
+    call's answer (40 tokens in): the call is made on the other engine, to its end, and recorded
+    once, from that engine."""
+
+    async def go() -> tuple[dict, str]:
+        async with Stack(tiny, tmp_path, n=2) as stack:
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {stack.key('run-r')}"}) as s:
+                body = {
+                    "input_ids": [1, 2, 3],
+                    "sampling_params": {"max_new_tokens": 120, "ignore_eos": True},
+                }
+                task = asyncio.create_task(s.post(stack.url + "/v1/generate", json=body))
+                while not any(e.running and len(e.running[0].output_ids) > 40 for e in stack.engines):
+                    await asyncio.sleep(0.01)
+                i = next(i for i, e in enumerate(stack.engines) if e.running)
+                await kill_engine(stack, i)
+                return await (await task).json(), stack.urls[i]
+
+    out, reset = asyncio.run(go())
+    assert len(out["output_ids"]) == 120
+    (record,) = records_of(tmp_path, "run-r")
+    assert record.meta.engine != reset and record.output_ids.tolist() == out["output_ids"]
+
+
 @pytest.mark.parametrize("dies_on", ["/export_kv", "/abort_request"])
 def test_a_drain_whose_engine_dies_under_it_raises_nothing_and_the_call_goes_on(
     tiny: Path, tmp_path: Path, dies_on: str

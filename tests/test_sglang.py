@@ -465,6 +465,54 @@ def test_a_server_killed_while_each_verb_is_in_flight_comes_back_as_the_verbs_as
         host.stop()
 
 
+@pytest.mark.sglang
+@pytest.mark.parametrize(("sync", "verb"), [("broadcast", "/update_weights_from_distributed"),
+                                            ("disk", "/update_weights_from_disk")])  # fmt: skip
+def test_a_server_killed_while_a_broadcast_or_a_disk_load_reaches_it_comes_back_at_that_version(
+    tmp_path: Path, sync: str, verb: str
+) -> None:
+    """The other two ways weights reach a server: killed the moment the load's request arrives
+    (mid-broadcast, the cell's end of the weight group meets a dead peer), the load returns, the
+    server starts again, forms its weight group anew and serves the load's version, with its
+    log-probs."""
+    model_dir = init_tiny(tmp_path / "tiny", seed=0)
+    model = Qwen3ForCausalLM.from_pretrained(model_dir)
+    newer = flat_of(model).numpy().copy()
+    newer += np.random.RandomState(2).randn(newer.size).astype(np.float32) * 0.02
+    held = {"weights": (flat_of(model).numpy().copy(), 0)}
+    engine = EngineConfig(backend="sglang", dtype="float32", weight_sync=sync, weight_bucket_mb=1)
+    server = SGLangServer(engine, model_dir, tmp_path / "sglang", device="cpu", python=str(SGLANG_PYTHON))
+    host = SGLangHost(server, lambda: held["weights"], attempts=3, backoff_s=0.1)
+    armed = {verb}
+
+    def kill_on_arrival(path: str) -> None:
+        if path in armed and server.proc is not None:
+            armed.discard(path)
+            os.killpg(server.proc.pid, signal.SIGKILL)
+
+    server.sent = kill_on_arrival
+    host.start()
+    try:
+        held["weights"] = (newer, 1)
+        host.load(newer, 1)
+        while host.restarting:  # the cell's loop: supervise between messages
+            host.supervise()
+            time.sleep(0.1)
+        host.supervise()
+        assert not armed and host.state == State.SERVING
+        FlatLayout.of(Qwen3Config.load(model_dir)).load(model, newer)
+        reply = greedy(server.url, PROMPTS[2])
+        assert reply["meta_info"]["weight_version"] == "1"
+        theirs = [lp for lp, _, _ in reply["meta_info"]["output_token_logprobs"]]
+        assert (
+            np.abs(np.array(theirs) - np.array(recomputed(model, PROMPTS[2], reply["output_ids"]))).max()
+            <= 1e-4
+        )
+        assert [(r.cause, r.attempts, r.version) for r in host.restarts] == [("died during load", 1, 1)]
+    finally:
+        host.stop()
+
+
 def start_run(runs_dir: Path, *sets: str) -> subprocess.Popen[str]:
     args = [str(SGLANG_PYTHON), "-m", "gyre_hpc", "run", SMOKE_SGLANG, "--set", f"run.runs_dir={runs_dir}"]
     for s in sets:

@@ -148,12 +148,28 @@ class Harness:
             kwargs["seed"] = zlib.crc32(f"{self.seed}:{ex.run_id}:{ex.calls}".encode()) & 0x7FFFFFFF
         if tools:
             kwargs["tools"] = [SPECS[t] for t in tools]
-        resp = await clients[role].chat.completions.create(**kwargs)
+        resp = await self._create(clients[role], kwargs)
         ex.calls += 1
         ex.calls_by_role[role] = ex.calls_by_role.get(role, 0) + 1
         if resp.usage:
             ex.tokens += resp.usage.prompt_tokens + resp.usage.completion_tokens
         return resp
+
+    async def _create(self, client: Any, kwargs: dict[str, Any]) -> Any:
+        """One call, made again while the proxy cannot be reached (up to ``agent.unreachable_s``):
+        a dead proxy process is the runtime's fault, not the policy's, and crashing the execution
+        would score it. A call that reached the proxy and failed there is not made again."""
+        waited, wait = 0.0, 0.1
+        while True:
+            try:
+                return await client.chat.completions.create(**kwargs)
+            except openai.APITimeoutError:
+                raise
+            except openai.APIConnectionError:
+                if waited >= self.config.unreachable_s:
+                    raise
+                await asyncio.sleep(wait)
+                waited, wait = waited + wait, min(wait * 2, 2.0)
 
     async def _main(
         self,

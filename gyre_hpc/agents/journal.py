@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gyre_hpc.diskspace import write_all
+
 
 @dataclass
 class JournalEntry:
@@ -77,7 +79,7 @@ class Journal:
         data = (json.dumps(line, separators=(",", ":")) + "\n").encode()
         fd = os.open(self.file(run_id), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, data)
+            write_all(fd, data)
         finally:
             os.close(fd)
 

@@ -214,8 +214,10 @@ class WeightGroup:
         backend: str,
         dtype: str = "float32",
         bucket_bytes: int = 512 << 20,
+        sent: Sent | None = None,
     ) -> None:
         self.url, self.layout, self.backend, self.dtype = url, layout, backend, dtype
+        self.sent = sent
         self.name = f"gyre-weights-{uuid.uuid4().hex[:8]}"  # group names are unique per process
         self.buckets = buckets(layout, _itemsize(dtype), bucket_bytes)
         self.peak_bytes = 0
@@ -257,7 +259,7 @@ class WeightGroup:
             update = lambda c: c.update_weights_from_distributed(  # noqa: E731
                 bucket.names, dtypes, bucket.shapes, self.name, version, flush_cache=flush
             )
-            received = pool.submit(call, self.url, update)
+            received = pool.submit(call, self.url, update, sent=self.sent)
             torch.distributed.broadcast(data, src=0, group=self.group)
             reply = unflushed_ok(self.url, version, received.result)
         if not reply.get("success"):
@@ -525,7 +527,7 @@ class SGLangServer:
         elif self.engine.weight_sync == "broadcast":
             backend = "gloo" if self.device == "cpu" else "nccl"
             self.group = WeightGroup(
-                self.url, self.layout, self.group_host, self.engine.tp_size, backend, dtype, bucket
+                self.url, self.layout, self.group_host, self.engine.tp_size, backend, dtype, bucket, self.sent
             )
         return self.port
 

@@ -40,7 +40,7 @@ class JobEnvironment:
     of a node sees the node's GPUs, 0 where Slurm binds GPUs to tasks (``--gpus-per-task``: each
     sees only its own)."""
     faults: tuple[str, ...] = ()
-    """``GYRE_FAULT``: the fault points a test arms (``runtime.fault_points``); empty in a real run."""
+    """``GYRE_FAULT``: the fault points a test arms (``faults.points``); empty in a real run."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> JobEnvironment:

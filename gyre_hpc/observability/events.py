@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from gyre_hpc.diskspace import write_all
+
 
 @dataclass(frozen=True, kw_only=True)
 class Event:
@@ -516,7 +518,7 @@ class EventLog:
         """Write ``event`` now; returns it with its time."""
         event = dataclasses.replace(event, t=round(time.time(), 6))
         record = {"t": event.t, "event": kind_of(event), **event.fields()}
-        os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+        write_all(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
         return event
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ import logging
 from pathlib import Path
 from typing import Any, Protocol
 
+from gyre_hpc.diskspace import describe
 from gyre_hpc.errors import GyreError
 from gyre_hpc.observability import events as ev
 
@@ -78,6 +79,9 @@ def off_policy_share(histogram: dict[str, int]) -> float | None:
 
 
 class Writer(Protocol):
+    directory: Path
+    """Where it writes (named when a write there fails)."""
+
     def write(self, step: int, values: dict[str, float]) -> None: ...
 
     def close(self) -> None: ...
@@ -89,6 +93,7 @@ class TensorBoard:
     def __init__(self, directory: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
+        self.directory = directory
         self.writer = SummaryWriter(str(directory), flush_secs=30)
 
     def write(self, step: int, values: dict[str, float]) -> None:
@@ -111,6 +116,7 @@ class WandB:
                 "observability.wandb_project is set but wandb is not installed: "
                 "pip install 'gyre-hpc[wandb]', or set observability.wandb_project = \"\""
             ) from None
+        self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
         settings = wandb.Settings(silent=True, console="off", x_disable_stats=True)
         self.run = wandb.init(
@@ -138,8 +144,9 @@ class Trackers:
         for w in list(self.writers):
             try:
                 w.write(step, values)
-            except Exception as err:  # a tracker must never stop training
-                log.warning("tracker %s failed, dropped: %s", type(w).__name__, err)
+            except Exception as err:  # a tracker must never stop training (a full disk names itself)
+                why = describe(err, getattr(w, "directory", Path.cwd()))
+                log.warning("tracker %s failed, dropped: %s", type(w).__name__, why)
                 self.writers.remove(w)
 
     def close(self) -> None:

@@ -35,10 +35,12 @@ from typing import Any
 
 from aiohttp import web
 
+from gyre_hpc.diskspace import write_all
 from gyre_hpc.engines.client import EngineClient
 from gyre_hpc.engines.sampling import BadRequest, SamplingParams
 from gyre_hpc.engines.server import read_json_object
 from gyre_hpc.errors import GyreError
+from gyre_hpc.faults.points import FaultPoints
 from gyre_hpc.models.architecture import Qwen3Config
 from gyre_hpc.models.tokenizer import ChatTokenizer
 from gyre_hpc.observability.events import open_log
@@ -86,6 +88,8 @@ class Proxy:
         files = RunDir(self.run_dir)
         self.keys = KeyRing.load(files.proxy_secret)
         self.worker, self.workers = worker, workers
+        self.faults = FaultPoints()
+        """Where a test makes this process die (``GYRE_FAULT``, set by ``proxy.worker``)."""
         self.tito = TitoLog(files.tito_segment(worker))
         self.index = ChatIndex(files.chat_index_segment(worker))
         admits = admission_limits(config, engines, capacity, limits or {})
@@ -175,6 +179,7 @@ class Proxy:
         """Serve one model call and make it durable: (record, index, cached tokens, seconds in engines)."""
         started = time.perf_counter()
         done = await self.router.complete(run_id, input_ids, params)
+        self.faults.reach("proxy")
         engine_s = time.perf_counter() - started
         version = done.weight_version
         meta = CallMeta(
@@ -462,7 +467,7 @@ class ChatIndex:
         self._fd = open_log(path)
 
     def append(self, run_id: str, entry: dict[str, Any]) -> None:
-        os.write(self._fd, (json.dumps({"run": run_id, **entry}, separators=(",", ":")) + "\n").encode())
+        write_all(self._fd, (json.dumps({"run": run_id, **entry}, separators=(",", ":")) + "\n").encode())
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -19,11 +19,13 @@ read the next time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from gyre_hpc.diskspace import write_all
 from gyre_hpc.trajectory.codec import by_run, encode_frame, read_frames, read_records
 from gyre_hpc.trajectory.records import TitoRecord
 from gyre_hpc.trajectory.tree import TrajectoryTree
@@ -48,6 +50,11 @@ class TitoLog:
         self._inline = True
         self.frames_written = 0
         self.flushes = 0
+        self.broken: OSError | None = None
+        """The write that failed (a full disk): the trees hold records the file does not, so
+        nothing more is written; the process fails, and a restart reads the file as it is."""
+        self.failed = asyncio.Event()
+        """Set with ``broken``, for whoever ends the process."""
 
     def tree(self, run_id: str) -> TrajectoryTree:
         if run_id not in self.trees:
@@ -56,6 +63,8 @@ class TitoLog:
 
     async def append(self, record: TitoRecord) -> int:
         """Encode and queue ``record``; returns its index in its run once it is on disk."""
+        if self.broken is not None:
+            raise self.broken
         enc = self.tree(record.run_id).add(record)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending.append((encode_frame(enc), fut))
@@ -72,9 +81,12 @@ class TitoLog:
                 took = self._write(data) if self._inline else await asyncio.to_thread(self._write, data)
                 self._inline = took < INLINE_S
             except OSError as err:
-                for _, fut in batch:
+                self.broken = err
+                self.failed.set()
+                for _, fut in batch + self._pending:
                     fut.set_exception(err)
-                continue
+                self._pending = []
+                return
             self.frames_written += len(batch)
             self.flushes += 1
             for _, fut in batch:
@@ -82,11 +94,18 @@ class TitoLog:
                     fut.set_result(None)
 
     def _write(self, data: bytes) -> float:
-        """Write and sync; the seconds it took."""
+        """Write and sync; the seconds it took. A write that fails leaves the file as it was (a
+        frame cut short would hide every frame after it)."""
         started = time.perf_counter()
-        os.write(self._fd, data)
-        if self.fsync:
-            os.fsync(self._fd)
+        size = os.fstat(self._fd).st_size
+        try:
+            write_all(self._fd, data)
+            if self.fsync:
+                os.fsync(self._fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, size)
+            raise
         return time.perf_counter() - started
 
     def close(self) -> None:

@@ -27,6 +27,8 @@ from typing import Any
 
 from aiohttp import web
 
+from gyre_hpc.diskspace import describe
+from gyre_hpc.faults.points import FaultPoints
 from gyre_hpc.proxy.address import reachable_url
 from gyre_hpc.proxy.keys import bearer_is, write_private_json
 from gyre_hpc.proxy.server import Proxy
@@ -45,6 +47,8 @@ class WorkerSpec:
     """Calls in flight each engine admits from one worker: its share of the engine's limit."""
     workers: int
     token: str
+    faults: list[str] = dataclasses.field(default_factory=list)
+    """The fault points a test armed (``GYRE_FAULT``); a worker's number is its index."""
 
     def write(self, path: Path) -> None:
         write_private_json(path, dataclasses.asdict(self))
@@ -90,11 +94,12 @@ def admin_routes(app: web.Application, proxy: Proxy, token: str) -> None:
     app.router.add_post(ADMIN + "{verb}", verb)
 
 
-async def serve(run_dir: RunDir, index: int) -> None:
+async def serve(run_dir: RunDir, index: int) -> int:
     spec = WorkerSpec.read(run_dir.proxy_spec)
     config = run_dir.read_recipe().proxy
     config = dataclasses.replace(config, admission_limit=0)  # the spec's limits are this worker's share
     proxy = Proxy(run_dir.path, spec.model_dir, spec.engines, config, 1, spec.limits, index, spec.workers)
+    proxy.faults = FaultPoints.of(tuple(spec.faults), index, run_dir.fault_markers)
     app = proxy.app()
     admin_routes(app, proxy, spec.token)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0)
@@ -109,10 +114,17 @@ async def serve(run_dir: RunDir, index: int) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    try:
-        await stop.wait()
+    try:  # until told to stop, or until its TITO segment cannot be written (a full disk)
+        waits = [asyncio.create_task(stop.wait()), asyncio.create_task(proxy.tito.failed.wait())]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for task in waits:
+            task.cancel()
     finally:
         await runner.cleanup()
+    if proxy.tito.broken is None:
+        return 0
+    print(f"proxy worker {index}: {describe(proxy.tito.broken, run_dir.path)}", file=sys.stderr, flush=True)
+    return 3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 2 or not args[1].isdigit():
         print("usage: python -m gyre_hpc.proxy.worker RUN_DIR INDEX", file=sys.stderr)
         return 2
-    asyncio.run(serve(RunDir(Path(args[0])), int(args[1])))
-    return 0
+    return asyncio.run(serve(RunDir(Path(args[0])), int(args[1])))
 
 
 if __name__ == "__main__":

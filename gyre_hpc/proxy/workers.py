@@ -49,6 +49,18 @@ def check_same_workers(run_dir: RunDir, workers: int) -> None:
         )
 
 
+def last_words(log_path: Path) -> str:
+    """A worker's own reason for ending, where it printed one (``proxy.worker``), as ``: …``."""
+    try:
+        with log_path.open("rb") as fh:
+            fh.seek(max(0, fh.seek(0, 2) - 4096))
+            lines = fh.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    said = [line for line in lines if line.startswith("proxy worker ")]
+    return ": " + said[-1].split(": ", 1)[1] if said else ""
+
+
 class ProxyWorkers:
     def __init__(
         self,
@@ -57,8 +69,10 @@ class ProxyWorkers:
         limits: dict[str, int],
         workers: int,
         python: str = sys.executable,
+        faults: tuple[str, ...] = (),
     ) -> None:
-        """``limits``: calls in flight each engine admits in all (split among the workers)."""
+        """``limits``: calls in flight each engine admits in all (split among the workers);
+        ``faults``: the fault points a test armed (``faults.points``)."""
         self.run_dir, self.model_dir, self.limits, self.n, self.python = (
             run_dir,
             model_dir,
@@ -66,6 +80,8 @@ class ProxyWorkers:
             workers,
             python,
         )
+        self.faults = faults
+        self.stopping = False
         self.token = secrets.token_urlsafe(24)
         self.procs: list[subprocess.Popen[bytes]] = []
         self.urls: list[str] = []
@@ -78,7 +94,7 @@ class ProxyWorkers:
             old.unlink()  # a previous world's
         engines = list(self.limits)
         per_worker = {url: share(limit, self.n) for url, limit in self.limits.items()}
-        WorkerSpec(str(self.model_dir), engines, per_worker, self.n, self.token).write(
+        WorkerSpec(str(self.model_dir), engines, per_worker, self.n, self.token, list(self.faults)).write(
             self.run_dir.proxy_spec
         )
         for i in range(self.n):
@@ -103,6 +119,15 @@ class ProxyWorkers:
             self.urls.append(json.loads(where.read_text())["url"])
         self._http = aiohttp.ClientSession(headers={"Authorization": f"Bearer {self.token}"})
         return self.urls
+
+    def check(self) -> None:
+        """Raise if a worker died. Its runs' calls cannot be served, and its TITO segment and
+        chat index are its own: the controller fails, and the restarted world resumes the runs
+        from their journals (a call answered but not yet journalled is made again). Any thread."""
+        for i, proc in enumerate(self.procs):
+            if not self.stopping and (code := proc.poll()) is not None:
+                log_path = self.run_dir.proxy_worker_log(i)
+                raise GyreError(f"proxy worker {i} died (exit {code}){last_words(log_path)}; see {log_path}")
 
     async def _all(self, verb: str, body: dict[str, object]) -> list[Any]:
         """The verb on every worker at once, and what each answered; a worker that refuses it
@@ -147,6 +172,7 @@ class ProxyWorkers:
         return len(records), sum(len(r.input_ids) + len(r.output_ids) for r in records)
 
     async def stop(self, grace_s: float) -> None:
+        self.stopping = True
         if self._http is not None:
             await self._http.close()
         for proc in self.procs:

@@ -313,6 +313,14 @@ class AgentConfig:
         1800.0, "Wall-clock limit of one execution; then it is partially scored.", min=1, max=7 * 86400
     )
     max_subagents: int = knob(4, "Sub-agents one execution may delegate to.", min=0, max=10_000)
+    unreachable_s: float = knob(
+        120.0,
+        "Built-in: how long a model call keeps trying a proxy it cannot reach (a proxy worker died: "
+        "the world restarts meanwhile, and the execution continues from its journal) before the "
+        "execution crashes.",
+        min=0,
+        max=86400,
+    )
     command_timeout_s: float = knob(60.0, "Limit of one shell command run by the agent.", min=1, max=86400)
     journal: bool = knob(True, "Journal each execution after every call, so a restarted run continues it.")
     sandbox: Literal["auto", "bwrap", "apptainer", "none"] = knob(

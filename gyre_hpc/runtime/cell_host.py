@@ -24,13 +24,13 @@ import torch
 from gyre_hpc.engines.hosted import HostedEngine, host_engine, resolve_device
 from gyre_hpc.engines.pushed import Pushed
 from gyre_hpc.engines.sglang import Span
+from gyre_hpc.faults.points import FaultPoints
 from gyre_hpc.launch.ports import free_port
 from gyre_hpc.observability.events import EngineRestart
 from gyre_hpc.plan.placement import EnginePart, EnginePlan, engine_plan, replica_capacity
 from gyre_hpc.plan.ranks import CONTROLLER
 from gyre_hpc.recipe.schema import CellsConfig, EngineConfig, TrainerConfig
 from gyre_hpc.rundir import engine_part_dir
-from gyre_hpc.runtime.fault_points import FaultPoints
 from gyre_hpc.runtime.protocol import (
     Channel,
     ProtocolError,

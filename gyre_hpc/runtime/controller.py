@@ -32,13 +32,14 @@ from typing import Any
 
 from gyre_hpc.execution.outcome import group_rewards, mean_reward, pass_rate
 from gyre_hpc.execution.run_id import eval_run_id
+from gyre_hpc.faults.points import FaultPoints
 from gyre_hpc.observability import events as ev
 from gyre_hpc.observability.cell_time import CellHours
 from gyre_hpc.observability.plot import plot_cells, plot_run
 from gyre_hpc.observability.tracking import Trackers
 from gyre_hpc.recipe.schema import RunConfig, SchedulerConfig, TasksConfig, TrainerConfig, TrajectoryConfig
-from gyre_hpc.rundir import RunDir, checkpoint_recorded
-from gyre_hpc.runtime.fault_points import FaultPoints
+from gyre_hpc.rundir import RunDir
+from gyre_hpc.runtime import resume
 from gyre_hpc.runtime.fleet import Loads
 from gyre_hpc.runtime.serving import Serving
 from gyre_hpc.scheduler.fleet import Fleet
@@ -126,9 +127,10 @@ class Controller:
                 event = step_event(record, ctx.clock(), f.roles)
                 event = replace(event, controller_cpu_s=round(cpu_seconds() - cpu, 3), **self.watched())
                 self.faults.reach("record")
-                self.watch.trackers.record(self.events.emit(event))
                 if record.applied.checkpoint:  # it counts from now: a resume starts after it
-                    checkpoint_recorded(Path(record.applied.checkpoint)).touch()
+                    resume.mark_recorded(Path(record.applied.checkpoint), event)
+                self.faults.reach("emit")
+                self.watch.trackers.record(self.events.emit(event))
                 if self.tasks.eval_every and step % self.tasks.eval_every == 0:
                     self.evaluate(step)
                 self.plot()

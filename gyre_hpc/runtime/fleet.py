@@ -111,6 +111,8 @@ class MpiFleet:
         self.last_seen: dict[int, float] = {}
         self.inbox: deque[Message] = deque()
         self._seq = 0
+        self.liveness: list[Callable[[], None]] = []
+        """Checks of the controller's own parts (its proxy workers), each raising if one died."""
 
     # ---- the one wait ---------------------------------------------------------------------------
 
@@ -118,6 +120,8 @@ class MpiFleet:
         """One poll: a kept message first, else the channel; heartbeats are booked, never returned."""
         if self.inbox:
             return self.inbox.popleft()
+        for check in self.liveness:
+            check()
         now = self.clock()
         for unit, seen in self.last_seen.items():
             if now - seen > self.config.heartbeat_timeout_s:

@@ -19,6 +19,7 @@ from types import FrameType
 
 from gyre_hpc.builtin_models.resolve import resolve_model
 from gyre_hpc.diskspace import describe
+from gyre_hpc.faults.points import FaultPoints
 from gyre_hpc.launch.env import JobEnvironment
 from gyre_hpc.models.architecture import Qwen3Config
 from gyre_hpc.models.flat import FlatLayout
@@ -33,7 +34,6 @@ from gyre_hpc.runtime import resume
 from gyre_hpc.runtime.cell import run_cell
 from gyre_hpc.runtime.cell_host import CellSetup
 from gyre_hpc.runtime.controller import Controller, Watch
-from gyre_hpc.runtime.fault_points import FaultPoints
 from gyre_hpc.runtime.fleet import MpiFleet, Waits
 from gyre_hpc.runtime.serving import Serving
 from gyre_hpc.runtime.world import World
@@ -166,6 +166,8 @@ def controller(
     point = resume.prepare(run_dir)  # before the proxy opens the TITO log
     for problem in point.skipped:
         print(f"gyre-hpc: checkpoint skipped: {problem}", file=sys.stderr, flush=True)
+    if point.lost_record is not None:  # the last world died between marking the step and recording it
+        events.emit(point.lost_record)
     if attempt > 1 or point.step:
         events.emit(
             ev.Resumed(
@@ -193,7 +195,7 @@ def controller(
         events.emit(
             ev.SandboxUp(backend=sandbox.kind, warning=" ".join(warnings), limits=sandbox.groups.kind)
         )
-        return Serving(
+        serving = Serving(
             run_dir,
             model_dir,
             engines,
@@ -207,7 +209,10 @@ def controller(
             sandbox=sandbox,
             executors=recipe.executors,
             emit=events.emit,
+            faults=world.env.faults,
         )
+        fleet.liveness.append(serving.check)  # a dead proxy worker fails the controller's wait
+        return serving
 
     waits = Waits.of(recipe.cells, recipe.engine)
     hours, since = CellHours(time.monotonic()), time.time()  # the cells' first window starts here

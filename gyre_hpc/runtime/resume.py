@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gyre_hpc.agents.journal import Journal
-from gyre_hpc.rundir import RunDir
+from gyre_hpc.observability import events as ev
+from gyre_hpc.rundir import RunDir, checkpoint_recorded
 from gyre_hpc.trainer import checkpoint
 from gyre_hpc.trajectory.codec import encode_frame, read_frames
 
@@ -43,6 +44,9 @@ class ResumePoint:
     """Journalled executions that had finished: their outcomes are used as they are."""
     dropped_records: int = 0
     """TITO records cut off: calls of steps sampled again, and abandoned calls."""
+    lost_record: ev.Step | None = None
+    """The resumed checkpoint's step record where the event log lacks it (the controller died
+    between marking the checkpoint and writing the record): the controller writes it now."""
 
 
 def prepare(run_dir: RunDir) -> ResumePoint:
@@ -79,7 +83,29 @@ def prepare(run_dir: RunDir) -> ResumePoint:
         continued=continued,
         kept_finished=finished,
         dropped_records=dropped,
+        lost_record=_lost_record(run_dir, path, step),
     )
+
+
+def mark_recorded(checkpoint: Path, record: ev.Step) -> None:
+    """From now on ``checkpoint`` counts: a resume starts after its step. The step's record goes
+    into the mark, whole (renamed into place), before it goes into the event log, so a controller
+    that dies between the two leaves a record ``prepare`` finds (``lost_record``) rather than a
+    recorded step that would run again."""
+    mark = checkpoint_recorded(checkpoint)
+    tmp = mark.with_name(mark.name + ".tmp")
+    tmp.write_text(json.dumps({"event": ev.kind_of(record), **record.fields()}))
+    os.replace(tmp, mark)
+
+
+def _lost_record(run_dir: RunDir, checkpoint: Path | None, step: int) -> ev.Step | None:
+    if checkpoint is None or any(isinstance(e, ev.Step) and e.step == step for e in run_dir.read_events()):
+        return None
+    try:
+        record = ev.parse(json.loads(checkpoint_recorded(checkpoint).read_text()))
+    except (OSError, ValueError, AttributeError):
+        return None  # a checkpoint of before steps were marked, or one that never awaited its record
+    return record if isinstance(record, ev.Step) and record.step == step else None
 
 
 def _journals(run_dir: RunDir, step: int) -> list[Journal]:

@@ -72,6 +72,7 @@ class Serving:
         sandbox: Sandbox = UNCONFINED,
         executors: ExecutorsConfig | None = None,
         emit: Callable[[ev.Event], None] = lambda event: None,
+        faults: tuple[str, ...] = (),
     ) -> None:
         self.run_dir, self.model_dir = run_dir, model_dir
         self.engine_urls, self.limits = list(engines), engines
@@ -80,6 +81,8 @@ class Serving:
         self.capacity, self.seed, self.on_event = capacity, seed, on_event
         self.sandbox = sandbox
         self.executors, self.emit = executors or ExecutorsConfig(), emit
+        self.faults = faults
+        """The fault points a test armed, for the proxy workers (``faults.points``)."""
         self.proxy: Proxy | None = None
         self.workers: ProxyWorkers | None = None
         """The proxy: in this process, or several worker processes (``proxy.workers``)."""
@@ -109,7 +112,9 @@ class Serving:
         check_same_workers(self.run_dir, self.proxy_cfg.workers)
         if self.proxy_cfg.workers > 1:
             limits = admission_limits(self.proxy_cfg, self.engine_urls, self.capacity, self.limits)
-            self.workers = ProxyWorkers(self.run_dir, self.model_dir, limits, self.proxy_cfg.workers)
+            self.workers = ProxyWorkers(
+                self.run_dir, self.model_dir, limits, self.proxy_cfg.workers, faults=self.faults
+            )
             urls = tuple(await self.workers.start())
             self.url, self.usage = urls[0], self.workers.usage
         else:
@@ -155,6 +160,13 @@ class Serving:
             hub_url, token, self.url, self.model_dir.name, secrets.token_hex(8), list(workers)
         )
         await asyncio.to_thread(address.write, self.run_dir.executor_hub)
+
+    def check(self) -> None:
+        """Raise if a part of the proxy died (a worker process); the controller's wait calls it."""
+        if self.workers is not None:
+            self.workers.check()
+        elif self.proxy is not None and self.proxy.tito.broken is not None:
+            raise self.proxy.tito.broken  # its trees are ahead of its file: nothing more is recorded
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = 60) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

@@ -1,4 +1,5 @@
-"""Fault points: places in the runtime where a test makes a rank die at the moment it names.
+"""Fault points: places in the runtime where a test makes a rank (or a proxy worker) die at the
+moment it names.
 
 ```
  GYRE_FAULT="push@1,apply@1"        (read by launch.env, as every job variable is)
@@ -14,6 +15,10 @@ Points, and where a rank is when it dies at one:
  publish      the core, the step applied and its version published, before the controller hears of it
  checkpoint   the core, midway through a checkpoint: its files written, not yet renamed in place
  record       the controller, a step's record made, before it is written
+ emit         the controller, the step's checkpoint marked recorded (the record in the mark), before
+              the record is in the event log
+ proxy        proxy worker N (``proxy.workers`` > 1; N is the worker's index, not a rank), a call's
+              answer back from its engine, before it is recorded
 
 With ``GYRE_FAULT`` unset every point does nothing. This module knows nothing of what a point is
 in the middle of; the code that calls ``reach`` does.
@@ -31,7 +36,7 @@ from gyre_hpc.errors import GyreError
 
 log = logging.getLogger(__name__)
 
-POINTS = ("push", "apply", "publish", "checkpoint", "record")
+POINTS = ("push", "apply", "publish", "checkpoint", "record", "emit", "proxy")
 
 
 @dataclass(frozen=True)

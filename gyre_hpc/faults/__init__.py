@@ -1,0 +1,1 @@
+"""Faults a test makes happen at a moment it names (``faults.points``)."""

@@ -10,6 +10,7 @@ import pytest
 
 from gyre_hpc.agents.journal import Journal
 from gyre_hpc.models.tiny import init_tiny
+from gyre_hpc.observability import events as ev
 from gyre_hpc.recipe.schema import TrainerConfig
 from gyre_hpc.rundir import RunDir, checkpoint_recorded
 from gyre_hpc.runtime import resume
@@ -40,6 +41,19 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_used(tmp_path
     assert checkpoint.newest_intact(root)[0] is None  # nothing intact: the run starts afresh
 
 
+def test_a_checkpoint_whose_manifest_is_torn_is_named_and_the_previous_one_used(
+    tmp_path: Path, tiny: Path
+) -> None:
+    trainer = TorchTrainer(tiny, TrainerConfig(), core=True)
+    root = tmp_path / "checkpoints"
+    checkpoint.save(root, 1, trainer, tiny)
+    state = checkpoint.save(root, 2, trainer, tiny) / "state.json"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # its manifest, torn
+    path, skipped = checkpoint.newest_intact(root)
+    assert path == root / "step-000001"
+    assert len(skipped) == 1 and skipped[0].startswith(f"{state}: unreadable"), skipped
+
+
 def test_a_checkpoint_whose_step_was_never_recorded_is_passed_over(tmp_path: Path, tiny: Path) -> None:
     """The controller died after the core wrote step 2's checkpoint but before step 2's record:
     that checkpoint does not count (the controller and the core both pass over it), and step 2
@@ -51,6 +65,24 @@ def test_a_checkpoint_whose_step_was_never_recorded_is_passed_over(tmp_path: Pat
     checkpoint.save(root, 2, trainer, tiny, awaits_record=True)
     path, skipped = checkpoint.newest_intact(root)
     assert path == first and len(skipped) == 1 and "never recorded" in skipped[0]
+
+
+def test_a_marked_checkpoint_whose_record_never_reached_the_event_log_counts_and_gives_it(
+    tmp_path: Path, tiny: Path
+) -> None:
+    """The controller died between marking step 1's checkpoint (the record in the mark) and
+    writing the record to the event log: the checkpoint counts (step 1 does not run again) and
+    the resume hands back the record to write, once."""
+    run_dir = RunDir(tmp_path)
+    trainer = TorchTrainer(tiny, TrainerConfig(), core=True)
+    path = checkpoint.save(run_dir.checkpoints, 1, trainer, tiny, awaits_record=True)
+    record = ev.Step(step=1, version=1, seconds=3.0, sample_seconds=2.0, roles={"0": "sampling"})
+    resume.mark_recorded(path, record)
+    point = resume.prepare(run_dir)
+    assert point.step == 1 and point.lost_record == record
+    with ev.EventLog(run_dir.events) as log:
+        log.emit(point.lost_record)
+    assert resume.prepare(run_dir).lost_record is None  # in the log now: not written twice
 
 
 def call(tree: TrajectoryTree, n: int, version: int = 0) -> EncodedRecord:

@@ -220,12 +220,17 @@ def test_a_fault_at_each_point_of_a_step_costs_a_restart_and_loses_nothing(tmp_p
     world; the step is recorded once, the executions that finished before a fault are kept (none
     runs again), no model call is recorded twice, and the checkpoint the controller died before
     recording is passed over (its step runs again, from the journal); one it marked but died
-    before logging the record of counts, and its record is written by the next world."""
-    sets = ("run.steps=1", "run.max_restarts=7", "trainer.checkpoint_every=1", "proxy.workers=2")
-    proc = start(tmp_path, *sets, env={"GYRE_FAULT": ",".join(FAULTS)})
+    before logging the record of counts, and its record is written by the next world. The run is
+    seeded: every call samples what the same run without a fault samples, so every execution gets
+    the same reward."""
+    sets = ("run.steps=1", "trainer.checkpoint_every=1", "proxy.workers=2", "run.model=tiny-warm")
+    plain = start(tmp_path / "plain", *sets)
+    _, said = plain.communicate(timeout=600)
+    assert plain.returncode == 0, said[-3000:]
+    proc = start(tmp_path / "faulted", *sets, "run.max_restarts=7", env={"GYRE_FAULT": ",".join(FAULTS)})
     out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]
-    run = the_run(tmp_path)
+    run = the_run(tmp_path / "faulted")
     events = run.read_events()
     assert sorted(p.name for p in run.fault_markers.iterdir()) == sorted(FAULTS)  # each happened once
     assert [e.attempt for e in events if isinstance(e, ev.WorldUp)] == [1, 2, 3, 4, 5, 6, 7, 8]
@@ -243,6 +248,12 @@ def test_a_fault_at_each_point_of_a_step_costs_a_restart_and_loses_nothing(tmp_p
         calls = [r.call_id for r in records]
         assert len(calls) == len(set(calls)), run_id
     assert [e.status for e in events if isinstance(e, ev.RunEnd)] == ["completed"]
+    unfaulted = the_run(tmp_path / "plain")
+    sampled = {r: [c.output_ids.tolist() for c in cs] for r, cs in records_by_run(run).items()}
+    assert sampled == {r: [c.output_ids.tolist() for c in cs] for r, cs in records_by_run(unfaulted).items()}
+    (same,) = [e for e in unfaulted.read_events() if isinstance(e, ev.Step)]
+    assert 0 < step.reward_mean < 1 and (step.reward_mean, step.pass_rate, step.groups) == (
+        same.reward_mean, same.pass_rate, same.groups)  # fmt: skip
 
 
 def test_a_rank_that_dies_is_restarted_by_itself(tmp_path: Path) -> None:

@@ -123,6 +123,22 @@ def test_a_hung_cell_is_reported_lost_and_the_run_ends_within_a_bound(tmp_path: 
     assert "CellLost: cell 1 (rank 2" in err
 
 
+def test_a_core_whose_apply_outlasts_the_heartbeat_timeout_is_not_lost(tmp_path: Path) -> None:
+    """The core's apply and checkpoint take twice ``cells.heartbeat_timeout_s`` (a large model's
+    gradients summed and its optimizer stepped, emulated): it beats while it works, so the step
+    completes instead of the core being declared lost."""
+    proc = gyre(
+        "run", str(REPO / "recipes" / "emulated.toml"), "--set", f"run.runs_dir={tmp_path}",
+        "--set", "cells.count=2", "--set", "run.steps=1", "--set", "tasks.prompts_per_step=2",
+        "--set", "trainer.emulated_apply_s=4", "--set", "cells.heartbeat_timeout_s=2",
+        "--set", "trainer.checkpoint_every=1", "--set", "engine.emulated_tokens_median=20",
+        timeout=300, env={**os.environ, **ROOT_OK},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (step,) = [e for e in RunDir(next(tmp_path.iterdir())).read_events() if isinstance(e, ev.Step)]
+    assert step.apply_seconds >= 4
+
+
 def cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -149,7 +165,7 @@ def test_a_restart_continues_the_steps_executions_from_their_last_call(
     sets += [f"executors.nodes={executors}", f"proxy.workers={workers}"]
     proc = start(tmp_path, *sets)
     run = the_run(tmp_path)
-    # ~80 % of step 1's 16 executions have ended and one is under way: the controller's rank dies
+    # Over half of step 1's 16 executions have ended and one is under way: the controller's rank dies
     # (mpirun ends the rest). The executors are frozen while the journal is read, so the moment
     # is the one read however loaded the machine is (the rest might end before a kill otherwise).
     frozen: list[int] = []
@@ -161,14 +177,16 @@ def test_a_restart_continues_the_steps_executions_from_their_last_call(
                 os.kill(pid, signal.SIGSTOP)
         journal = Journal(run.journal(1))
         entries = [e for r in journal.run_ids() if (e := journal.load(r)) is not None]
-        if sum(e.finished for e in entries) >= 13 and any(not e.finished and e.calls for e in entries):
+        ended = sum(e.finished for e in entries)
+        if ended >= 10 and any(not e.finished and e.calls for e in entries):
             return True
+        assert ended < 16 and proc.poll() is None, f"the moment passed: {ended} ended, exit {proc.poll()}"
         for pid in frozen:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
         return False
 
-    wait_for(frozen_at_the_moment, 240, "13 executions ended and one under way")
+    wait_for(frozen_at_the_moment, 600, "10 executions ended and one under way")
     os.kill(next(r["pid"] for r in run.read_ranks() if r["rank"] == 0), signal.SIGKILL)
     assert proc.wait(timeout=120) == 1
     for pid in frozen:
@@ -179,7 +197,7 @@ def test_a_restart_continues_the_steps_executions_from_their_last_call(
     before = {r: journal.load(r) for r in journal.run_ids()}
     finished = {r for r, e in before.items() if e is not None and e.finished}
     running = {r: e.calls for r, e in before.items() if e is not None and not e.finished and e.calls}
-    assert len(finished) >= 13 and running, (len(finished), running)
+    assert len(finished) >= 10 and running, (len(finished), running)
     calls_before = records_by_run(run)
 
     resumed = gyre("run", "--resume", str(run.path))

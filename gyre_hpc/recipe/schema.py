@@ -249,6 +249,13 @@ class TrainerConfig:
         min=0.0,
         max=60.0,
     )
+    emulated_apply_s: float = knob(
+        0.0,
+        "emulated: seconds the core's apply takes on top of the real one (summing a large "
+        "model's gradients and stepping its optimizer).",
+        min=0.0,
+        max=86400.0,
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

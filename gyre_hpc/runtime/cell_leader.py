@@ -1,7 +1,8 @@
 """A cell's leader: the rank that talks to the controller for its cell (its states are drawn in
 ``runtime.cell``).
 
-It says Hello with every replica's URL, beats its heart, supervises its engine, and answers
+It says Hello with every replica's URL, beats its heart (between messages, and from a thread
+of its own while a handler or a micro-step works), supervises its engine, and answers
 each controller verb with one handler (``handlers``); between messages it trains the open
 session one claim or micro-step at a time. It forwards role switches, engine verbs and weight
 loads to its members (``runtime.cell_member``) and waits for their acknowledgements, so the GPUs
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,6 +66,8 @@ class Leader(CellHost):
 
     session: StepTraining | None = None
     trained_step = -1
+    _working = False
+    """Inside a handler or a micro-step: the heartbeat thread beats for the loop meanwhile."""
 
     @property
     def handlers(self) -> dict[type, Callable[[Any, float], None]]:
@@ -123,12 +127,11 @@ class Leader(CellHost):
         )
         next_beat = 0.0
         deferred: list[Message] = []  # engine verbs that wait for a restarting engine
+        threading.Thread(target=self._beat_while_working, name="heartbeat", daemon=True).start()
         while True:
             now = time.monotonic()
             if now >= next_beat:
-                self.to_controller.send(
-                    Heartbeat(cell=self.unit, role=self.role, sent=time.time()), CONTROLLER
-                )
+                self.heartbeat()
                 next_beat = now + self.cells.heartbeat_s
             self.engine.supervise()
             self.report_restarts()
@@ -137,7 +140,7 @@ class Leader(CellHost):
             else:
                 got = self.to_controller.poll(CONTROLLER)
             if got is None:
-                if self.session is None or not self.work_once():
+                if self.session is None or not self.working(self.work_once):
                     time.sleep(POLL_INTERVAL_S)
                 continue
             msg = got[1]
@@ -151,7 +154,26 @@ class Leader(CellHost):
             handler = self.handlers.get(type(msg))
             if handler is None:
                 raise ProtocolError(f"cell {self.unit}: unexpected {msg!r}")
-            handler(msg, time.monotonic())
+            self.working(handler, msg, time.monotonic())
+
+    def heartbeat(self) -> None:
+        self.to_controller.send(Heartbeat(cell=self.unit, role=self.role, sent=time.time()), CONTROLLER)
+
+    def working(self, work: Callable[..., Any], *args: Any) -> Any:
+        """``work(*args)``, beating meanwhile from the heartbeat thread: an apply, a checkpoint, a
+        weight load or a micro-step of a large model outlasts ``cells.heartbeat_timeout_s``, and
+        a cell that works is not a lost one."""
+        self._working = True
+        try:
+            return work(*args)
+        finally:
+            self._working = False
+
+    def _beat_while_working(self) -> None:
+        while True:
+            time.sleep(self.cells.heartbeat_s)
+            if self._working:
+                self.heartbeat()
 
     # ---- the controller's verbs, one handler each ---------------------------------------------
 

@@ -20,6 +20,7 @@ dropped.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -273,12 +274,9 @@ class MpiFleet:
             ),
             self.layout.leader(0),
         )
-        # Summing, stepping and checkpointing take longer than a heartbeat round.
-        msg = self._await(
-            lambda m: isinstance(m, StepApplied) and m.step == step,
-            self.config.heartbeat_timeout_s * 4,
-            "StepApplied",
-        )
+        # Summing, stepping and checkpointing take as long as the model makes them: the core
+        # beats meanwhile, so it is waited for while it beats and lost when it falls silent.
+        msg = self._await(lambda m: isinstance(m, StepApplied) and m.step == step, math.inf, "StepApplied")
         assert isinstance(msg, StepApplied)
         self.hours.add_computed(0, msg.seconds)  # the core sums, steps and publishes
         self.version = msg.version

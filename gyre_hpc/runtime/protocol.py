@@ -26,6 +26,7 @@ step's micro-step queue (token ids, masks, log-probs) rides in ``TrainStep``.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -201,20 +202,28 @@ class Channel:
     def __init__(self, comm: Any) -> None:
         self.comm = comm
         self._sending: list[Any] = []
+        self._lock = threading.Lock()
+        """Sends may come from two threads (a leader's heartbeats while a handler works: MPI is
+        initialised with ``MPI_THREAD_MULTIPLE``)."""
 
     def send(self, message: Message, dest: int) -> None:
         """Returns at once: a large message (micro-steps) to a cell busy training would otherwise
         hold the sender until the cell next polls. MPI keeps the order of messages per peer."""
-        self._sending.append(self.comm.isend(message, dest=dest, tag=CONTROL_TAG))
-        self._sending = [r for r in self._sending if not r.Test()]
+        with self._lock:
+            self._sending.append(self.comm.isend(message, dest=dest, tag=CONTROL_TAG))
+            self._sending = [r for r in self._sending if not r.Test()]
 
     def flush(self, timeout: float) -> int:
         """Wait up to ``timeout`` seconds for sent messages to be taken; how many were not."""
         deadline = time.monotonic() + timeout
-        while self._sending and time.monotonic() < deadline:
-            self._sending = [r for r in self._sending if not r.Test()]
+        while time.monotonic() < deadline:
+            with self._lock:
+                self._sending = [r for r in self._sending if not r.Test()]
+                if not self._sending:
+                    return 0
             time.sleep(POLL_INTERVAL_S)
-        return len(self._sending)
+        with self._lock:
+            return len(self._sending)
 
     def poll(self, source: int | None = None) -> tuple[int, Message] | None:
         """One message if one is waiting, else None."""

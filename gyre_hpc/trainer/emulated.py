@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 from gyre_hpc.step.claims import MicroStats, micro_stats
+from gyre_hpc.trainer.base import ApplyStats
 from gyre_hpc.trainer.torch_backend import TorchTrainer
 from gyre_hpc.trajectory.packing import forwarded_tokens
 from gyre_hpc.trajectory.sequences import TrainSequence
@@ -22,3 +23,8 @@ class EmulatedTrainer(TorchTrainer):
         tokens = forwarded_tokens(sequences) if self.packing == "tree" else sum(len(s) for s in sequences)
         time.sleep(tokens * self.config.emulated_s_per_token)
         return micro_stats(sequences, 0.0, tokens=tokens)
+
+    def apply(self, num_runs: int) -> ApplyStats:
+        stats = super().apply(num_runs)
+        time.sleep(self.config.emulated_apply_s)
+        return stats

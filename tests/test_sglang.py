@@ -39,6 +39,7 @@ from gyre_hpc.engines.sglang import (
     server_env,
     sglang_command,
 )
+from gyre_hpc.errors import LaunchError
 from gyre_hpc.models.architecture import Qwen3Config
 from gyre_hpc.models.catalog import model_shape
 from gyre_hpc.models.flat import FlatLayout
@@ -463,6 +464,22 @@ def test_a_server_killed_while_each_verb_is_in_flight_comes_back_as_the_verbs_as
         ]
     finally:
         host.stop()
+
+
+def test_a_server_that_never_comes_up_fails_its_cell_after_its_attempts_naming_why(tmp_path: Path) -> None:
+    """Every start dies at once (here its interpreter exits 1): after ``engine.restart_attempts``
+    starts, with backoff between them, one line names the bound, the last failure and the log."""
+    model_dir = init_tiny(tmp_path / "tiny", seed=0)
+    engine = EngineConfig(backend="sglang", dtype="float32")
+    server = SGLangServer(engine, model_dir, tmp_path / "sglang", device="cpu", python="/bin/false")
+    host = SGLangHost(server, lambda: (np.zeros(1, np.float32), 0), attempts=2, backoff_s=0.01)
+    with pytest.raises(LaunchError) as err:
+        host.start()
+    said = str(err.value)
+    assert (
+        "did not come up in 2 attempts (engine.restart_attempts); the last: sglang exited with code 1" in said
+    )
+    assert f"see {server.log}" in said and "\n" not in said
 
 
 @pytest.mark.sglang

@@ -268,6 +268,13 @@ class TransportConfig:
     verbs_device: str = knob("", "RDMA device name (e.g. mlx5_0); empty: the first one found.")
     verbs_port: int = knob(1, "RDMA device port.", min=1, max=255)
     gid_index: int = knob(0, "GID index (RoCE needs the right one).", min=0, max=255)
+    mpi_chunk_mb: int = knob(
+        1024,
+        "The largest part of one MPI call on a model-sized buffer (a snapshot or gradient broadcast "
+        "over a cell, a read of the core's snapshot), MiB: Open MPI 4.1 counts in 32-bit ints.",
+        min=1,
+        max=1024,
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -42,6 +42,7 @@ from gyre_hpc.trainer.base import Trainer
 from gyre_hpc.trainer.emulated import EmulatedTrainer
 from gyre_hpc.trainer.torch_backend import TorchTrainer
 from gyre_hpc.transport.base import Transport
+from gyre_hpc.transport.chunked import MAX_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,8 @@ class CellSetup:
     """The nodes a cell spans (``slurm.nodes_per_cell``): where its engine replicas go."""
     faults: FaultPoints = FaultPoints()
     """Where a test makes this rank die (``GYRE_FAULT``); none in a real run."""
+    mpi_part_bytes: int = MAX_BYTES
+    """The largest part of one bulk MPI call (``transport.mpi_chunk_mb``)."""
 
 
 class CellHost:

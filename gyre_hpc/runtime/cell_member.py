@@ -107,7 +107,7 @@ class Member(CellHost):
         self.in_cell.send(Loaded(cell=self.unit, version=msg.version, seconds=seconds, pushed=pushed), 0)
 
     def on_mirror(self, msg: Mirror) -> None:
-        mirror(self.mirrored, msg, self.world.cell_comm, self.scratch)
+        mirror(self.mirrored, msg, self.world.cell_comm, self.scratch, self.setup.mpi_part_bytes)
 
     def _member_trainer(self):  # noqa: ANN202 - a MegatronTrainer
         """This member's part of the replica, built with the leader's (its construction is collective)."""

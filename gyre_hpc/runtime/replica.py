@@ -4,7 +4,7 @@
  leader (cell rank 0)                                  member m (cell rank 1 … n-1)
    replica.micro_step(seqs) ──Mirror(micro_step, seqs)──▶ trainer.micro_step(seqs)
      trainer.micro_step(seqs) ◀═══ tensor-parallel collectives (torch.distributed) ═══▶
-   replica.load_snapshot(flat, v) ──Mirror──▶ Bcast(flat) ──▶ trainer.load_snapshot(flat, v)
+   replica.load_snapshot(flat, v) ──Mirror──▶ Bcast(flat, in parts) ──▶ trainer.load_snapshot(flat, v)
    replica.apply(R) ──Mirror──▶ Bcast(summed gradient) ──▶ trainer.apply(R)  (each steps its shards)
    replica.optimizer_state() ──Mirror──▶ gather(each rank's state)
 ```
@@ -27,13 +27,17 @@ from gyre_hpc.runtime.protocol import Channel, Mirror, ProtocolError
 from gyre_hpc.step.claims import MicroStats
 from gyre_hpc.trainer.base import ApplyStats, Trainer
 from gyre_hpc.trajectory.sequences import TrainSequence
+from gyre_hpc.transport import chunked
 
 
 class MirroredTrainer:
     """The Trainer protocol on the leader of a cell whose members hold the rest of the replica."""
 
-    def __init__(self, local: Trainer, comm: Any, channel: Channel) -> None:
-        self.local, self.comm, self.channel = local, comm, channel
+    def __init__(
+        self, local: Trainer, comm: Any, channel: Channel, part_bytes: int = chunked.MAX_BYTES
+    ) -> None:
+        """``part_bytes``: the largest part of one broadcast (``transport.mpi_chunk_mb``)."""
+        self.local, self.comm, self.channel, self.part_bytes = local, comm, channel, part_bytes
         self.numel = local.numel
         self.members = range(1, comm.Get_size())
 
@@ -55,7 +59,7 @@ class MirroredTrainer:
 
     def load_snapshot(self, flat: np.ndarray, version: int) -> None:
         self._announce("load_snapshot", version)
-        self.comm.Bcast(flat, root=0)
+        chunked.bcast(self.comm, flat, 0, self.part_bytes)
         self.local.load_snapshot(flat, version)
 
     def zero_grad(self) -> None:
@@ -74,7 +78,9 @@ class MirroredTrainer:
 
     def apply(self, num_runs: int) -> ApplyStats:
         self._announce("apply", num_runs)
-        self.comm.Bcast(self.local.gradient(), root=0)  # the core's sum over every contributor
+        chunked.bcast(
+            self.comm, self.local.gradient(), 0, self.part_bytes
+        )  # the core's sum of every contributor
         return self.local.apply(num_runs)
 
     def optimizer_state(self) -> dict:
@@ -91,14 +97,16 @@ class MirroredTrainer:
         self.local.load_optimizer_state(self.comm.scatter(ranks, root=0))
 
 
-def mirror(trainer: Trainer, msg: Mirror, comm: Any, scratch: np.ndarray) -> None:
+def mirror(
+    trainer: Trainer, msg: Mirror, comm: Any, scratch: np.ndarray, part_bytes: int = chunked.MAX_BYTES
+) -> None:
     """A member's half of ``msg``: the same verb on its part of the replica."""
     verb, args = msg.verb, msg.args
     if verb == "load_snapshot":
-        comm.Bcast(scratch, root=0)
+        chunked.bcast(comm, scratch, 0, part_bytes)
         trainer.load_snapshot(scratch, *args)
     elif verb == "apply":
-        comm.Bcast(trainer.gradient(), root=0)
+        chunked.bcast(comm, trainer.gradient(), 0, part_bytes)
         trainer.apply(*args)
     elif verb == "optimizer_state":
         comm.gather(trainer.optimizer_state(), root=0)

@@ -56,4 +56,4 @@ def make_transport(comm: Any, plan: TransportPlan, config: TransportConfig) -> T
         return VerbsTransport(comm, plan, config)
     from gyre_hpc.transport.mpi import MpiTransport
 
-    return MpiTransport(comm, plan)
+    return MpiTransport(comm, plan, config.mpi_chunk_mb << 20)

@@ -12,18 +12,19 @@ from typing import Any
 import numpy as np
 
 from gyre_hpc.transport.base import TransportPlan
+from gyre_hpc.transport.chunked import MAX_BYTES, spans
 
 HEADER = 8  # int64 version before the snapshot's float32 values
-CHUNK = 1 << 30  # bytes per Get: MPI counts are 32-bit ints
 
 
 class MpiTransport:
     name = "mpi"
 
-    def __init__(self, comm: Any, plan: TransportPlan) -> None:
+    def __init__(self, comm: Any, plan: TransportPlan, part_bytes: int = MAX_BYTES) -> None:
+        """``part_bytes``: the largest part of one Get (``transport.mpi_chunk_mb``)."""
         from mpi4py import MPI
 
-        self.MPI, self.comm, self.plan = MPI, comm, plan
+        self.MPI, self.comm, self.plan, self.part_bytes = MPI, comm, plan, part_bytes
         rank = comm.Get_rank()
         n = plan.params
         self._snap = np.zeros(HEADER + 4 * n if rank == plan.core else 0, dtype=np.uint8)
@@ -87,9 +88,9 @@ class MpiTransport:
         dest = into.reshape(-1).view(np.uint8)
         if dest.size != 4 * self.plan.params:
             raise ValueError(f"buffer of {dest.size} bytes, the snapshot has {4 * self.plan.params}")
-        for at in range(0, dest.size, CHUNK):
-            part = dest[at : at + CHUNK]
-            win.Get(part, target, ((offset + at) // disp_unit, part.size, self.MPI.BYTE))
+        for start, end in spans(dest.size, self.part_bytes):
+            part = dest[start:end]
+            win.Get(part, target, ((offset + start) // disp_unit, part.size, self.MPI.BYTE))
 
     def close(self) -> None:
         for win in (self._snap_win, self._grad_win, self._counter_win):

@@ -20,7 +20,7 @@ FLAGSHIP = REPO / "recipes" / "qwen3-8b-8cells.toml"
 
 def lines(recipe_path, *sets: str) -> str:  # noqa: ANN001
     r = load_recipe(recipe_path, list(sets))
-    p = plan(model_shape(r.run.model), r.cells, r.engine, r.trainer, r.agent)
+    p = plan(model_shape(r.run.model), r.cells, r.engine, r.trainer, r.agent, r.slurm.nodes_per_cell)
     assert p is not None
     return "\n".join(p.lines()) + "\n"
 
@@ -90,3 +90,21 @@ def test_delta_pushes_count_the_copies_both_sides_keep_on_the_host() -> None:
     delta = plan(shape, r.cells, replace(r.engine, weight_sync="delta"), r.trainer, r.agent)
     assert whole is not None and delta is not None
     assert delta.host_bytes - whole.host_bytes == 2 * Shape.of(shape).params * 2  # bf16, both sides
+
+
+def test_a_node_whose_ranks_hold_more_host_memory_than_it_has_is_refused_in_one_line() -> None:
+    """Qwen3-32B at trainer tp 8 fits an H200, but each of a node's 8 ranks holds the whole
+    model's snapshot and gradient on the host: 2380 GiB against a 2 TiB node. Spread over two
+    nodes a cell fits (4 ranks a node)."""
+    r = load_recipe(FLAGSHIP, ["run.model=qwen3-32b", "trainer.tp_size=8"])
+    shape = model_shape("qwen3-32b")
+    with pytest.raises(RecipeError) as err:
+        check_memory(shape, r.cells, r.engine, r.trainer, r.agent)
+    said = str(err.value)
+    assert said.startswith("memory plan: host 2380.4 GiB a node (8 ranks × 297.6 GiB") and "\n" not in said
+    assert "> 2048.0 GiB, cells.host_memory_gib" in said
+    spread = check_memory(shape, r.cells, r.engine, r.trainer, r.agent, nodes_per_cell=2)
+    assert (
+        spread is not None
+        and spread.lines()[-1] == "  host 297.6 GiB a rank, 1190.2 GiB a node of 4 ranks (of 2048.0)"
+    )

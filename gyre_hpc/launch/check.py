@@ -39,7 +39,9 @@ def check_launch(r: Recipe) -> LaunchPlan:
     engines = cell_engines(r.cells, r.slurm, r.engine)
     check_runnable(r.engine, r.trainer)
     check_trackers(r.observability)
-    memory = check_memory(model_shape(r.run.model), r.cells, r.engine, r.trainer, r.agent)
+    memory = check_memory(
+        model_shape(r.run.model), r.cells, r.engine, r.trainer, r.agent, r.slurm.nodes_per_cell
+    )
     return LaunchPlan(engines=engines, memory=memory)
 
 

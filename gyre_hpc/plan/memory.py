@@ -83,6 +83,10 @@ class MemoryPlan:
     """Tokens one execution's context may reach (agent.context_limit_tokens + one reply)."""
     host_bytes: int
     """Host memory one rank holds: the flat snapshot and gradient, and its released trainer state."""
+    ranks_per_node: int = 1
+    """A cell's ranks on one node (``cells.ranks_per_cell`` / ``slurm.nodes_per_cell``)."""
+    node_host_bytes: int = 0
+    """One node's host memory (``cells.host_memory_gib``); 0: not planned."""
 
     def lines(self) -> list[str]:
         return [
@@ -90,7 +94,9 @@ class MemoryPlan:
             f"  {self.sampling.line()}",
             f"  {self.training.line()}",
             f"  KV cache {self.kv_tokens:,} tokens a replica (one context: {self.context_tokens:,})",
-            f"  host {gib(self.host_bytes)} GiB a rank",
+            f"  host {gib(self.host_bytes)} GiB a rank, {gib(self.ranks_per_node * self.host_bytes)} GiB "
+            f"a node of {self.ranks_per_node} rank{'s' if self.ranks_per_node != 1 else ''}"
+            + (f" (of {gib(self.node_host_bytes)})" if self.node_host_bytes else ""),
         ]
 
     def refusal(self) -> str | None:
@@ -101,6 +107,14 @@ class MemoryPlan:
                     f"memory plan: {phase.line()} > {gib(self.gpu_bytes)} GiB, cells.gpu_memory_gib; "
                     f"{ADVICE[phase.name]}"
                 )
+        node = self.ranks_per_node * self.host_bytes
+        if self.node_host_bytes and node > self.node_host_bytes:
+            return (
+                f"memory plan: host {gib(node)} GiB a node ({self.ranks_per_node} ranks × "
+                f"{gib(self.host_bytes)} GiB: each holds the whole model's snapshot and gradient) > "
+                f"{gib(self.node_host_bytes)} GiB, cells.host_memory_gib; put fewer of a cell's ranks "
+                "on a node (slurm.nodes_per_cell)"
+            )
         if self.kv_tokens < self.context_tokens:
             return (
                 f"memory plan: the engine's KV cache holds {self.kv_tokens:,} tokens after its weights, "
@@ -180,9 +194,11 @@ def plan(
     engine: EngineConfig,
     trainer: TrainerConfig,
     agent: AgentConfig,
+    nodes_per_cell: int = 1,
 ) -> MemoryPlan | None:
     """The plan of the worst GPU of a cell, or None where nothing is planned: no GPU size given
-    (``cells.gpu_memory_gib = 0``), or an emulated engine or trainer (which hold no GPU memory)."""
+    (``cells.gpu_memory_gib = 0``), or an emulated engine or trainer (which hold no GPU memory).
+    ``nodes_per_cell``: the nodes a cell's ranks spread over (``slurm.nodes_per_cell``)."""
     if not cells.gpu_memory_gib or "emulated" in (engine.backend, trainer.backend):
         return None
     s = Shape.of(model)
@@ -243,6 +259,8 @@ def plan(
         kv_tokens=max(0, static - engine_weights) // kv_per_token,
         context_tokens=agent.context_limit_tokens + engine.max_new_tokens,
         host_bytes=host,
+        ranks_per_node=-(-cells.ranks_per_cell // nodes_per_cell),
+        node_host_bytes=int(cells.host_memory_gib * GIB),
     )
 
 
@@ -260,12 +278,13 @@ def check_memory(
     engine: EngineConfig,
     trainer: TrainerConfig,
     agent: AgentConfig,
+    nodes_per_cell: int = 1,
 ) -> MemoryPlan | None:
-    """The plan, or a ``RecipeError`` (one line) when a phase does not fit; None where nothing
-    is planned (no GPU size, or the model's shape is not known here)."""
+    """The plan, or a ``RecipeError`` (one line) when a phase or a node does not fit; None where
+    nothing is planned (no GPU size, or the model's shape is not known here)."""
     if model is None:
         return None
-    p = plan(model, cells, engine, trainer, agent)
+    p = plan(model, cells, engine, trainer, agent, nodes_per_cell)
     if p is not None and (why := p.refusal()):
         raise RecipeError(why)
     return p

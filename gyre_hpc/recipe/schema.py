@@ -78,6 +78,13 @@ class CellsConfig:
         min=0.0,
         max=65536.0,
     )
+    host_memory_gib: float = knob(
+        0.0,
+        "Host memory of one node of a cell in GiB (an 8 × H200 node: 2048): the memory plan checks "
+        "a node's ranks (cells.ranks_per_cell / slurm.nodes_per_cell) against it; 0: not planned.",
+        min=0.0,
+        max=16_777_216.0,
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

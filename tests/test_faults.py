@@ -152,6 +152,7 @@ def records_by_run(run: RunDir) -> dict[str, list[TitoRecord]]:
     return {r: list(t.records()) for r, t in trees.items()}
 
 
+@pytest.mark.timeout(900)  # a run killed mid-step and resumed, on however loaded a machine
 @pytest.mark.parametrize(("executors", "workers"), [(2, 2)])
 def test_a_restart_continues_the_steps_executions_from_their_last_call(
     tmp_path: Path, executors: int, workers: int
@@ -233,6 +234,7 @@ once it published the new version, midway through the step's checkpoint, the con
 writes the step's record, and once it marked the checkpoint, before the record is in the log."""
 
 
+@pytest.mark.timeout(900)  # two runs, one of them restarted seven times
 def test_a_fault_at_each_point_of_a_step_costs_a_restart_and_loses_nothing(tmp_path: Path) -> None:
     """One step, and a rank killed at each point in turn: every fault costs one restart of the
     world; the step is recorded once, the executions that finished before a fault are kept (none

@@ -152,6 +152,24 @@ def records_by_run(run: RunDir) -> dict[str, list[TitoRecord]]:
     return {r: list(t.records()) for r, t in trees.items()}
 
 
+def assert_continues(journalled: list[TitoRecord], nxt: TitoRecord) -> None:
+    """``nxt``, the first call of a continued execution, carries on its journalled main context:
+    it extends the last main call's context (through its tool results, and past any sub-agent it
+    delegated to), or, when that call compacted the context (a ``main-summary`` is the last call
+    journalled), it is the compacted context: the first call's [system, spec] and the summary. An
+    execution begun again would repeat its first call's input."""
+    main = [c for c in journalled if c.role == "main"]
+    assert nxt.role == "main", nxt.role
+    first = main[0].input_ids
+    if journalled[-1].role == "main-summary":  # [system, spec] shared, then the summary, not the spec's end
+        n = min(len(first), len(nxt.input_ids))
+        shared = int(np.flatnonzero(np.append(nxt.input_ids[:n] != first[:n], True))[0])
+        assert len(first) // 2 < shared < len(first) < len(nxt.input_ids), (shared, len(first), nxt.run_id)
+    else:
+        context = np.concatenate([main[-1].input_ids, main[-1].output_ids])
+        assert np.array_equal(nxt.input_ids[: len(context)], context), nxt.run_id
+
+
 @pytest.mark.timeout(900)  # a run killed mid-step and resumed, on however loaded a machine
 @pytest.mark.parametrize(("executors", "workers"), [(2, 2)])
 def test_a_restart_continues_the_steps_executions_from_their_last_call(
@@ -209,12 +227,10 @@ def test_a_restart_continues_the_steps_executions_from_their_last_call(
     after = records_by_run(run)
     for r in finished:  # not run again: not one call more
         assert after[r] == calls_before[r]
-    for r, calls in running.items():  # the journalled calls stay, and the next one extends them
+    for r, calls in running.items():  # the journalled calls stay, and the next one continues them
         assert after[r][:calls] == calls_before[r][:calls]
         if len(after[r]) > calls:
-            last, nxt = after[r][calls - 1], after[r][calls]
-            context = np.concatenate([last.input_ids, last.output_ids])
-            assert np.array_equal(nxt.input_ids[: len(context)], context), r
+            assert_continues(after[r][:calls], after[r][calls])
     assert any(len(after[r]) > calls for r, calls in running.items())  # some did call again
     step = next(e for e in run.read_events() if isinstance(e, ev.Step))
     assert step.executions == 16

@@ -111,12 +111,11 @@ def test_spans_cover_a_buffer_in_parts_mpi_can_count() -> None:
 
 
 @pytest.mark.mpi
-def test_a_cell_broadcast_and_the_transport_s_reads_move_a_buffer_in_parts(tmp_path: Path) -> None:
-    """With 1 MiB parts (``transport.mpi_chunk_mb = 1``) a 2.7 MB buffer is broadcast in three
-    calls, and the satellite's snapshot read and the core's gradient read arrive whole."""
+def test_the_transport_s_reads_move_a_buffer_in_parts(tmp_path: Path) -> None:
+    """With 1 MiB parts (``transport.mpi_chunk_mb = 1``) the satellite's snapshot read and the
+    core's gradient read of a 2.7 MB buffer (three parts each) arrive whole."""
     verdict = tmp_path / "verdict.json"
     mpirun(3, "chunked_moves.py", str(verdict))
     by_rank = {v["rank"]: v for v in json.loads(verdict.read_text())}
-    assert all(v["parts"] == 3 and v["bcast_equal"] for v in by_rank.values()), by_rank
     assert by_rank[2]["snapshot_equal"] and by_rank[2]["version"] == 7
     assert by_rank[1]["gradient_equal"]

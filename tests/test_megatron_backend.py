@@ -17,10 +17,12 @@ from conftest import flat_of, gyre
 
 from gyre_hpc.builtin_models.resolve import resolve_model
 from gyre_hpc.models.architecture import Qwen3Config
+from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 from gyre_hpc.models.tiny import init_tiny, save_weights
 from gyre_hpc.observability.events import read_events
 from gyre_hpc.recipe.schema import AgentConfig, CellsConfig, EngineConfig, TrainerConfig
+from gyre_hpc.trainer.megatron_weights import MegatronLayout, slice_shapes
 from gyre_hpc.trainer.torch_backend import TorchTrainer
 from gyre_hpc.trajectory.sequences import TrainSequence
 
@@ -120,6 +122,18 @@ def test_a_data_tensor_or_pipeline_parallel_trainer_matches_one_rank(
     assert np.abs(got["grad"] - g1).max() <= 1e-5 * np.abs(g1).max()
     one.apply(3)
     assert np.abs(got["after"] - one.weights()).max() < 1e-5
+    # No rank but the replica's first holds a whole-model buffer; each holds its slice, and Adam's
+    # two moments of it, alone: its share of the model, and at most one embedding's shard more
+    # (a tied embedding's copy on the last stage, rows padded to a multiple of 128 × tp).
+    config = Qwen3Config.load(model_dir)
+    layout, flat = MegatronLayout(config, tp, pp), FlatLayout.of(config)
+    shapes = {name: shape for name, (_, shape) in flat.slots.items()}
+    assert len(got["held"]) == ranks
+    for stage, tp_rank, dp_rank, whole_weights, whole_grad, params, moments in got["held"].tolist():
+        whole = flat.numel if (stage, tp_rank, dp_rank) == (0, 0, 0) else 0
+        mine = sum(s.numel() for s in slice_shapes(layout, shapes, tp_rank, stage).values())
+        assert (whole_weights, whole_grad, params, moments) == (whole, whole, mine, 2 * mine)
+        assert mine <= flat.numel / (tp * pp) + layout.padded_vocab * config.hidden_size / tp
 
 
 def test_checkpoints_are_hugging_face_directories_whatever_the_backend(tmp_path: Path) -> None:

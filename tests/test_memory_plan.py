@@ -30,6 +30,7 @@ def lines(recipe_path, *sets: str) -> str:  # noqa: ANN001
     [
         ("qwen3-8b-tp4", ()),
         ("qwen3-8b-tp8", ("trainer.tp_size=8",)),
+        ("qwen3-32b-tp8", ("run.model=qwen3-32b", "trainer.tp_size=8")),
         ("tiny", ("cells.gpu_memory_gib=80", "engine.backend=sglang")),
     ],
 )
@@ -89,22 +90,30 @@ def test_delta_pushes_count_the_copies_both_sides_keep_on_the_host() -> None:
     whole = plan(shape, r.cells, r.engine, r.trainer, r.agent)
     delta = plan(shape, r.cells, replace(r.engine, weight_sync="delta"), r.trainer, r.agent)
     assert whole is not None and delta is not None
-    assert delta.host_bytes - whole.host_bytes == 2 * Shape.of(shape).params * 2  # bf16, both sides
+    copies = 2 * Shape.of(shape).params * 2  # bf16, both sides
+    assert delta.host_leader - whole.host_leader == copies
+    assert delta.host_engine_member - whole.host_engine_member == copies
+    assert delta.host_member == whole.host_member
 
 
 def test_a_node_whose_ranks_hold_more_host_memory_than_it_has_is_refused_in_one_line() -> None:
-    """Qwen3-32B at trainer tp 8 fits an H200, but each of a node's 8 ranks holds the whole
-    model's snapshot and gradient on the host: 2380 GiB against a 2 TiB node. Spread over two
-    nodes a cell fits (4 ranks a node)."""
+    """Qwen3-32B at trainer tp 8 on one node of 8 H200s: only the leader holds the model whole on
+    the host (its trainer's weights and gradient, the snapshot it pulls, the published one); the
+    other ranks their slices, and the one hosting the second engine replica the snapshot it
+    pulls. 1037.5 GiB fits 2 TiB (with every rank holding the snapshot and gradient whole it was
+    2380.4: refused); 512 GiB is refused in one line."""
     r = load_recipe(FLAGSHIP, ["run.model=qwen3-32b", "trainer.tp_size=8"])
     shape = model_shape("qwen3-32b")
-    with pytest.raises(RecipeError) as err:
-        check_memory(shape, r.cells, r.engine, r.trainer, r.agent)
-    said = str(err.value)
-    assert said.startswith("memory plan: host 2380.4 GiB a node (8 ranks × 297.6 GiB") and "\n" not in said
-    assert "> 2048.0 GiB, cells.host_memory_gib" in said
-    spread = check_memory(shape, r.cells, r.engine, r.trainer, r.agent, nodes_per_cell=2)
-    assert (
-        spread is not None
-        and spread.lines()[-1] == "  host 297.6 GiB a rank, 1190.2 GiB a node of 4 ranks (of 2048.0)"
+    fits = check_memory(shape, r.cells, r.engine, r.trainer, r.agent)
+    assert fits is not None and fits.lines()[-1] == (
+        "  host 1037.5 GiB a node of 8 ranks (leader 541.6, 6 × 53.4, 1 × 175.5 hosting an engine "
+        "replica), of 2048.0"
     )
+    small = replace(r.cells, host_memory_gib=512)
+    with pytest.raises(RecipeError) as err:
+        check_memory(shape, small, r.engine, r.trainer, r.agent)
+    said = str(err.value)
+    assert (
+        said.startswith("memory plan: host 1037.5 GiB a node of 8 ranks (leader 541.6") and "\n" not in said
+    )
+    assert "> 512.0 GiB, cells.host_memory_gib" in said

@@ -32,7 +32,6 @@ from gyre_hpc.models.catalog import tiny_config  # noqa: E402
 from gyre_hpc.models.flat import FlatLayout  # noqa: E402
 from gyre_hpc.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 from gyre_hpc.recipe.schema import TrainerConfig  # noqa: E402
-from gyre_hpc.trainer import megatron_backend  # noqa: E402
 from gyre_hpc.trainer.megatron_backend import MegatronTrainer  # noqa: E402
 from gyre_hpc.trainer.megatron_weights import megatron_to_hf  # noqa: E402
 from gyre_hpc.trajectory.sequences import TrainSequence  # noqa: E402
@@ -124,7 +123,7 @@ def main() -> None:
     cfg = TrainerConfig(dtype=args.dtype, lr=1e-6)
     start_s, trainer = timed(lambda: MegatronTrainer(model_dir, cfg, core=True))
     assert isinstance(trainer, MegatronTrainer)
-    load_s, _ = timed(lambda: trainer._load(megatron_backend._reader(model_dir)))  # files → Megatron
+    load_s, _ = timed(lambda: trainer.load_files(model_dir))  # files → Megatron
     gb = trainer.numel * 4 / 1e9  # the flat fp32 snapshot
 
     rng = np.random.default_rng(0)

@@ -81,12 +81,36 @@ class MemoryPlan:
     """Tokens of KV one engine replica holds in its static pool after its weights."""
     context_tokens: int
     """Tokens one execution's context may reach (agent.context_limit_tokens + one reply)."""
-    host_bytes: int
-    """Host memory one rank holds: the flat snapshot and gradient, and its released trainer state."""
+    host_leader: int
+    """Host memory of the core's leader: the whole flat weights, gradient and pulled snapshot,
+    the published snapshot (the transport's), its released trainer slice, its engine's copy."""
+    host_member: int = 0
+    """Host memory of a member: its released trainer slice alone."""
+    host_engine_member: int = 0
+    """Host memory of a member that hosts an engine replica: its slice, the snapshot it pulls
+    whole for its engine, and its engine's copy."""
+    engine_members: int = 0
+    """Members of the leader's node that host an engine replica."""
     ranks_per_node: int = 1
     """A cell's ranks on one node (``cells.ranks_per_cell`` / ``slurm.nodes_per_cell``)."""
     node_host_bytes: int = 0
     """One node's host memory (``cells.host_memory_gib``); 0: not planned."""
+
+    @property
+    def host_node(self) -> int:
+        """The host memory of the core's first node: its leader, and its members."""
+        others = self.ranks_per_node - 1 - self.engine_members
+        return self.host_leader + self.engine_members * self.host_engine_member + others * self.host_member
+
+    def host_line(self) -> str:
+        n, k = self.ranks_per_node, self.engine_members
+        ranks = f"{n} rank{'s' if n != 1 else ''}"
+        parts = [f"leader {gib(self.host_leader)}"]
+        if n > 1 + k:
+            parts.append(f"{n - 1 - k} × {gib(self.host_member)}")
+        if k:
+            parts.append(f"{k} × {gib(self.host_engine_member)} hosting an engine replica")
+        return f"host {gib(self.host_node)} GiB a node of {ranks} ({', '.join(parts)})"
 
     def lines(self) -> list[str]:
         return [
@@ -94,9 +118,7 @@ class MemoryPlan:
             f"  {self.sampling.line()}",
             f"  {self.training.line()}",
             f"  KV cache {self.kv_tokens:,} tokens a replica (one context: {self.context_tokens:,})",
-            f"  host {gib(self.host_bytes)} GiB a rank, {gib(self.ranks_per_node * self.host_bytes)} GiB "
-            f"a node of {self.ranks_per_node} rank{'s' if self.ranks_per_node != 1 else ''}"
-            + (f" (of {gib(self.node_host_bytes)})" if self.node_host_bytes else ""),
+            f"  {self.host_line()}" + (f", of {gib(self.node_host_bytes)}" if self.node_host_bytes else ""),
         ]
 
     def refusal(self) -> str | None:
@@ -107,13 +129,10 @@ class MemoryPlan:
                     f"memory plan: {phase.line()} > {gib(self.gpu_bytes)} GiB, cells.gpu_memory_gib; "
                     f"{ADVICE[phase.name]}"
                 )
-        node = self.ranks_per_node * self.host_bytes
-        if self.node_host_bytes and node > self.node_host_bytes:
+        if self.node_host_bytes and self.host_node > self.node_host_bytes:
             return (
-                f"memory plan: host {gib(node)} GiB a node ({self.ranks_per_node} ranks × "
-                f"{gib(self.host_bytes)} GiB: each holds the whole model's snapshot and gradient) > "
-                f"{gib(self.node_host_bytes)} GiB, cells.host_memory_gib; put fewer of a cell's ranks "
-                "on a node (slurm.nodes_per_cell)"
+                f"memory plan: {self.host_line()} > {gib(self.node_host_bytes)} GiB, "
+                "cells.host_memory_gib; put fewer of a cell's ranks on a node (slurm.nodes_per_cell)"
             )
         if self.kv_tokens < self.context_tokens:
             return (
@@ -246,20 +265,28 @@ def plan(
         parts = (state, grads, optimizer, activations, logits, Part("released engine", CUDA_CONTEXT))
         stages.append(Phase("training", parts))
     training = max(stages, key=lambda p: p.total)
+    # A rank's slice while released (the core's: weights, fp32 masters, Adam's moments). Only
+    # the leader holds whole fp32 buffers (its trainer's weights and gradient, the snapshot it
+    # pulls, the core's published one); a member hosting an engine replica pulls it whole too.
     rank_params = t.params // (tp * pp)
-    host = 2 * 4 * t.params + rank_params * (train_dtype + (4 if trainer.dtype != "float32" else 0) + 8)
-    if engine.weight_sync == "delta":
-        # The version each side last held, in the served dtype: the sender's (a rank hosting a
-        # replica), and the server rank's on this GPU (at tp > 1 nearly all of it: sharded).
-        host += 2 * s.params * served
+    state = rank_params * (train_dtype + (4 if trainer.dtype != "float32" else 0) + 8)
+    whole = 4 * s.params
+    # delta: the version each side last held, in the served dtype: the sender's (a rank hosting
+    # a replica), and the server rank's on this GPU (at tp > 1 nearly all of it: sharded).
+    engine_copy = 2 * s.params * served if engine.weight_sync == "delta" else 0
+    per_node = -(-cells.ranks_per_cell // nodes_per_cell)
+    heads = per_node // engine.tp_size if engine.tp_size <= per_node else 1  # the leader's node
     return MemoryPlan(
         gpu_bytes=gpu,
         sampling=sampling,
         training=training,
         kv_tokens=max(0, static - engine_weights) // kv_per_token,
         context_tokens=agent.context_limit_tokens + engine.max_new_tokens,
-        host_bytes=host,
-        ranks_per_node=-(-cells.ranks_per_cell // nodes_per_cell),
+        host_leader=state + 4 * whole + engine_copy,
+        host_member=state,
+        host_engine_member=state + whole + engine_copy,
+        engine_members=max(0, heads - 1),
+        ranks_per_node=per_node,
         node_host_bytes=int(cells.host_memory_gib * GIB),
     )
 

@@ -277,8 +277,8 @@ class TransportConfig:
     gid_index: int = knob(0, "GID index (RoCE needs the right one).", min=0, max=255)
     mpi_chunk_mb: int = knob(
         1024,
-        "The largest part of one MPI call on a model-sized buffer (a snapshot or gradient broadcast "
-        "over a cell, a read of the core's snapshot), MiB: Open MPI 4.1 counts in 32-bit ints.",
+        "The largest part of one MPI call on a model-sized buffer (a read of the core's snapshot or "
+        "of a contributor's gradient), MiB: Open MPI 4.1 counts in 32-bit ints.",
         min=1,
         max=1024,
     )

@@ -42,7 +42,6 @@ from gyre_hpc.trainer.base import Trainer
 from gyre_hpc.trainer.emulated import EmulatedTrainer
 from gyre_hpc.trainer.torch_backend import TorchTrainer
 from gyre_hpc.transport.base import Transport
-from gyre_hpc.transport.chunked import MAX_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +79,6 @@ class CellSetup:
     """The nodes a cell spans (``slurm.nodes_per_cell``): where its engine replicas go."""
     faults: FaultPoints = FaultPoints()
     """Where a test makes this rank die (``GYRE_FAULT``); none in a real run."""
-    mpi_part_bytes: int = MAX_BYTES
-    """The largest part of one bulk MPI call (``transport.mpi_chunk_mb``)."""
 
 
 class CellHost:
@@ -153,7 +150,11 @@ class CellHost:
         a part that serves no HTTP)."""
         assert self.setup is not None
         s, env, part = self.setup, self.world.env, self.part
-        self.scratch = np.empty(s.transport.plan.params, dtype=np.float32)  # pulled snapshots land here
+        # Pulled snapshots land here: an engine part's, and the leader's (its trainer's, and the
+        # gradients it sums). A member that hosts no engine part holds no whole-model buffer.
+        leads = self.world.cell_comm.Get_rank() == 0
+        whole = s.transport.plan.params if part is not None or leads else 0
+        self.scratch = np.empty(whole, dtype=np.float32)
         if part is None:
             return None
         slurm = env.launcher == "slurm"

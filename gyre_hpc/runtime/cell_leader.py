@@ -89,9 +89,7 @@ class Leader(CellHost):
             return
         trainer = self.build_trainer()
         self.trainer = (
-            MirroredTrainer(trainer, self.world.cell_comm, self.in_cell, self.setup.mpi_part_bytes)
-            if self.spread
-            else trainer
+            MirroredTrainer(trainer, self.world.cell_comm, self.in_cell) if self.spread else trainer
         )
         if self.is_core:
             self.restore()

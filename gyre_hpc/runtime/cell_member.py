@@ -18,8 +18,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from gyre_hpc.runtime.cell_host import CellHost, hand_over
 from gyre_hpc.runtime.protocol import (
     POLL_INTERVAL_S,
@@ -107,20 +105,17 @@ class Member(CellHost):
         self.in_cell.send(Loaded(cell=self.unit, version=msg.version, seconds=seconds, pushed=pushed), 0)
 
     def on_mirror(self, msg: Mirror) -> None:
-        mirror(self.mirrored, msg, self.world.cell_comm, self.scratch, self.setup.mpi_part_bytes)
+        mirror(self.mirrored, msg, self.world.cell_comm)
 
     def _member_trainer(self):  # noqa: ANN202 - a MegatronTrainer
         """This member's part of the replica, built with the leader's (its construction is collective)."""
         from gyre_hpc.trainer.megatron_backend import MegatronTrainer
 
         assert self.setup is not None
-        trainer = MegatronTrainer(
+        return MegatronTrainer(
             self.setup.model_dir,
             self.trainer_cfg,
             core=self.is_core,
             world=self.megatron,
             packing=self.setup.packing,
         )
-        if self.scratch.size != trainer.numel:
-            self.scratch = np.empty(trainer.numel, dtype=np.float32)  # broadcast snapshots land here
-        return trainer

@@ -103,7 +103,6 @@ def main(argv: list[str] | None = None) -> int:
                 recipe.trajectory.packing,
                 recipe.slurm.nodes_per_cell,
                 FaultPoints.of(env.faults, rank, run_dir.fault_markers),
-                recipe.transport.mpi_chunk_mb << 20,
             )
             run_cell(world, recipe.cells, recipe.engine, recipe.trainer, setup)
         transport.close()  # collective: only on the way out of a run every rank completed

@@ -4,8 +4,8 @@
  leader (cell rank 0)                                  member m (cell rank 1 … n-1)
    replica.micro_step(seqs) ──Mirror(micro_step, seqs)──▶ trainer.micro_step(seqs)
      trainer.micro_step(seqs) ◀═══ tensor-parallel collectives (torch.distributed) ═══▶
-   replica.load_snapshot(flat, v) ──Mirror──▶ Bcast(flat, in parts) ──▶ trainer.load_snapshot(flat, v)
-   replica.apply(R) ──Mirror──▶ Bcast(summed gradient) ──▶ trainer.apply(R)  (each steps its shards)
+   replica.load_snapshot(flat, v) ──Mirror──▶ trainer.load_snapshot(·, v)  (its slice, from the leader)
+   replica.apply(R) ──Mirror──▶ trainer.apply(R)  (its slice of the summed gradient; each steps its own)
    replica.optimizer_state() ──Mirror──▶ gather(each rank's state)
 ```
 
@@ -13,8 +13,9 @@ A megatron trainer's verbs are collective over its model-parallel group: every r
 enters each one, in the same order, with the same arguments. The leader alone talks to the
 controller and the transport, so ``MirroredTrainer`` wraps the leader's trainer and announces
 each verb to the members before running it. Small arguments (a micro-step's sequences) ride in
-the message; bulk ones (a snapshot, the summed gradient) go by MPI broadcast on the cell's
-communicator. The replica knows nothing about roles or the schedule.
+the message; bulk ones (a snapshot, the summed gradient) are the trainer's to move: the leader
+holds them whole and hands each member its slice (``trainer.megatron_backend``), so no member
+holds the whole model. The replica knows nothing about roles or the schedule.
 """
 
 from __future__ import annotations
@@ -27,17 +28,16 @@ from gyre_hpc.runtime.protocol import Channel, Mirror, ProtocolError
 from gyre_hpc.step.claims import MicroStats
 from gyre_hpc.trainer.base import ApplyStats, Trainer
 from gyre_hpc.trajectory.sequences import TrainSequence
-from gyre_hpc.transport import chunked
+
+NOTHING = np.zeros(0, dtype=np.float32)
+"""What a member passes for the whole buffers it does not hold."""
 
 
 class MirroredTrainer:
     """The Trainer protocol on the leader of a cell whose members hold the rest of the replica."""
 
-    def __init__(
-        self, local: Trainer, comm: Any, channel: Channel, part_bytes: int = chunked.MAX_BYTES
-    ) -> None:
-        """``part_bytes``: the largest part of one broadcast (``transport.mpi_chunk_mb``)."""
-        self.local, self.comm, self.channel, self.part_bytes = local, comm, channel, part_bytes
+    def __init__(self, local: Trainer, comm: Any, channel: Channel) -> None:
+        self.local, self.comm, self.channel = local, comm, channel
         self.numel = local.numel
         self.members = range(1, comm.Get_size())
 
@@ -59,7 +59,6 @@ class MirroredTrainer:
 
     def load_snapshot(self, flat: np.ndarray, version: int) -> None:
         self._announce("load_snapshot", version)
-        chunked.bcast(self.comm, flat, 0, self.part_bytes)
         self.local.load_snapshot(flat, version)
 
     def zero_grad(self) -> None:
@@ -77,10 +76,7 @@ class MirroredTrainer:
         return self.local.micro_step(sequences)
 
     def apply(self, num_runs: int) -> ApplyStats:
-        self._announce("apply", num_runs)
-        chunked.bcast(
-            self.comm, self.local.gradient(), 0, self.part_bytes
-        )  # the core's sum of every contributor
+        self._announce("apply", num_runs)  # the core's sum of every contributor, in its gradient
         return self.local.apply(num_runs)
 
     def optimizer_state(self) -> dict:
@@ -97,22 +93,16 @@ class MirroredTrainer:
         self.local.load_optimizer_state(self.comm.scatter(ranks, root=0))
 
 
-def mirror(
-    trainer: Trainer, msg: Mirror, comm: Any, scratch: np.ndarray, part_bytes: int = chunked.MAX_BYTES
-) -> None:
+def mirror(trainer: Trainer, msg: Mirror, comm: Any) -> None:
     """A member's half of ``msg``: the same verb on its part of the replica."""
     verb, args = msg.verb, msg.args
     if verb == "load_snapshot":
-        chunked.bcast(comm, scratch, 0, part_bytes)
-        trainer.load_snapshot(scratch, *args)
-    elif verb == "apply":
-        chunked.bcast(comm, trainer.gradient(), 0, part_bytes)
-        trainer.apply(*args)
+        trainer.load_snapshot(NOTHING, *args)  # its slice comes from the leader
     elif verb == "optimizer_state":
         comm.gather(trainer.optimizer_state(), root=0)
     elif verb == "load_optimizer_state":
         trainer.load_optimizer_state(comm.scatter(None, root=0))
-    elif verb in ("weights", "zero_grad", "micro_step", "gradient"):
+    elif verb in ("weights", "zero_grad", "micro_step", "gradient", "apply"):
         getattr(trainer, verb)(*args)
     else:
         raise ProtocolError(f"cell member: no trainer verb {verb!r}")

@@ -13,8 +13,18 @@ engines load snapshots unchanged, cells of either backend sum their gradients al
 checkpoints stay Hugging Face directories. Conversion happens at those boundaries, tensor by
 tensor (``megatron_weights``): a rank loads its own shards of its own stage; shards are gathered
 over the tensor-parallel group, and each stage's tensors are broadcast over the pipeline group,
-wherever a whole tensor is needed. Every rank holds the whole flat buffers. Ranks beyond
-tp × pp are data-parallel replicas: they split each micro-step's sequences and sum gradients.
+wherever a whole tensor is needed. Only the replica's first rank (the cell's leader, which
+talks to the transport) holds the whole flat buffers; every other rank holds its slice alone,
+its parameters (and on the core its fp32 masters and Adam's moments), and the leader hands
+each rank its slice of a snapshot or a summed gradient, tensor by tensor:
+
+```
+ leader: flat ──hf_to_megatron(rank r, stage s)──▶ send ─▶ rank (r, s): its parameters / .grad
+ leader: flat ◀── its stage's tensors ◀── recv ◀── stage s, TP rank 0: megatron_to_hf (TP gathered)
+```
+
+Ranks beyond tp × pp are data-parallel replicas: they split each micro-step's sequences and sum
+gradients.
 
 With pipeline stages, a micro-step runs a GPipe schedule whose micro-batches are its sequences
 (every rank has them all, so each hidden-state shape is known on both ends; no padding):
@@ -61,7 +71,13 @@ from gyre_hpc.trainer.base import (
     tree_inputs,
 )
 from gyre_hpc.trainer.megatron_cpu import redirect_cuda_to_cpu
-from gyre_hpc.trainer.megatron_weights import MegatronLayout, hf_to_megatron, megatron_to_hf
+from gyre_hpc.trainer.megatron_weights import (
+    MegatronLayout,
+    hf_to_megatron,
+    megatron_to_hf,
+    slice_shapes,
+    stage_shapes,
+)
 from gyre_hpc.trainer.offload import Offload, moments
 from gyre_hpc.trainer.tree_attention import (
     block_mask,
@@ -326,12 +342,20 @@ class MegatronTrainer:
         self.flat_layout = FlatLayout.of(self.model_config)
         self.slots = self.flat_layout.slots
         self.numel = self.flat_layout.numel
+        self.shapes = {name: shape for name, (_, shape) in self.slots.items()}
+        dist = torch.distributed
+        self.lead = dist.get_rank() == 0
+        """The replica's first rank: it alone holds the whole flat buffers (the cell's leader)."""
+        self.places: list[tuple[int, int, int]] = [(0, 0, 0)] * dist.get_world_size()
+        """Each rank's (stage, TP rank, DP rank): where the leader sends slices, whence it gathers."""
+        dist.all_gather_object(self.places, (self.stage, self.tp_rank, self.dp_rank))
+        whole = self.numel if self.lead else 0
         # Snapshots leave through host memory: pinned, so a GPU copies at full speed into it.
-        self.flat = torch.zeros(self.numel, pin_memory=torch.cuda.is_available()).numpy()
+        self.flat = torch.zeros(whole, pin_memory=torch.cuda.is_available() and self.lead).numpy()
         if grad_buffer is None:
-            grad_buffer = np.zeros(self.numel, dtype=np.float32)
-        if grad_buffer.shape != (self.numel,) or grad_buffer.dtype != np.float32:
-            raise ValueError(f"gradient buffer must be float32[{self.numel}]")
+            grad_buffer = np.zeros(whole, dtype=np.float32)
+        if grad_buffer.shape != (whole,) or grad_buffer.dtype != np.float32:
+            raise ValueError(f"gradient buffer must be float32[{whole}] on this rank")
         self.grad = grad_buffer
         # Each backward's gradient is added, in fp32 on the trainer's device, to ``main_grad``
         # and dropped; reduced and copied into ``grad`` once, when ``gradient()`` is asked.
@@ -340,7 +364,7 @@ class MegatronTrainer:
         """Micro-steps were trained since the gradient was last copied into ``grad``."""
         for name, p in self.params.items():
             p.register_post_accumulate_grad_hook(self._accumulator(name))
-        self._load(_reader(Path(model_dir)))
+        self.load_files(Path(model_dir))
         self.version = 0
         self.fresh = False
         """``flat`` holds the current weights (gathered since the last change)."""
@@ -359,11 +383,13 @@ class MegatronTrainer:
     # ---- the Trainer protocol ------------------------------------------------------------------
 
     def weights(self) -> np.ndarray:
+        """The whole flat weights on the replica's first rank (an empty buffer on the others,
+        which take part in gathering them)."""
         if not self.fresh:  # the shards are gathered where they live (NCCL: on the GPU)
             if self.offload.released:
                 raise RuntimeError("weights() of a released trainer: take them before release_memory")
             source = self.master or self.params
-            self._to_flat(self.flat, lambda name: source[name].detach().float())
+            self._to_leader(self.flat, lambda name: source[name].detach().float())
             self.fresh = True
         return self.flat
 
@@ -401,12 +427,13 @@ class MegatronTrainer:
             if self.dp > 1:
                 for g in self.main_grad.values():
                     torch.distributed.all_reduce(g, group=self.dp_group)
-            self._to_flat(self.grad, self._whole_grad, add=True)
+            self._to_leader(self.grad, self._whole_grad, add=True)
             self.main_grad, self.pending = {}, False
         return self.grad
 
     def load_snapshot(self, flat: np.ndarray, version: int) -> None:
-        self._load(self._view(flat))
+        """The leader's ``flat``, each rank its slice of it (``flat`` is read on the leader only)."""
+        self._load(self._slices(flat))
         self.version = version
         self.fresh = False
 
@@ -600,11 +627,16 @@ class MegatronTrainer:
     def apply(self, num_runs: int) -> ApplyStats:
         if self.optimizer is None:
             raise RuntimeError("only the core owns an optimizer")
-        # The whole gradient: every rank has it.
-        norm, scale = mean_gradient_scale(float(np.linalg.norm(self.grad)), num_runs, self.config.grad_clip)
+        # The whole gradient is the leader's: it finds the norm, each rank gets its slice.
+        norm_scale = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if self.lead:
+            norm = float(np.linalg.norm(self.grad))
+            norm_scale[:] = torch.tensor(mean_gradient_scale(norm, num_runs, self.config.grad_clip))
+        torch.distributed.broadcast(norm_scale, 0)
+        norm, scale = norm_scale.tolist()
         stepped = self.master or self.params
         with torch.no_grad():
-            for name, t in hf_to_megatron(self._view(self.grad), self.layout, self.tp_rank, self.stage):
+            for name, t in self._slices(self.grad):
                 # A copy: ``t`` may be a view of the gradient buffer the transport exposes.
                 stepped[name].grad = t.to(stepped[name].device, torch.float32, copy=True).mul_(scale)
         self.optimizer.step()
@@ -627,15 +659,37 @@ class MegatronTrainer:
 
     # ---- layout boundaries ---------------------------------------------------------------------
 
+    def load_files(self, model_dir: Path) -> None:
+        """This rank's slice read from a Hugging Face directory's files (each rank its own, one
+        tensor at a time; not collective)."""
+        self._load(hf_to_megatron(_reader(model_dir), self.layout, self.tp_rank, self.stage))
+
     def _view(self, flat: np.ndarray):  # noqa: ANN202 - a reader callback
         return self.flat_layout.views(flat).__getitem__
 
-    def _load(self, read) -> None:  # noqa: ANN001 - a reader callback
+    def _load(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
-            for name, t in hf_to_megatron(read, self.layout, self.tp_rank, self.stage):
+            for name, t in tensors:
                 self.params[name].copy_(t)
                 if self.master is not None:
                     self.master[name].copy_(t)
+
+    def _slices(self, flat: np.ndarray) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's slice of the leader's whole ``flat``, tensor by tensor in megatron's
+        layout: the leader cuts every other rank's and sends it, then yields its own; the others
+        receive theirs (``slice_shapes`` says what arrives). Collective over the replica."""
+        dist = torch.distributed
+        if not self.lead:
+            for name, shape in slice_shapes(self.layout, self.shapes, self.tp_rank, self.stage).items():
+                t = torch.empty(shape, dtype=torch.float32, device=self.device)
+                dist.recv(t, 0)
+                yield name, t
+            return
+        read = self._view(flat)
+        for rank, (stage, tp_rank, _) in enumerate(self.places[1:], start=1):
+            for _, t in hf_to_megatron(read, self.layout, tp_rank, stage):
+                dist.send(t.to(self.device, torch.float32).contiguous(), rank)
+        yield from hf_to_megatron(read, self.layout, self.tp_rank, self.stage)
 
     def _shards(self, t: torch.Tensor) -> list[torch.Tensor]:
         """``t`` from every rank of the tensor-parallel group, in rank order."""
@@ -645,33 +699,39 @@ class MegatronTrainer:
         torch.distributed.all_gather(out, t.contiguous(), group=self.tp_group)
         return out
 
-    def _to_flat(self, flat: np.ndarray, tensor_of, add: bool = False) -> None:  # noqa: ANN001
-        """Gather each tensor (``tensor_of(name)``) into ``flat`` in the shared layout, or add it."""
-        out = torch.from_numpy(flat)
+    def _to_leader(self, flat: np.ndarray, tensor_of, add: bool = False) -> None:  # noqa: ANN001
+        """Gather each tensor (``tensor_of(name)``) into the leader's ``flat`` in the shared layout,
+        or add it: each stage's Hugging Face tensors are assembled on its ranks of the first
+        data-parallel replica (TP shards gathered), and its TP rank 0 sends them to the leader,
+        one at a time. Collective over the replica (the other replicas hold the same)."""
+        if self.dp_rank != 0:
+            return
+        dist = torch.distributed
         with torch.no_grad():
-            shards = lambda n: self._shards(tensor_of(n))  # noqa: E731
-            tensors = megatron_to_hf(shards, self.layout, self.stage)
-            if self.layout.pp > 1:
-                tensors = self._across_stages(dict(tensors))
-            for name, t in tensors:
-                if name in self.slots:  # a tied lm_head is the embedding's slot
-                    at, shape = self.slots[name]
-                    part = out[at : at + shape.numel()]
-                    if add:
-                        part.add_(t.reshape(-1).cpu())
-                    else:
-                        part.copy_(t.reshape(-1))
+            mine = megatron_to_hf(lambda n: self._shards(tensor_of(n)), self.layout, self.stage)
+            if not self.lead:
+                for _, t in mine:  # every TP rank takes part in each gather; rank 0 sends
+                    if self.tp_rank == 0:
+                        dist.send(t.float().contiguous(), 0)
+                return
+            out = torch.from_numpy(flat)
+            for stage in range(self.layout.pp):
+                tensors = mine if stage == 0 else self._received(stage)
+                for name, t in tensors:
+                    if name in self.slots:  # a tied lm_head is the embedding's slot
+                        at, shape = self.slots[name]
+                        part = out[at : at + shape.numel()]
+                        if add:
+                            part.add_(t.reshape(-1).cpu())
+                        else:
+                            part.copy_(t.reshape(-1))
 
-    def _across_stages(self, own: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every stage's Hugging Face tensors on every rank: each broadcast by the stage that holds it."""
-        for name, (_, shape) in self.slots.items():
-            stage = self.layout.stage_of(name)
-            if stage == self.stage:
-                t = own[name].float().contiguous()
-            else:
-                t = torch.empty(shape, dtype=torch.float32, device=self.device)
-            src = torch.distributed.get_global_rank(self.pp_group, stage)
-            torch.distributed.broadcast(t, src, group=self.pp_group)
+    def _received(self, stage: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """Stage ``stage``'s Hugging Face tensors, as its first rank sends them to the leader."""
+        src = self.places.index((stage, 0, 0))
+        for name, shape in stage_shapes(self.layout, self.shapes, stage).items():
+            t = torch.empty(shape, dtype=torch.float32, device=self.device)
+            torch.distributed.recv(t, src)
             yield name, t
 
 

@@ -141,6 +141,23 @@ def megatron_to_hf(
             yield "lm_head.weight", torch.cat(read("output_layer.weight"))[:vocab]
 
 
+def slice_shapes(
+    layout: MegatronLayout, shapes: dict[str, torch.Size], rank: int, stage: int
+) -> dict[str, torch.Size]:
+    """What ``hf_to_megatron`` yields for TP rank ``rank`` of stage ``stage``, name → shape, in
+    its order, from the Hugging Face tensors' ``shapes``: worked out on the meta device, so a rank
+    learns what it will receive without holding any of it."""
+    meta = lambda name: torch.empty(shapes[name], device="meta")  # noqa: E731
+    return {name: t.shape for name, t in hf_to_megatron(meta, layout, rank, stage)}
+
+
+def stage_shapes(layout: MegatronLayout, shapes: dict[str, torch.Size], stage: int) -> dict[str, torch.Size]:
+    """What ``megatron_to_hf`` yields for stage ``stage``, name → shape, in its order (meta)."""
+    mine = slice_shapes(layout, shapes, 0, stage)  # every TP rank's shards have rank 0's shapes
+    meta = lambda name: [torch.empty(mine[name], device="meta")] * layout.tp  # noqa: E731
+    return {name: t.shape for name, t in megatron_to_hf(meta, layout, stage)}
+
+
 def _rows(t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     return t.chunk(tp, dim=0)[rank].clone()
 

@@ -2,8 +2,8 @@
 
 Open MPI 4.1 has no large-count calls: a count past 2^31 - 1 makes mpi4py's shim raise
 ``MPI_ERR_ARG``, and an 8B model's float32 snapshot is 8.19e9 elements. Every call that moves a
-model-sized buffer (a snapshot or gradient broadcast over a cell, a one-sided read of the core's
-snapshot) goes through here, in parts of at most ``transport.mpi_chunk_mb`` MiB.
+model-sized buffer (a one-sided read of the core's snapshot or of a contributor's gradient) goes
+through here, in parts of at most ``transport.mpi_chunk_mb`` MiB.
 
 It knows nothing of what the buffer holds; every rank of the call must pass the same size.
 """
@@ -11,7 +11,6 @@ It knows nothing of what the buffer holds; every rank of the call must pass the 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 
@@ -32,13 +31,3 @@ def as_bytes(buf: np.ndarray) -> np.ndarray:
     if not buf.flags.c_contiguous:
         raise ValueError("a bulk MPI buffer must be contiguous")
     return buf.reshape(-1).view(np.uint8)
-
-
-def bcast(comm: Any, buf: np.ndarray, root: int = 0, part_bytes: int = MAX_BYTES) -> int:
-    """``comm.Bcast`` of ``buf`` in place, part by part; how many parts it took."""
-    data = as_bytes(buf)
-    n = 0
-    for start, end in spans(data.size, part_bytes):
-        comm.Bcast(data[start:end], root=root)
-        n += 1
-    return n

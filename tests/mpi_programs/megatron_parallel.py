@@ -1,4 +1,6 @@
-"""A megatron trainer over DP × TP × PP ranks: one micro-step and one update, recorded by rank 0.
+"""A megatron trainer over DP × TP × PP ranks: one micro-step and one update, recorded by rank 0,
+with what each rank holds: its (stage, TP rank, DP rank), the sizes of its whole-model host
+buffers, and the values its parameters, fp32 masters and Adam moments hold.
 
 mpirun -n DP·TP·PP python megatron_parallel.py MODEL_DIR OUT_NPZ TP PP [PACKING]
 
@@ -40,7 +42,11 @@ stats = trainer.micro_step(forked_sequences(vocab) if packing == "tree" else seq
 grad = trainer.gradient().copy()
 trainer.apply(3)
 after = trainer.weights().copy()
+params = sum(p.numel() for p in trainer.params.values())
+state = sum(t.numel() for s in trainer.optimizer.state.values() for t in s.values() if t.dim())
+held = (trainer.stage, trainer.tp_rank, trainer.dp_rank, trainer.flat.size, trainer.grad.size, params, state)
+held = comm.gather(held, root=0)
 if rank == 0:
     np.savez(out, before=before, grad=grad, after=after, loss=stats.loss_sum, clipped=stats.clipped,
-             tokens=stats.tokens)  # fmt: skip
+             tokens=stats.tokens, held=np.array(held))  # fmt: skip
 comm.Barrier()

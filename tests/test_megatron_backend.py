@@ -232,6 +232,10 @@ def test_bfloat16_computes_in_bf16_and_steps_fp32_master_weights(tmp_path: Path)
     da, db = fp32.weights() - before, bf16.weights() - before
     assert float(da @ db / (np.linalg.norm(da) * np.linalg.norm(db))) > 0.9  # the same step, in fp32
     assert all(torch.equal(p, bf16.master[n].to(p.dtype)) for n, p in bf16.params.items())
+    # The step's gradients are dropped with it: the GPU would keep a model of fp32 while it samples.
+    for trainer in (fp32, bf16):
+        held = [*trainer.params.values(), *(trainer.master or {}).values()]
+        assert all(t.grad is None for t in held)
 
 
 def saved_for_backward(trainer, seqs: list[TrainSequence]) -> int:  # noqa: ANN001

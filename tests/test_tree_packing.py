@@ -19,7 +19,7 @@ from gyre_hpc.models.architecture import Qwen3Config
 from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.recipe.schema import TrainerConfig
 from gyre_hpc.trainer.torch_backend import TorchTrainer
-from gyre_hpc.trainer.tree_attention import block_mask, dense_mask
+from gyre_hpc.trainer.tree_attention import block_mask, dense_mask, padded_length
 from gyre_hpc.trajectory.packing import (
     PrefixTrie,
     forwarded_tokens,
@@ -211,6 +211,57 @@ def test_the_megatron_tree_micro_step_gives_the_paths_loss_and_gradient(
 ) -> None:
     seqs = draw(spec, Qwen3Config.load(tiny).vocab_size)
     assert_same_step(torch_pair[0], megatron_tree, seqs, forwarded_tokens(seqs))  # a dense tree per run
+
+
+@pytest.mark.megatron
+def test_padding_is_forwarded_but_not_counted_and_an_empty_share_forwards_nothing(
+    torch_pair: tuple[TorchTrainer, TorchTrainer],
+    megatron_tree,  # noqa: ANN001
+    tiny: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA each tree is padded to its bucket's length (``tree_attention.padded_length``):
+    with that padding here, the step is the paths' and its tokens are the trees' own; and a
+    data-parallel replica whose share of a micro-step is empty forwards no tree of padding."""
+    from gyre_hpc.trainer import megatron_backend
+
+    t = megatron_tree
+    monkeypatch.setattr(t, "pad_trees", True)
+    # One forest a micro-step, as under block masks on CUDA (here the dense mask of the same tree).
+    monkeypatch.setattr(megatron_backend, "forward_trees", lambda seqs, block_sparse: [pack_tree(seqs)])
+    seqs = forked_sequences(Qwen3Config.load(tiny).vocab_size)
+    assert padded_length(unique_tokens(seqs), t.config.micro_step_tokens) > unique_tokens(seqs)
+    assert_same_step(torch_pair[0], t, seqs, unique_tokens(seqs))
+    empty = t._tree_unit(pack_tree([]))
+    assert empty.length > 0 and empty.tokens == 0
+    forwards: list[int] = []
+    hook = t.model.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        t.zero_grad()
+        assert t.micro_step([]).tokens == 0 and forwards == []
+    finally:
+        hook.remove()
+
+
+@pytest.mark.megatron
+def test_the_megatron_model_is_built_whole_on_the_trainer_s_device(
+    megatron_tree,  # noqa: ANN001
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a GPU megatron allocates its layers on ``torch.cuda.current_device()`` while its local
+    spec's norms are plain torch modules: built as megatron builds for a GPU, with the device
+    pointed at ``meta`` here, no tensor of the model may be left elsewhere (they were on the host)."""
+    from gyre_hpc.trainer.megatron_backend import build_model
+
+    t = megatron_tree
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "meta")
+    meta = torch.device("meta")
+    for recompute in ("none", "full"):
+        model = build_model(t.model_config, t.layout, torch.bfloat16, recompute=recompute, device=meta)
+        tensors = [*model.parameters(), *model.buffers()]
+        assert tensors and {x.device for x in tensors} == {meta}
+        norms = [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm)]
+        assert len(norms) == 4 * t.model_config.num_hidden_layers + 1  # input, q, k, pre-MLP; final
 
 
 @pytest.mark.megatron

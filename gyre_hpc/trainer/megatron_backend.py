@@ -90,9 +90,15 @@ from gyre_hpc.trainer.tree_attention import (
 from gyre_hpc.trajectory.packing import PackedTree, by_run, forward_trees
 from gyre_hpc.trajectory.sequences import TrainSequence
 
+CPU = torch.device("cpu")
+
 
 def transformer_config(
-    c: Qwen3Config, layout: MegatronLayout, dtype: torch.dtype, recompute: str = "none"
+    c: Qwen3Config,
+    layout: MegatronLayout,
+    dtype: torch.dtype,
+    recompute: str = "none",
+    device: torch.device = CPU,
 ) -> Any:
     """megatron's config of the model; ``recompute`` is ``trainer.recompute``: full keeps each
     layer's input and recomputes the layer in backward, one layer at a time."""
@@ -122,7 +128,8 @@ def transformer_config(
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        # Elsewhere megatron allocates on ``torch.cuda.current_device()``: this rank's GPU.
+        use_cpu_initialization=device.type == "cpu",
         params_dtype=dtype,
         pipeline_dtype=dtype,
         # Mixed precision as megatron means it: the attention softmax is upcast to fp32.
@@ -140,9 +147,11 @@ def build_model(
     stage: int = 0,
     block_masks: bool = False,
     recompute: str = "none",
+    device: torch.device = CPU,
 ) -> Any:
-    """The GPTModel part of this rank's stage (model parallel state must be initialised).
-    ``block_masks``: its attention also takes FlexAttention block masks (packed trees on CUDA)."""
+    """The GPTModel part of this rank's stage (model parallel state must be initialised), every
+    tensor of it on ``device``. ``block_masks``: its attention also takes FlexAttention block
+    masks (packed trees on CUDA)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -152,20 +161,28 @@ def build_model(
         attention = block_mask_attention()
         attention.tree_mask = tree_mask
         spec.submodules.self_attention.submodules.core_attention = attention
-    model = GPTModel(
-        transformer_config(c, layout, dtype, recompute),
-        spec,
-        vocab_size=layout.padded_vocab,
-        max_sequence_length=c.max_position_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(c.rope_theta),
-        # Across stages the trainer keeps a tied embedding's two copies equal itself (module doc).
-        share_embeddings_and_output_weights=c.tie_word_embeddings and layout.pp == 1,
-        pre_process=stage == 0,
-        post_process=stage == layout.pp - 1,
-        parallel_output=True,  # each TP rank keeps its vocabulary shard: log-probs are vocab-parallel
-    )
+    # Under ``device``: megatron's local spec builds its norms as plain torch modules, which
+    # would otherwise stay on the host while the rest of the model is on the GPU.
+    with torch.device(device):
+        model = GPTModel(
+            transformer_config(c, layout, dtype, recompute, device),
+            spec,
+            vocab_size=layout.padded_vocab,
+            max_sequence_length=c.max_position_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(c.rope_theta),
+            # Across stages the trainer keeps a tied embedding's two copies equal itself (module doc).
+            share_embeddings_and_output_weights=c.tie_word_embeddings and layout.pp == 1,
+            pre_process=stage == 0,
+            post_process=stage == layout.pp - 1,
+            parallel_output=True,  # each TP rank keeps its vocabulary shard: log-probs are vocab-parallel
+        )
     model.tree_mask = tree_mask  # what its attention reads a block mask from (``TreeMask``)
+    elsewhere = {str(t.device) for t in (*model.parameters(), *model.buffers()) if t.device != device}
+    if elsewhere:
+        raise RuntimeError(
+            f"megatron model built for {device} holds tensors on {', '.join(sorted(elsewhere))}"
+        )
     return model
 
 
@@ -224,9 +241,12 @@ class _Unit:
     hidden: Any
     """[1, 1, T, T], True = hidden; or a FlexAttention block mask (True = attend)."""
     loss: Callable[[torch.Tensor], tuple[torch.Tensor, TokenStats]]
+    tokens: int
+    """The tokens it trains on: its length less the padding a tree is given on CUDA."""
 
     @property
     def length(self) -> int:
+        """The tokens it forwards, padding included."""
         return self.ids.shape[1]
 
 
@@ -325,7 +345,7 @@ class MegatronTrainer:
         on_cuda = self.device.type == "cuda"
         self.model = build_model(
             self.model_config, self.layout, self.dtype, self.stage, block_masks=on_cuda,
-            recompute=config.recompute,
+            recompute=config.recompute, device=self.device,
         )  # fmt: skip
         self.pad_trees = on_cuda
         """Pad each tree to a bucket's length (``tree_attention.padded_length``), so the compiled
@@ -464,7 +484,7 @@ class MegatronTrainer:
         else:
             mine = sequences[self.dp_rank :: self.dp]
             units = [self._path_unit(s) for s in mine]
-        units = [u for u in units if u.length]
+        units = [u for u in units if u.tokens]  # a replica's empty share forwards no padding
         stats = self._pipeline(units) if self.layout.pp > 1 else self._forward_backward(units)
         self.model.tree_mask.mask = None
         stats = micro_stats(mine, *stats)
@@ -487,7 +507,7 @@ class MegatronTrainer:
             entropy = None if entropy is None else F.pad(entropy, (1, 0))
             return sequence_loss(s, F.pad(logp, (1, 0)), c.clip_low, c.clip_high, self.version, entropy)
 
-        return _Unit(ids, positions, hidden, loss)
+        return _Unit(ids, positions, hidden, loss, n)
 
     def _tree_unit(self, tree: PackedTree) -> _Unit:
         ids, positions = tree_inputs(tree, self.device)
@@ -509,7 +529,7 @@ class MegatronTrainer:
             entropy = None if entropy is None else torch.where(has_parent, entropy, 0.0)
             return packed_loss(tree, logp, c.clip_low, c.clip_high, self.version, entropy)
 
-        return _Unit(ids, positions, hidden, loss)
+        return _Unit(ids, positions, hidden, loss, len(tree))
 
     def _forward(self, unit: _Unit) -> torch.Tensor:
         """This stage's output: the last stage's logits over this rank's vocabulary shard
@@ -534,7 +554,7 @@ class MegatronTrainer:
             loss, out = u.loss(self._forward(u))
             loss.backward()  # recomputed layers, if any, still see u's mask
             loss_sum, stats = loss_sum + float(loss.detach()), stats + out
-        return loss_sum, stats, sum(u.length for u in units)
+        return loss_sum, stats, sum(u.tokens for u in units)
 
     def _pipeline(self, units: list[_Unit]) -> tuple[float, TokenStats, int]:
         """The GPipe schedule of the module doc: every forward, then every backward, in order."""
@@ -571,7 +591,7 @@ class MegatronTrainer:
         # The loss is known on the last stage; every rank reports it.
         totals = torch.tensor([loss_sum, *stats.as_list()], dtype=torch.float64, device=self.device)
         dist.broadcast(totals, dist.get_global_rank(self.pp_group, self.layout.pp - 1), group=self.pp_group)
-        return float(totals[0]), TokenStats.from_list(totals[1:].tolist()), sum(u.length for u in units)
+        return float(totals[0]), TokenStats.from_list(totals[1:].tolist()), sum(u.tokens for u in units)
 
     def _logprobs(
         self, logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor
@@ -640,6 +660,8 @@ class MegatronTrainer:
                 # A copy: ``t`` may be a view of the gradient buffer the transport exposes.
                 stepped[name].grad = t.to(stepped[name].device, torch.float32, copy=True).mul_(scale)
         self.optimizer.step()
+        for t in stepped.values():  # a model's worth of fp32 the GPU would keep while it samples
+            t.grad = None
         if self.master is not None:
             with torch.no_grad():
                 for name, m in self.master.items():

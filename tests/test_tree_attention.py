@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 from gyre_hpc.trainer.tree_attention import (
@@ -81,6 +82,23 @@ def test_twenty_tree_lengths_compile_the_mask_and_the_attention_a_bounded_number
     assert len(set(lengths)) == 20 and buckets <= BUCKETS
     # one graph for the mask and one for the attention per length the kernels saw
     assert compiled <= 2 * buckets, (compiled, buckets)
+
+
+def test_each_length_compiles_with_and_without_grad_and_past_eight_variants_none_falls_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Megatron's recomputation forwards a layer without grad, then again with it: two compiled
+    variants a length. Five lengths make ten, past torch's default of eight, where it would
+    fall back to attention that materialises the scores; here that fallback is an error, and
+    none happens."""
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    for length in range(BLOCK, 6 * BLOCK, BLOCK):
+        mask = block_mask(padded_ends(np.zeros(0, dtype=np.int64), length), torch.device("cpu"))
+        q, k = torch.randn(1, 2, length, 16), torch.randn(1, 1, length, 16)
+        with torch.no_grad():
+            quiet = flex(q, k, k, mask)
+        assert torch.equal(flex(q, k, k, mask), quiet)  # every token sees itself only: v
+        assert torch.allclose(quiet, k.expand(1, 2, length, 16))
 
 
 PEAK = """

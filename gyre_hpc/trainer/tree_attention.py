@@ -14,9 +14,12 @@ The block form skips every 128 × 128 tile the rule empties (a sibling's subtree
 and computes the rest fused, which is what makes 128K-token trees fit on a GPU. Both the mask
 and the attention are compiled (uncompiled, ``create_block_mask`` evaluates the rule on every
 [N, N] pair: 10 GiB of host memory at 32K; compiled, it stays under 100 MiB). A compiled kernel
-is specialised to its length, and torch stops compiling after a few lengths (then falls back to
-the materialising path), so a tree is padded to one of ``BUCKETS`` lengths (``padded_length``):
-a padding token sees only itself and nothing sees it.
+is specialised to its length and to grad mode (megatron's recomputation runs a layer's forward
+without grad, then again with it: two variants a length), and torch stops compiling after eight
+variants by default, then falls back to the materialising path. So a tree is padded to one of
+``BUCKETS`` lengths up to a micro-step (``padded_length``; a padding token sees only itself and
+nothing sees it), and a compiled function may keep ``RECOMPILES`` variants, past which a step
+fails by name instead of materialising the scores.
 """
 
 from __future__ import annotations
@@ -31,6 +34,19 @@ BLOCK = 128
 BUCKETS = 8
 """Tree lengths up to a micro-step's tokens are padded to one of this many (below torch's limit
 of eight compiled lengths per function)."""
+
+
+RECOMPILES = 64
+"""Compiled variants a function may keep: two a length for 32 lengths, a path four micro-steps
+long (a path longer than a micro-step is a micro-step of its own, padded the same way)."""
+
+
+def allow_recompiles() -> None:
+    """Raise torch's limit of compiled variants to ``RECOMPILES``, and fail past it (the fallback
+    would materialise [heads, N, N] scores: 64-128 GiB a layer at 65,536 tokens)."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, RECOMPILES)
+    config.fail_on_recompile_limit_hit = True
 
 
 def padded_length(n: int, micro_step_tokens: int) -> int:
@@ -71,6 +87,7 @@ def compiled_block_mask() -> Any:
     """``create_block_mask`` compiled once per process (uncompiled it evaluates every [N, N] pair)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
+    allow_recompiles()
     return torch.compile(create_block_mask, dynamic=False)
 
 
@@ -85,6 +102,7 @@ def compiled_flex_attention() -> Any:
     """FlexAttention compiled once per process (uncompiled it materialises the scores)."""
     from torch.nn.attention.flex_attention import flex_attention
 
+    allow_recompiles()
     return torch.compile(flex_attention, dynamic=False)
 
 

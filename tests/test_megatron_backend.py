@@ -318,7 +318,7 @@ def test_a_released_trainer_hands_back_what_the_memory_plan_counts_and_trains_on
     planned = counted["weights"] + counted["fp32 master + Adam"]
     assert released == pytest.approx(planned, rel=0.002)  # the norms' weights are fp32, not bf16
     assert np.array_equal(moved.weights(), kept.weights())  # answered from the snapshot
-    moved.offload.resume(moved._resident())
+    moved.offload.resume(moved._resident(), moved.device)
     for t in (kept, moved):
         t.zero_grad()
         t.micro_step(seqs)

@@ -28,9 +28,20 @@ def lines(recipe_path, *sets: str) -> str:  # noqa: ANN001
 @pytest.mark.parametrize(
     ("name", "sets"),
     [
-        ("qwen3-8b-tp4", ()),
-        ("qwen3-8b-tp8", ("trainer.tp_size=8",)),
-        ("qwen3-32b-tp8", ("run.model=qwen3-32b", "trainer.tp_size=8")),
+        ("qwen3-8b-tp4", ("trainer.tp_size=4",)),  # refused: the longest micro-step does not fit
+        ("qwen3-8b-tp8", ()),  # the flagship
+        # Two nodes a cell: 16 ranks, tp 8 × pp 2, the engines' pools at 0.8 of a GPU.
+        (
+            "qwen3-32b-tp8-pp2",
+            (
+                "run.model=qwen3-32b",
+                "cells.ranks_per_cell=16",
+                "slurm.nodes_per_cell=2",
+                "trainer.tp_size=8",
+                "trainer.pp_size=2",
+                "engine.mem_fraction_static=0.8",
+            ),
+        ),
         ("tiny", ("cells.gpu_memory_gib=80", "engine.backend=sglang")),
     ],
 )
@@ -51,6 +62,7 @@ def test_the_flagship_fits_only_with_recomputation_and_says_so_in_one_line() -> 
     fits = check_memory(model_shape(r.run.model), r.cells, r.engine, r.trainer, r.agent)
     assert fits is not None and fits.training.total < fits.gpu_bytes
     assert fits.sampling.total < fits.gpu_bytes and fits.kv_tokens > fits.context_tokens
+    assert fits.start_up.total < fits.gpu_bytes
     without = replace(r.trainer, recompute="none")
     with pytest.raises(RecipeError) as err:
         check_memory(model_shape(r.run.model), r.cells, r.engine, without, r.agent)
@@ -60,6 +72,26 @@ def test_the_flagship_fits_only_with_recomputation_and_says_so_in_one_line() -> 
                 "--set", "trainer.recompute=none")  # fmt: skip
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "memory plan: training" in proc.stderr and "> 140.0 GiB, cells.gpu_memory_gib" in proc.stderr
+
+
+def test_the_longest_micro_step_is_one_context_and_the_start_is_planned() -> None:
+    """A path longer than ``trainer.micro_step_tokens`` is a micro-step of its own: the plan sizes
+    the training phase at one context (139,264 tokens), which refuses the flagship at trainer tp 4
+    (154.1 GiB; at 65,536 tokens it was 93.2 and passed). The start-up phase, the trainer built
+    and the core restored beside the engine's pool, refuses a pool of 0.9 of the GPU."""
+    r = load_recipe(FLAGSHIP, ["trainer.tp_size=4"])
+    shape = model_shape(r.run.model)
+    with pytest.raises(RecipeError) as err:
+        check_memory(shape, r.cells, r.engine, r.trainer, r.agent)
+    said = str(err.value)
+    assert said.startswith("memory plan: training 154.1 GiB") and "agent.context_limit_tokens" in said
+    short = replace(r.agent, context_limit_tokens=r.trainer.micro_step_tokens - r.engine.max_new_tokens)
+    shorter = plan(shape, r.cells, r.engine, r.trainer, short)
+    assert shorter is not None and shorter.micro_step_tokens == r.trainer.micro_step_tokens
+    assert shorter.training.line().startswith("training 93.2 GiB")
+    full = replace(load_recipe(FLAGSHIP, []).engine, mem_fraction_static=0.9)
+    with pytest.raises(RecipeError, match=r"^memory plan: start-up 141\.4 GiB .* engine.mem_fraction_static"):
+        check_memory(shape, r.cells, full, load_recipe(FLAGSHIP, []).trainer, r.agent)
 
 
 def test_a_kv_cache_smaller_than_one_context_is_refused() -> None:
@@ -97,23 +129,23 @@ def test_delta_pushes_count_the_copies_both_sides_keep_on_the_host() -> None:
 
 
 def test_a_node_whose_ranks_hold_more_host_memory_than_it_has_is_refused_in_one_line() -> None:
-    """Qwen3-32B at trainer tp 8 on one node of 8 H200s: only the leader holds the model whole on
+    """Qwen3-32B over two nodes of 8 H200s (tp 8 × pp 2): only the leader holds the model whole on
     the host (its trainer's weights and gradient, the snapshot it pulls, the published one); the
-    other ranks their slices, and the one hosting the second engine replica the snapshot it
-    pulls. 1037.5 GiB fits 2 TiB (with every rank holding the snapshot and gradient whole it was
-    2380.4: refused); 512 GiB is refused in one line."""
-    r = load_recipe(FLAGSHIP, ["run.model=qwen3-32b", "trainer.tp_size=8"])
+    other ranks their slices, and the one hosting the second engine replica of the node the
+    snapshot it pulls. 823.9 GiB fits 2 TiB (with every rank holding the snapshot and gradient
+    whole it was 2380.4 at tp 8 on one node: refused); 512 GiB is refused in one line."""
+    sets = ["run.model=qwen3-32b", "cells.ranks_per_cell=16", "trainer.tp_size=8", "trainer.pp_size=2",
+            "engine.mem_fraction_static=0.8"]  # fmt: skip
+    r = load_recipe(FLAGSHIP, sets)
     shape = model_shape("qwen3-32b")
-    fits = check_memory(shape, r.cells, r.engine, r.trainer, r.agent)
+    fits = check_memory(shape, r.cells, r.engine, r.trainer, r.agent, nodes_per_cell=2)
     assert fits is not None and fits.lines()[-1] == (
-        "  host 1037.5 GiB a node of 8 ranks (leader 541.6, 6 × 53.4, 1 × 175.5 hosting an engine "
+        "  host 823.9 GiB a node of 8 ranks (leader 514.9, 6 × 26.7, 1 × 148.8 hosting an engine "
         "replica), of 2048.0"
     )
     small = replace(r.cells, host_memory_gib=512)
     with pytest.raises(RecipeError) as err:
-        check_memory(shape, small, r.engine, r.trainer, r.agent)
+        check_memory(shape, small, r.engine, r.trainer, r.agent, nodes_per_cell=2)
     said = str(err.value)
-    assert (
-        said.startswith("memory plan: host 1037.5 GiB a node of 8 ranks (leader 541.6") and "\n" not in said
-    )
+    assert said.startswith("memory plan: host 823.9 GiB a node of 8 ranks (leader 514.9") and "\n" not in said
     assert "> 512.0 GiB, cells.host_memory_gib" in said

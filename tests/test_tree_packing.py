@@ -414,7 +414,7 @@ def test_a_torch_trainer_whose_buffers_moved_trains_on_as_before(tiny: Path) -> 
         t.apply(3)
     moved.offload.release(moved._resident())
     moved._point()
-    moved.offload.resume(moved._resident())
+    moved.offload.resume(moved._resident(), moved.device)
     moved._point()
     first = next(moved.model.parameters())
     assert first.data_ptr() == moved.flat.data_ptr() and first.grad.data_ptr() == moved.grad.data_ptr()

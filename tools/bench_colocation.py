@@ -236,7 +236,7 @@ def cycle(device: str, engine_bytes: int, params: int) -> dict:
     inbox.put("release")
     acks.get(timeout=300)
     t0 = time.perf_counter()
-    off.resume(state())
+    off.resume(state(), torch.device(device))
     phases["resume_s"] = round(time.perf_counter() - t0, 3)
     phases["trainer_resumed"] = used(device)
     inbox.put(None)

@@ -77,6 +77,10 @@ class MemoryPlan:
     gpu_bytes: int
     sampling: Phase
     training: Phase
+    start_up: Phase
+    """The core's worst GPU while its trainer is built and restored beside the engine's pool."""
+    micro_step_tokens: int
+    """The longest micro-step: ``trainer.micro_step_tokens``, or one context if that is longer."""
     kv_tokens: int
     """Tokens of KV one engine replica holds in its static pool after its weights."""
     context_tokens: int
@@ -116,14 +120,15 @@ class MemoryPlan:
         return [
             f"memory plan, the worst GPU of a cell ({gib(self.gpu_bytes)} GiB):",
             f"  {self.sampling.line()}",
-            f"  {self.training.line()}",
+            f"  {self.training.line()}, a micro-step of {self.micro_step_tokens:,} tokens",
+            f"  {self.start_up.line()}",
             f"  KV cache {self.kv_tokens:,} tokens a replica (one context: {self.context_tokens:,})",
             f"  {self.host_line()}" + (f", of {gib(self.node_host_bytes)}" if self.node_host_bytes else ""),
         ]
 
     def refusal(self) -> str | None:
         """Why the recipe cannot run on these GPUs (one line with the numbers), or None."""
-        for phase in (self.sampling, self.training):
+        for phase in (self.sampling, self.training, self.start_up):
             if phase.total > self.gpu_bytes:
                 return (
                     f"memory plan: {phase.line()} > {gib(self.gpu_bytes)} GiB, cells.gpu_memory_gib; "
@@ -145,8 +150,10 @@ class MemoryPlan:
 
 ADVICE = {
     "sampling": "lower engine.mem_fraction_static or engine.weight_bucket_mb",
-    "training": 'set trainer.recompute = "full", lower trainer.micro_step_tokens, or raise '
+    "training": 'set trainer.recompute = "full", lower trainer.micro_step_tokens or '
+    "agent.context_limit_tokens (a longer path is a micro-step of its own), or raise "
     "trainer.tp_size / trainer.pp_size",
+    "start-up": "lower engine.mem_fraction_static, or raise trainer.tp_size / trainer.pp_size",
 }
 
 
@@ -242,8 +249,11 @@ def plan(
         ),
     )
     train_dtype = BYTES[trainer.dtype]
-    tokens = trainer.micro_step_tokens
-    stages = []
+    context = agent.context_limit_tokens + engine.max_new_tokens
+    # A path longer than a micro-step is a micro-step of its own (``trajectory.batch``): the
+    # longest a recipe allows is one whole context.
+    tokens = max(trainer.micro_step_tokens, context)
+    stages, starts = [], []
     for stage in range(pp):
         first, last = stage == 0, stage == pp - 1
         layers = t.layers // pp
@@ -264,7 +274,17 @@ def plan(
         logits = Part("logits", tokens * -(-t.vocab // tp) * LOGIT_BYTES if last else 0)
         parts = (state, grads, optimizer, activations, logits, Part("released engine", CUDA_CONTEXT))
         stages.append(Phase("training", parts))
+        # The trainer is built, and the core restores and publishes, while the engine already
+        # holds its pool: its weights and fp32 masters, and the largest tensor gathered whole in
+        # fp32 (the shards, then their concatenation). Restored optimizer state stays on the host.
+        gathered = 2 * 4 * max(t.embedding_params if first or last else 0, 2 * t.ffn * t.hidden)
+        starts.append(Phase("start-up", (
+            Part("engine static pool", static), Part("engine workspace", ENGINE_WORKSPACE),
+            state, Part("fp32 master", master), Part("largest tensor gathered", gathered),
+            Part("trainer", CUDA_CONTEXT),
+        )))  # fmt: skip
     training = max(stages, key=lambda p: p.total)
+    start_up = max(starts, key=lambda p: p.total)
     # A rank's slice while released (the core's: weights, fp32 masters, Adam's moments). Only
     # the leader holds whole fp32 buffers (its trainer's weights and gradient, the snapshot it
     # pulls, the core's published one); a member hosting an engine replica pulls it whole too.
@@ -280,8 +300,10 @@ def plan(
         gpu_bytes=gpu,
         sampling=sampling,
         training=training,
+        start_up=start_up,
+        micro_step_tokens=tokens,
         kv_tokens=max(0, static - engine_weights) // kv_per_token,
-        context_tokens=agent.context_limit_tokens + engine.max_new_tokens,
+        context_tokens=context,
         host_leader=state + 4 * whole + engine_copy,
         host_member=state,
         host_engine_member=state + whole + engine_copy,

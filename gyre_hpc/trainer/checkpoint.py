@@ -138,7 +138,9 @@ def restore(path: Path, trainer: Trainer) -> dict[str, Any]:
     info = read_state(path)
     trainer.load_snapshot(flat, int(info["version"]))
     try:
-        trainer.load_optimizer_state(torch.load(path / "optimizer.pt", weights_only=True))
+        # Into host memory: the trainer moves it to its device when its GPU is its own.
+        state = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
+        trainer.load_optimizer_state(state)
     except (ValueError, KeyError) as err:  # another backend or replica shape: cut differently
         log.warning("%s: optimizer state does not fit this trainer (%s); AdamW starts afresh", path, err)
     return info

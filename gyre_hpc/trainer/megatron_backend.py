@@ -426,7 +426,7 @@ class MegatronTrainer:
     def resume_memory(self) -> None:
         """Before the cell trains (its engine released): everything back on the GPU."""
         if self.offload.released:
-            self.offload.resume(self._resident())
+            self.offload.resume(self._resident(), self.device)
 
     def _resident(self) -> Iterator[tuple[str, torch.Tensor]]:
         """What this rank keeps on its device between micro-steps, by name."""
@@ -675,9 +675,15 @@ class MegatronTrainer:
         return self.optimizer.state_dict()
 
     def load_optimizer_state(self, state: dict) -> None:
+        """On a GPU the state lands in host memory, with the rest of the trainer released: a
+        core restores while its engine holds the GPU, and takes it all back on its first switch
+        to training. The weights are gathered before (a released trainer gathers nothing).
+        Collective over the replica."""
         assert self.optimizer is not None
-        self.optimizer.load_state_dict(state)
-        self.fresh = False
+        if self.device.type == "cuda":
+            self.weights()
+            self.release_memory()
+        self.optimizer.load_state_dict(state)  # onto its parameters' device: the host, released
 
     # ---- layout boundaries ---------------------------------------------------------------------
 

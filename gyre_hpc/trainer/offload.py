@@ -46,10 +46,11 @@ class Offload:
         self.released = True
         return moved
 
-    def resume(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Each tensor back on the device it left; the host copies stay for the next release."""
+    def resume(self, tensors: Iterable[tuple[str, torch.Tensor]], device: torch.device) -> None:
+        """Each tensor back on the device it left (one made while released, such as optimizer
+        state loaded then, to ``device``); the host copies stay for the next release."""
         for name, t in tensors:
-            back = torch.empty(t.shape, dtype=t.dtype, device=self.device[name])
+            back = torch.empty(t.shape, dtype=t.dtype, device=self.device.get(name, device))
             back.copy_(t.data, non_blocking=True)
             t.data = back
         if torch.cuda.is_available():

@@ -155,7 +155,7 @@ class TorchTrainer:
 
     def resume_memory(self) -> None:
         if self.offload.released:
-            self.offload.resume(self._resident())
+            self.offload.resume(self._resident(), self.device)
             self._point()
 
     def _resident(self) -> list[tuple[str, torch.Tensor]]:

@@ -59,13 +59,30 @@ def test_gpus_left_without_an_engine_are_refused_in_one_line_unless_allowed() ->
     assert check_launch(allowed).engines.idle_gpus == 2
 
 
-def test_a_replica_across_nodes_takes_its_weights_by_broadcast() -> None:
+def test_a_replica_across_nodes_takes_its_weights_by_broadcast_or_on_gpus_from_disk() -> None:
     sets = ["cells.ranks_per_cell=16", "slurm.nodes_per_cell=2", "engine.tp_size=16", "engine.backend=sglang"]
     r = load_recipe(None, sets)
-    with pytest.raises(RecipeError, match='set engine.weight_sync = "broadcast"'):
+    with pytest.raises(RecipeError, match='set engine.weight_sync = "broadcast" or "disk"'):
         check_launch(r)  # the engines are the launch check's first question
     r = load_recipe(None, [*sets, "engine.weight_sync=broadcast"])
     assert cell_engines(r.cells, r.slurm, r.engine).replicas == 1
+    gpus = [*sets, "slurm.gpus_per_node=8"]
+    with pytest.raises(RecipeError, match='spans nodes: .* set engine.weight_sync = "disk"$'):
+        check_launch(load_recipe(None, gpus))
+    r = load_recipe(None, [*gpus, "engine.weight_sync=disk"])
+    assert cell_engines(r.cells, r.slurm, r.engine).replicas == 1
+
+
+@pytest.mark.parametrize("where", ["slurm.gpus_per_node=8", "slurm.gpu_per_task=true"])
+def test_on_gpus_no_replica_takes_its_weights_by_broadcast(where: str) -> None:
+    """The broadcast's group would hold the cell leader's GPU twice, which NCCL refuses."""
+    sets = ["engine.backend=sglang", "engine.tp_size=1", "engine.weight_sync=broadcast", where]
+    if where == "slurm.gpu_per_task=true":
+        sets.append("slurm.gpus_per_node=0")
+    with pytest.raises(RecipeError, match="would hold the cell leader's GPU twice"):
+        check_launch(load_recipe(None, sets))
+    r = load_recipe(None, [*sets[:2], *sets[3:]])  # tensor, by reference on the leader's GPU
+    assert cell_engines(r.cells, r.slurm, r.engine).replicas == r.cells.ranks_per_cell
 
 
 def test_the_launch_plan_of_a_cell_across_two_nodes() -> None:

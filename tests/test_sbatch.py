@@ -25,9 +25,9 @@ SPANNING = [
     "slurm.nodes_per_cell=2",
     "slurm.gpus_per_node=4",
     "engine.tp_size=8",
-    "engine.weight_sync=broadcast",
+    "engine.weight_sync=disk",
 ]
-"""Cells of two 4-GPU nodes, each served by one replica across both."""
+"""Cells of two 4-GPU nodes, each served by one replica across both (its weights from disk)."""
 
 EXECUTORS = [
     "executors.nodes=4",

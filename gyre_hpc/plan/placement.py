@@ -122,13 +122,24 @@ def check_engine_plan(plan: EnginePlan, allow_idle_gpus: bool) -> None:
 
 def cell_engines(cells: CellsConfig, slurm: SlurmConfig, engine: EngineConfig) -> EnginePlan:
     """A recipe's cell, placed: every replica fits its GPUs, none idle unless the recipe allows
-    it, and a replica that spans nodes takes its weights by broadcast."""
+    it, and its weights go by a path its devices accept. A replica that spans nodes cannot take
+    them by reference (that shares memory within a node); on GPUs, none takes them by broadcast,
+    whose group holds the cell leader's GPU twice (the leader, and the server's first rank on
+    the same GPU), which NCCL refuses: there a spanning replica loads them from disk."""
     plan = engine_plan(cells.ranks_per_cell, slurm.nodes_per_cell, engine.tp_size)
     check_engine_plan(plan, engine.allow_idle_gpus)
+    on_gpus = slurm.gpus_per_node > 0 or slurm.gpu_per_task
+    if engine.backend == "sglang" and on_gpus and engine.weight_sync == "broadcast":
+        raise RecipeError(
+            'engine.weight_sync = "broadcast" on GPUs: the weight group would hold the cell '
+            "leader's GPU twice (the leader and the server's first rank share it), which NCCL "
+            'refuses; set engine.weight_sync = "tensor" (a replica within a node) or "disk"'
+        )
     if any(p.nnodes > 1 for p in plan.parts) and engine.weight_sync in ("tensor", "delta"):
+        other = '"disk"' if on_gpus else '"broadcast" or "disk"'
         raise RecipeError(
             f"engine.tp_size = {engine.tp_size} spans nodes: its weights cannot go by "
             f'reference (engine.weight_sync = "{engine.weight_sync}" shares memory within '
-            'a node); set engine.weight_sync = "broadcast"'
+            f"a node); set engine.weight_sync = {other}"
         )
     return plan

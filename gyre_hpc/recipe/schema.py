@@ -175,8 +175,8 @@ class EngineConfig:
         "the CPU), delta (the same path, carrying only the elements whose bits changed since the "
         "version the server holds, checksummed, whole when it holds another; both sides keep a "
         "host copy in the served dtype), broadcast (over a process group the leader forms with "
-        "the server: gloo on the CPU, NCCL on GPUs the leader does not share with it), or a "
-        "checkpoint on disk.",
+        "the server, gloo: CPU only, since on GPUs the group would hold the leader's GPU twice), "
+        "or a checkpoint on disk (what a replica across nodes of GPUs takes).",
     )
     weight_bucket_mb: int = knob(
         512,

@@ -9,6 +9,9 @@ set -u
 export PYTHONUNBUFFERED=1
 # Debian's Open MPI disables osc/ucx, without which one-sided windows fail across nodes.
 export OMPI_MCA_osc=${OMPI_MCA_osc:-sm,ucx}
+# One NCCL_CUMEM_ENABLE for every rank: a trainer's groups span ranks that host a server (SGLang
+# sets 0 where it is unset) and ranks that do not.
+export NCCL_CUMEM_ENABLE=${NCCL_CUMEM_ENABLE:-0}
 RUN_DIR=@{run_dir}
 PYTHON=@{python}
 

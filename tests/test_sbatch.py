@@ -51,6 +51,9 @@ def test_dry_run_matches_golden(recipe: str, sets: list[str], golden: str) -> No
     proc = gyre("submit", f"recipes/{recipe}.toml", "--dry-run", *FIXED, *extra)
     assert proc.returncode == 0, proc.stderr
     assert_golden(f"{golden}.sbatch", proc.stdout)
+    # Every rank's NCCL alike, set before the world starts (not only where a server runs).
+    said = proc.stdout.index("export NCCL_CUMEM_ENABLE=${NCCL_CUMEM_ENABLE:-0}")
+    assert said < proc.stdout.index("srun --mpi=")
 
 
 @pytest.mark.parametrize(

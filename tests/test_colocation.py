@@ -14,7 +14,17 @@ import numpy as np
 import pytest
 
 from gyre_hpc.engines.client import EngineError
-from gyre_hpc.engines.colocation import CONTINUE, LOAD, PAUSE, RELEASE, RESUME, State, VerbNotAllowed, step
+from gyre_hpc.engines.colocation import (
+    CONTINUE,
+    LOAD,
+    PAUSE,
+    RELEASE,
+    RESUME,
+    START,
+    State,
+    VerbNotAllowed,
+    step,
+)
 from gyre_hpc.engines.hosted import SGLangHost
 from gyre_hpc.engines.sglang import SGLangServer
 from gyre_hpc.models.architecture import Qwen3Config
@@ -41,6 +51,11 @@ S, P, R = State.SERVING, State.PAUSED, State.RELEASED
         (S, "restarted", True, S, (LOAD,)),
         (R, "restarted", True, R, (LOAD, PAUSE, RELEASE)),
         (P, "restarted", False, P, (LOAD, PAUSE)),
+        (S, "died", True, S, (START,)),
+        (P, "died", False, P, (START,)),
+        (R, "died", True, State.DOWN, ()),  # it would size its pool around the trainer
+        (State.DOWN, "train", True, State.DOWN, ()),
+        (State.DOWN, "sample", True, S, (START,)),
     ],
 )
 def test_the_colocation_table(state: State, verb: str, saver: bool, after: State, verbs: tuple) -> None:
@@ -48,9 +63,11 @@ def test_the_colocation_table(state: State, verb: str, saver: bool, after: State
 
 
 def test_a_load_into_released_memory_and_an_unknown_verb_are_refused() -> None:
-    with pytest.raises(VerbNotAllowed, match="released memory"):
+    with pytest.raises(VerbNotAllowed, match="a load into a released server"):
         step(R, "load", True)
-    with pytest.raises(ValueError, match="valid: train, sample, load, restarted"):
+    with pytest.raises(VerbNotAllowed, match="a load into a down server"):
+        step(State.DOWN, "load", True)
+    with pytest.raises(ValueError, match="valid: train, sample, load, died, restarted"):
         step(S, "evict", True)
 
 
@@ -94,29 +111,43 @@ def test_a_cell_that_trains_releases_its_server_s_memory_and_takes_it_back(host)
     ]  # fmt: skip
 
 
-def test_a_server_restarted_while_its_cell_trains_comes_back_released(host) -> None:  # noqa: ANN001
-    """Paused only, it would hold its memory while the trainer trains, and the next resume would
-    remove tags it never added (SGLang's KeyError)."""
+def test_a_server_that_dies_while_its_cell_trains_starts_again_when_the_cell_samples(host) -> None:  # noqa: ANN001
+    """A server sizes its KV pool by the memory free when it starts: started beside the resident
+    trainer it would keep a pool sized around it for good. So it stays down while the cell trains
+    and starts when the cell samples, loading the newest weights."""
     h, log, _ = host
     h.pause()
     said(log)
     os.killpg(h.server.proc.pid, signal.SIGKILL)
     h.server.proc.wait()
-    deadline = time.monotonic() + 60
     h.supervise()
-    assert h.restarting
+    assert h.state == State.DOWN and not h.restarting and not h.server.alive()
+    h.pause()  # the cell trains on: nothing to do
+    assert h.state == State.DOWN and not h.restarting and h.restarts == []
+    h.resume()
+    deadline = time.monotonic() + 60
     while h.restarting:
         assert time.monotonic() < deadline, "no restart within 60 s"
         h.supervise()
         time.sleep(0.05)
-    assert [r.cause for r in h.restarts] == ["died (code -9)"] and h.state == R
-    assert said(log) == [
-        "update_weights_from_disk 200",
-        "pause_generation 200",
-        "release_memory_occupation 200",
-    ]
-    h.resume()
-    assert said(log) == ["resume_memory_occupation 200", "continue_generation 200"]
+    h.supervise()
+    assert [r.cause for r in h.restarts] == ["died (code -9)"] and h.state == S
+    assert [r.version for r in h.restarts] == [3]  # the newest weights the cell held
+    assert said(log) == ["update_weights_from_disk 200"]  # a fresh server holds its memory
+
+
+def test_a_server_that_dies_while_it_samples_is_started_again_at_once(host) -> None:  # noqa: ANN001
+    h, log, _ = host
+    os.killpg(h.server.proc.pid, signal.SIGKILL)
+    h.server.proc.wait()
+    h.supervise()
+    assert h.restarting
+    deadline = time.monotonic() + 60
+    while h.restarting:
+        assert time.monotonic() < deadline, "no restart within 60 s"
+        h.supervise()
+        time.sleep(0.05)
+    assert h.state == S and said(log) == ["update_weights_from_disk 200"]
 
 
 def test_without_the_memory_saver_a_training_cell_s_server_is_only_paused(tmp_path: Path) -> None:

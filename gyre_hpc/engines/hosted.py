@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from aiohttp import web
 
-from gyre_hpc.engines.colocation import LOAD, State, step
+from gyre_hpc.engines.colocation import LOAD, START, State, step
 from gyre_hpc.engines.embedded import Engine
 from gyre_hpc.engines.emulated import EmulatedEngine
 from gyre_hpc.engines.pushed import Pushed
@@ -230,6 +230,7 @@ class SGLangHost:
 
     ```
      SERVING/PAUSED/RELEASED ── dies (a verb fails and its process is gone, or supervise finds it) ──▶
+       RELEASED: DOWN, nothing started while the trainer holds the GPU; the next resume starts it
        restarting: verbs record their intent (the state they lead to, the newest weights) and return
          └─ in the background: stop, start (up to engine.restart_attempts, backoff doubling from
             engine.restart_backoff_s), load the newest weights, take it to the intended state ─▶ back
@@ -252,6 +253,8 @@ class SGLangHost:
         """A load while it restarts: what the restarted server loads instead of what it died with."""
         self._thread: threading.Thread | None = None
         self._failed: Exception | None = None
+        self._down_cause = ""
+        """Why it is DOWN: the restart it gets when its cell samples is reported with it."""
 
     def start(self) -> int:
         started = time.monotonic()
@@ -281,6 +284,10 @@ class SGLangHost:
     def _go(self, verb: str, *weights: object) -> Pushed:
         with self._lock:
             state, verbs = step(self.state, verb, self.releases_memory)
+            if verbs == (START,):  # down while its cell trained: it starts now, the GPU its own
+                self.state = state
+                self._begin_restart(self._down_cause)
+                return Pushed()
             if not self.restarting:
                 try:
                     pushed = self._send(verbs, weights)
@@ -290,9 +297,9 @@ class SGLangHost:
                     if not self._died():
                         raise
                     what = {"train": "pause", "sample": "resume"}.get(verb, verb)  # the cell's word
-                    url = self.server.url
-                    log.warning("sglang server %s died during %s (%s): restarting", url, what, err)
-                    self._begin_restart(f"died during {what}")
+                    log.warning("sglang server %s died during %s (%s)", self.server.url, what, err)
+                    if self._died_now(f"died during {what}", state):
+                        return Pushed()
             self.state = state  # the restarted server is taken there
             if verb == "load":
                 flat, version = weights
@@ -327,10 +334,22 @@ class SGLangHost:
         if self.restarting:
             return
         with self._lock:
-            if not self.restarting and not self.server.alive():
+            if not self.restarting and self.state != State.DOWN and not self.server.alive():
                 code = self.server.proc.returncode if self.server.proc else None
-                log.warning("sglang server %s died (code %s): restarting", self.server.url, code)
-                self._begin_restart(f"died (code {code})")
+                log.warning("sglang server %s died (code %s)", self.server.url, code)
+                self._died_now(f"died (code {code})", self.state)
+
+    def _died_now(self, cause: str, state: State) -> bool:
+        """Under the lock, for a server that died in (or on its way to) ``state``: restart it
+        now, or (its cell trains on the GPU) leave it down until the cell samples, so that it
+        sizes its KV pool with the GPU its own. True: down."""
+        state, verbs = step(state, "died", self.releases_memory)
+        if verbs == (START,):
+            self._begin_restart(cause)
+            return False
+        log.warning("sglang server %s: started again when its cell samples", self.server.url)
+        self.state, self._down_cause = state, cause
+        return True
 
     def _begin_restart(self, cause: str) -> None:
         """Under the lock: restarting from now, in a thread of its own, at the newest weights."""

@@ -379,7 +379,10 @@ def test_on_cuda_a_megatron_tree_with_block_masks_gives_the_paths_step(tiny: Pat
 @pytest.mark.gpu
 def test_the_torch_trainer_on_a_gpu_takes_the_cpu_s_step(tiny: Path) -> None:
     """trainer.device = "cuda": its buffers live on the GPU, the host mirrors are written when
-    asked, and the core's summed gradient is read back from the host."""
+    asked, and the core's summed gradient is read back from the host. Adam's first step moves an
+    element by lr · g / (|g| + eps): where |g| is within a few eps of 0 the devices' gradients,
+    equal to 1e-4, can move it by up to lr on one and not the other, so weights are compared
+    only where every gradient so far is well above eps, and everywhere within lr."""
     seqs = forked_sequences(Qwen3Config.load(tiny).vocab_size)
     cpu, gpu = (TorchTrainer(tiny, CFG, core=True, device=d) for d in ("cpu", "cuda"))
     assert gpu.flat.is_cuda and not gpu.host_grad.is_cuda
@@ -387,21 +390,27 @@ def test_the_torch_trainer_on_a_gpu_takes_the_cpu_s_step(tiny: Path) -> None:
         t.micro_step(seqs)
     g = cpu.gradient()
     assert np.abs(gpu.gradient() - g).max() <= 1e-4 * np.abs(g).max()
+    steady = np.abs(g) > 1e-6  # 100 × Adam's eps: the gradients' relative error barely moves the step
+    lr = CFG.lr
+
+    def same(a: np.ndarray, b: np.ndarray) -> bool:
+        return np.abs(a - b)[steady].max() < 1e-5 and np.abs(a - b).max() <= 2 * lr
+
     for t in (cpu, gpu):
         t.gradient()[:] *= 2  # as the core adds the other cells' gradients, on the host
         t.apply(3)
-    assert np.abs(gpu.weights() - cpu.weights()).max() < 1e-5
+    assert same(gpu.weights(), cpu.weights())
     held = torch.cuda.memory_allocated()
     gpu.release_memory()  # while its cell samples
     assert torch.cuda.memory_allocated() < held / 4
-    assert np.abs(gpu.weights() - cpu.weights()).max() < 1e-5
+    assert same(gpu.weights(), cpu.weights())
     gpu.resume_memory()
     for t in (cpu, gpu):
         t.zero_grad()
         t.micro_step(seqs)
-        t.gradient()
+        steady &= np.abs(t.gradient()) > 1e-6
         t.apply(3)
-    assert np.abs(gpu.weights() - cpu.weights()).max() < 1e-5
+    assert same(gpu.weights(), cpu.weights())
 
 
 def test_a_torch_trainer_whose_buffers_moved_trains_on_as_before(tiny: Path) -> None:

@@ -6,7 +6,8 @@
           communicator: NCCL's refusal, or its figures, are recorded).
 2. flex   FlexAttention over a dozen tree lengths at Qwen3-8B's attention shapes, padded to
           ``tree_attention.padded_length``: compiles, seconds (forward and backward) and peak
-          memory per length.
+          memory per length, and a forward without grad as recomputation runs it (its compiles
+          counted apart: grad mode is part of what a compiled frame is specialised to).
 3. cycle  colocation: an engine-sized allocation in another process, released; a trainer rank's
           state (bf16 weights, fp32 masters, Adam) resumed from the host, one optimizer step,
           released (``trainer.offload``); the engine's allocation taken again.
@@ -14,7 +15,10 @@
 On the CPU (``--device cpu``, the test suite's tiny sizes) the same code runs with gloo and a
 shared-memory file instead of NCCL and CUDA IPC, forward-only attention and resident-set sizes.
 
-    python tools/bench_colocation.py --device cuda --out DIR     # writes DIR/bench_colocation.json
+    python tools/bench_colocation.py --device cuda --out DIR [--phases push,broadcast,flex,cycle]
+
+Each phase adds its figures to DIR/bench_colocation.json as it ends (figures already there from
+another call stay), so a call cut short by its time limit still leaves what it measured.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from gyre_hpc.trainer.offload import Offload, moments  # noqa: E402
 from gyre_hpc.trainer.tree_attention import block_mask, flex, padded_ends, padded_length  # noqa: E402
 
 MIB = 1 << 20
+PHASES = ("push", "broadcast", "flex", "cycle")
 
 
 def used(device: str) -> int:
@@ -105,7 +110,7 @@ def broadcaster(rank: int, port: int, numel: int, device: str, out: mp.Queue) ->
         out.put({"rank": rank, "error": f"{type(err).__name__}: {str(err)[:300]}"})
 
 
-def push_by_broadcast(device: str, numel: int) -> dict:
+def push_by_broadcast(device: str, numel: int, wait_s: float) -> dict:
     from gyre_hpc.launch.ports import free_port
 
     ctx = mp.get_context("spawn")
@@ -116,9 +121,9 @@ def push_by_broadcast(device: str, numel: int) -> dict:
     results = []
     for _ in procs:
         try:
-            results.append(out.get(timeout=120))
+            results.append(out.get(timeout=wait_s))
         except Exception:
-            results.append({"error": "no answer within 120 s (a rank hung)"})
+            results.append({"error": f"no answer within {wait_s:g} s (a rank hung)"})
     for p in procs:
         p.join(10)
         if p.is_alive():
@@ -175,9 +180,15 @@ def flex_sweep(
         if grad:
             out.sum().backward()
             torch.cuda.synchronize()
+        seconds, graphs = time.perf_counter() - t0, dynamo.counters["stats"]["unique_graphs"]
+        t0 = time.perf_counter()
+        with torch.no_grad():  # recomputation's first forward
+            flex(q, k, v, mask)
         rows.append({
-            "tokens": n, "padded": length, "seconds": round(time.perf_counter() - t0, 3),
-            "new_graphs": dynamo.counters["stats"]["unique_graphs"] - before,
+            "tokens": n, "padded": length, "seconds": round(seconds, 3),
+            "new_graphs": graphs - before,
+            "no_grad_seconds": round(time.perf_counter() - t0, 3),
+            "no_grad_new_graphs": dynamo.counters["stats"]["unique_graphs"] - graphs,
             "peak_mb": round((torch.cuda.max_memory_allocated() if grad else used(device)) / MIB, 1),
         })  # fmt: skip
     return rows
@@ -262,25 +273,43 @@ def main() -> None:
     )
     ap.add_argument("--flex-budget-s", type=float, default=240, help="no new length after this")
     ap.add_argument("--engine-fraction", type=float, default=0.6, help="of the GPU the engine's pool takes")
+    ap.add_argument("--broadcast-wait-s", type=float, default=20, help="how long a broadcast rank may take")
+    ap.add_argument("--phases", default=",".join(PHASES), help=f"a comma list of {', '.join(PHASES)}")
     args = ap.parse_args()
+    phases = args.phases.split(",")
+    if bad := sorted(set(phases) - set(PHASES)):
+        ap.error(f"--phases: {', '.join(bad)}; valid: {', '.join(PHASES)}")
     cuda = args.device == "cuda"
     numel = int(args.push_gb * 1e9 / 2)
-    figures: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu"}
-    figures["push_by_reference"] = [
-        push_by_reference(args.device, numel, args.bucket_mb * MIB // size, dtype)
-        for dtype, size in (("bfloat16", 2), ("float32", 4))
-    ]
-    figures["push_by_broadcast"] = push_by_broadcast(args.device, numel)
-    lengths = [1000, 2500, 4096, 6000, 8191, 10000, 14000, 16384, 20000, 24576, 28000, 32768]
-    limit, shape = (32768, (32, 8, 128)) if cuda else (512, (4, 2, 32))
-    if not cuda:
-        lengths = [n * 512 // 32768 + 16 for n in lengths]
-    figures["flex"] = flex_sweep(args.device, lengths, limit, *shape, budget_s=args.flex_budget_s)
-    total = torch.cuda.mem_get_info()[1] if cuda else 1 << 30
-    figures["cycle"] = cycle(args.device, int(args.engine_fraction * total), int(args.rank_params))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_colocation.json").write_text(json.dumps(figures, indent=2) + "\n")
-    print(json.dumps(figures, indent=2))
+    path = args.out / "bench_colocation.json"
+    figures: dict = json.loads(path.read_text()) if path.exists() else {}
+    figures["device"] = torch.cuda.get_device_name() if cuda else "cpu"
+
+    def done(name: str, value: object) -> None:
+        figures[name] = value
+        path.write_text(json.dumps(figures, indent=2) + "\n")
+        print(json.dumps({name: value}, indent=2), flush=True)
+
+    if "push" in phases:
+        done("push_by_reference", [
+            push_by_reference(args.device, numel, args.bucket_mb * MIB // size, dtype)
+            for dtype, size in (("bfloat16", 2), ("float32", 4))
+        ])  # fmt: skip
+    if "broadcast" in phases:
+        done("push_by_broadcast", push_by_broadcast(args.device, numel, args.broadcast_wait_s))
+    if "flex" in phases:
+        lengths = [1000, 2500, 4096, 6000, 8191, 10000, 14000, 16384, 20000, 24576, 28000, 32768]
+        limit, shape = (32768, (32, 8, 128)) if cuda else (512, (4, 2, 32))
+        if not cuda:
+            lengths = [n * 512 // 32768 + 16 for n in lengths]
+        done("flex", flex_sweep(args.device, lengths, limit, *shape, budget_s=args.flex_budget_s))
+    if "cycle" in phases:
+        total = torch.cuda.mem_get_info()[1] if cuda else 1 << 30
+        state = int(args.rank_params) * (2 + 4 + 4 + 8)
+        # The engine's pool and the rank's state never exceed 90 % of the GPU (an H100 too).
+        pool = max(0, int(min(args.engine_fraction * total, 0.9 * total - state)))
+        done("cycle", cycle(args.device, pool, int(args.rank_params)))
 
 
 if __name__ == "__main__":

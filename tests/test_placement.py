@@ -9,7 +9,7 @@ from conftest import assert_golden
 
 from gyre_hpc.engines.sglang import Span, sglang_command
 from gyre_hpc.errors import RecipeError
-from gyre_hpc.launch.check import check_launch
+from gyre_hpc.launch.check import check_launch, stack_warnings
 from gyre_hpc.plan.placement import EnginePart, cell_engines, check_engine_plan, engine_plan
 from gyre_hpc.recipe.load import load_recipe
 from gyre_hpc.recipe.schema import EngineConfig
@@ -113,3 +113,18 @@ def test_each_part_of_a_cell_logs_to_its_own_directory() -> None:
         "unit-0",
         "unit-0-replica-1",
     ]
+
+
+def test_sglang_s_cuda_stack_against_the_recipe_s_is_said_as_warnings() -> None:
+    """SGLang pins the torch its kernels were built against and needs CUDA 13: ``recipe check``
+    says where the environment or the job's modules disagree (it cannot refuse: the cluster's
+    environment is not this one)."""
+    requires = ["cuda-python>=13.0", "torch==2.14.1", "torchvision"]
+    r = load_recipe(None, ["engine.backend=sglang", "slurm.setup=['module load openmpi/4.1 cuda/12.8']"])
+    assert stack_warnings(r, requires, "2.13.0+cpu") == (
+        "warning: sglang pins torch==2.14.1, this environment has torch 2.13.0+cpu: its servers may fail "
+        "to load their kernels",
+        "warning: sglang needs CUDA 13 (cuda-python>=13.0, an R580+ driver); slurm.setup loads cuda/12.8",
+    )
+    fine = load_recipe(None, ["engine.backend=sglang", "slurm.setup=['module load cuda/13.0']"])
+    assert stack_warnings(fine, requires, "2.14.1+cu130") == ()

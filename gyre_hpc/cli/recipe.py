@@ -55,6 +55,8 @@ def check(recipe: RecipeArg, set_: SetOption = None) -> None:
         typer.echo("\n".join(launch.memory.lines()))
     elif r.cells.gpu_memory_gib:
         typer.echo(f"memory plan: none (the shape of {r.run.model} is not known here)")
+    for line in launch.warnings:
+        typer.echo(line)
 
 
 @app.command()

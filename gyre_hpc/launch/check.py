@@ -13,6 +13,7 @@ of processes or files: it reads the recipe and what this Python environment has 
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
 
@@ -31,6 +32,8 @@ class LaunchPlan:
     """Its engine replicas over the cell's GPUs and nodes."""
     memory: MemoryPlan | None
     """What its worst GPU holds by role (None where the model's shape is not known here)."""
+    warnings: tuple[str, ...] = ()
+    """What may fail on the cluster though nothing here refuses it (``stack_warnings``)."""
 
 
 def check_launch(r: Recipe) -> LaunchPlan:
@@ -42,7 +45,48 @@ def check_launch(r: Recipe) -> LaunchPlan:
     memory = check_memory(
         model_shape(r.run.model), r.cells, r.engine, r.trainer, r.agent, r.slurm.nodes_per_cell
     )
-    return LaunchPlan(engines=engines, memory=memory)
+    return LaunchPlan(engines=engines, memory=memory, warnings=installed_stack_warnings(r))
+
+
+def installed_stack_warnings(r: Recipe) -> tuple[str, ...]:
+    """``stack_warnings`` of the SGLang and torch installed here (none without SGLang)."""
+    if r.engine.backend != "sglang" or importlib.util.find_spec("sglang") is None:
+        return ()
+    import torch
+
+    return stack_warnings(r, importlib.metadata.requires("sglang") or [], torch.__version__)
+
+
+def _major(module: str) -> int | None:
+    """The major version of a module such as ``cuda/12.8``."""
+    head = module.split("/", 1)[1].split(".")[0]
+    return int(head) if head.isdigit() else None
+
+
+def stack_warnings(r: Recipe, sglang_requires: list[str], torch_version: str) -> tuple[str, ...]:
+    """Where SGLang's CUDA stack and the recipe's environment disagree: the torch it pins and
+    the one its servers would run with (its kernels are built against the pinned one), and the
+    CUDA it needs (``cuda-python>=13``: an R580+ driver) against a CUDA module the job loads.
+    Pure: ``sglang_requires`` is its Requires-Dist, ``torch_version`` the running torch's."""
+    said = []
+    pins = [
+        req.split("==", 1)[1].split(";")[0].strip() for req in sglang_requires if req.startswith("torch==")
+    ]
+    running = torch_version.split("+")[0]
+    if pins and pins[0] != running:
+        said.append(f"warning: sglang pins torch=={pins[0]}, this environment has torch {torch_version}: "
+                    "its servers may fail to load their kernels")  # fmt: skip
+    cuda13 = any(req.replace(" ", "").startswith("cuda-python>=13") for req in sglang_requires)
+    modules = [word for line in r.slurm.setup for word in line.split() if word.startswith("cuda/")]
+    old = [
+        m
+        for m in modules
+        if m.split("/")[1].split(".")[0].isdigit() and int(m.split("/")[1].split(".")[0]) < 13
+    ]
+    if cuda13 and old:
+        said.append(f"warning: sglang needs CUDA 13 (cuda-python>=13.0, an R580+ driver); slurm.setup "
+                    f"loads {', '.join(old)}")  # fmt: skip
+    return tuple(said)
 
 
 def check_trackers(observability: ObservabilityConfig) -> None:

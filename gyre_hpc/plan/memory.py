@@ -40,6 +40,9 @@ CUDA_CONTEXT = 1 * GIB
 """One process's CUDA context, cuBLAS and NCCL workspaces: what a released side still holds."""
 ENGINE_WORKSPACE = 4 * GIB
 """An engine's memory beyond its static pool: a decode batch's activations and CUDA graphs."""
+IPC_CONTEXT = GIB // 2
+"""A CUDA context another process opens on this GPU to read a bucket staged here by CUDA IPC
+(each SGLang TP rank but the first, for the life of the server; an estimate)."""
 LOGIT_BYTES = 14
 """Bytes per logit of one micro-step on the last stage: bf16 logits, the fp32 copy the log-probs
 are taken from, the vocab-parallel softmax it keeps and the fp32 gradient of it."""
@@ -239,6 +242,7 @@ def plan(
     engine_weights = s.params * served // engine.tp_size
     kv_per_token = s.kv_bytes_per_token(served, engine.tp_size)
     bucket = engine.weight_bucket_mb << 20
+    by_reference = engine.backend == "sglang" and engine.weight_sync in ("tensor", "delta")
     sampling = Phase(
         "sampling",
         (
@@ -246,6 +250,7 @@ def plan(
             Part("engine workspace", ENGINE_WORKSPACE),
             Part("weight bucket sent and received", 2 * bucket),
             Part("released trainer", CUDA_CONTEXT),
+            Part("server ranks' IPC contexts", (engine.tp_size - 1) * IPC_CONTEXT if by_reference else 0),
         ),
     )
     train_dtype = BYTES[trainer.dtype]

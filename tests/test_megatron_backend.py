@@ -186,8 +186,8 @@ def test_the_runtime_trains_with_megatron_cells_of_one_rank_or_of_several(tmp_pa
     from safetensors.numpy import load_file
 
     one_cell = ("--set", "cells.count=1")  # the comparison needs no more
-    # The snapshot and gradient broadcasts over the cell and the checkpoint go in 1 MiB parts (the
-    # tiny model is 3.4 MiB): the path an 8.19e9-element buffer takes past MPI's 32-bit counts.
+    # The transport's reads of snapshots and gradients go in 1 MiB parts (the tiny model is 3.4
+    # MiB): the path an 8.19e9-element buffer takes past MPI's 32-bit counts.
     pp = ("--set", "trainer.pp_size=2", "--set", "cells.ranks_per_cell=2")
     pp += ("--set", "transport.mpi_chunk_mb=1")
     one = smoke_run(tmp_path / "tp1", *one_cell)
@@ -205,7 +205,10 @@ def test_the_runtime_trains_with_megatron_cells_of_one_rank_or_of_several(tmp_pa
     d1 = np.concatenate([(w1[k] - start[k]).ravel() for k in start])
     d2 = np.concatenate([(w2[k] - start[k]).ravel() for k in start])
     assert np.linalg.norm(d2 - d1) <= 1e-3 * np.linalg.norm(d1)  # measured: 1.4e-4
-    # Resuming gathers and scatters the optimizer state of every rank of the replica.
+    # Each rank of the replica wrote its own optimizer state, digested; resuming reads each back.
+    state = json.loads((pp2 / "checkpoints/step-000002/state.json").read_text())
+    assert sorted(state["sha256"]) == ["model.safetensors", "optimizer-rank-0.pt", "optimizer-rank-1.pt"]
+    assert not (pp2 / "checkpoints/step-000002/optimizer.pt").exists()
     smoke_run(tmp_path, "--set", "run.steps=3", resume=pp2)
     assert [s.version for s in step_events(pp2)][-1] == 3
     logs = "".join(p.read_text() for p in (pp2 / "logs").glob("rank-*.log"))

@@ -6,7 +6,7 @@
      trainer.micro_step(seqs) ◀═══ tensor-parallel collectives (torch.distributed) ═══▶
    replica.load_snapshot(flat, v) ──Mirror──▶ trainer.load_snapshot(·, v)  (its slice, from the leader)
    replica.apply(R) ──Mirror──▶ trainer.apply(R)  (its slice of the summed gradient; each steps its own)
-   replica.optimizer_state() ──Mirror──▶ gather(each rank's state)
+   replica.save_optimizer(dir) ──Mirror──▶ each rank writes its own file ──gather──▶ names, digests
 ```
 
 A megatron trainer's verbs are collective over its model-parallel group: every rank of the cell
@@ -20,6 +20,7 @@ holds the whole model. The replica knows nothing about roles or the schedule.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ import numpy as np
 from gyre_hpc.runtime.protocol import Channel, Mirror, ProtocolError
 from gyre_hpc.step.claims import MicroStats
 from gyre_hpc.trainer.base import ApplyStats, Trainer
+from gyre_hpc.trainer.state_files import rank_file, rank_files
 from gyre_hpc.trajectory.sequences import TrainSequence
 
 NOTHING = np.zeros(0, dtype=np.float32)
@@ -79,18 +81,20 @@ class MirroredTrainer:
         self._announce("apply", num_runs)  # the core's sum of every contributor, in its gradient
         return self.local.apply(num_runs)
 
-    def optimizer_state(self) -> dict:
-        self._announce("optimizer_state")
-        return {"ranks": self.comm.gather(self.local.optimizer_state(), root=0)}
+    def save_optimizer(self, directory: Path) -> dict[str, str]:
+        """Each rank writes its own state and digests it, in parallel; only names and digests
+        come back here (nothing is pickled through MPI but them)."""
+        self._announce("save_optimizer", directory)
+        mine = self.local.save_optimizer(directory, rank_file(0))
+        return {name: digest for got in self.comm.gather(mine, root=0) for name, digest in got.items()}
 
-    def load_optimizer_state(self, state: dict) -> None:
-        ranks = state.get("ranks") if isinstance(state, dict) else None
-        size = self.comm.Get_size()
-        if not isinstance(ranks, list) or len(ranks) != size:
+    def load_optimizer(self, directory: Path) -> None:
+        size, found = self.comm.Get_size(), rank_files(directory)
+        if found != [rank_file(r) for r in range(size)]:
             # Checked before any member is told, so a refusal leaves the cell in step.
-            raise ValueError(f"not the optimizer state of a replica over {size} ranks")
-        self._announce("load_optimizer_state")
-        self.local.load_optimizer_state(self.comm.scatter(ranks, root=0))
+            raise ValueError(f"{directory}: not the optimizer state of a replica over {size} ranks")
+        self._announce("load_optimizer", directory)
+        self.local.load_optimizer(directory, rank_file(0))
 
 
 def mirror(trainer: Trainer, msg: Mirror, comm: Any) -> None:
@@ -98,10 +102,10 @@ def mirror(trainer: Trainer, msg: Mirror, comm: Any) -> None:
     verb, args = msg.verb, msg.args
     if verb == "load_snapshot":
         trainer.load_snapshot(NOTHING, *args)  # its slice comes from the leader
-    elif verb == "optimizer_state":
-        comm.gather(trainer.optimizer_state(), root=0)
-    elif verb == "load_optimizer_state":
-        trainer.load_optimizer_state(comm.scatter(None, root=0))
+    elif verb == "save_optimizer":
+        comm.gather(trainer.save_optimizer(*args, rank_file(comm.Get_rank())), root=0)
+    elif verb == "load_optimizer":
+        trainer.load_optimizer(*args, rank_file(comm.Get_rank()))
     elif verb in ("weights", "zero_grad", "micro_step", "gradient", "apply"):
         getattr(trainer, verb)(*args)
     else:

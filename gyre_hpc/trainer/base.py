@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -66,9 +67,13 @@ class Trainer(Protocol):
     def apply(self, num_runs: int) -> ApplyStats:
         """Core only: the summed gradient is in ``gradient()``; one optimizer step."""
 
-    def optimizer_state(self) -> dict: ...
+    def save_optimizer(self, directory: Path) -> dict[str, str]:
+        """Its optimizer state written into ``directory`` (``trainer.state_files``: one file, or
+        one per rank of a replica, each by its rank): file name → sha256."""
 
-    def load_optimizer_state(self, state: dict) -> None: ...
+    def load_optimizer(self, directory: Path) -> None:
+        """Its optimizer state read from ``directory`` (``ValueError``/``OSError`` when the files
+        there are another trainer's shape)."""
 
     def release_memory(self) -> None:
         """Hand the GPU back while the cell samples (nothing to do on the CPU); ``weights`` still

@@ -4,7 +4,8 @@
  checkpoints/step-000012/
    config.json generation_config.json tokenizer.json tokenizer_config.json chat_template.jinja
    model.safetensors            ← the engines, SGLang and transformers load this directory as is
-   optimizer.pt                 ← AdamW state of the core's backend (another backend resumes the weights)
+   optimizer.pt                 ← AdamW state of the core's backend (another backend resumes the weights),
+   or optimizer-rank-<r>.pt       one file per rank of a replica, each written by its rank
    state.json                   ← {"step": 12, "version": 12, "sha256": {file: digest, …}, …}
 ```
 
@@ -16,7 +17,6 @@ call it, agree on which one that is.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from safetensors.torch import load_file
 
 from gyre_hpc.diskspace import DiskFull, ensure_room, free_bytes, is_disk_full, message
@@ -33,6 +32,7 @@ from gyre_hpc.models.architecture import Qwen3Config
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.rundir import checkpoint_dir, checkpoint_dirs, checkpoint_recorded, checkpoint_state
 from gyre_hpc.trainer.base import Trainer
+from gyre_hpc.trainer.state_files import sha256
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +50,7 @@ def save(
     ensure_room(root, expected_size(root, trainer.numel, model_dir))
     try:
         FlatLayout.of(Qwen3Config.load(model_dir)).save(trainer.weights(), model_dir, tmp)  # any backend
-        torch.save(trainer.optimizer_state(), tmp / "optimizer.pt")
-        digests = {name: sha256(tmp / name) for name in CHECKED}
+        digests = {"model.safetensors": sha256(tmp / "model.safetensors"), **trainer.save_optimizer(tmp)}
         checkpoint_state(tmp).write_text(
             json.dumps({"step": step, "version": trainer.version, "sha256": digests, **state}) + "\n"
         )
@@ -66,9 +65,6 @@ def save(
     return final
 
 
-CHECKED = ("model.safetensors", "optimizer.pt")
-
-
 def expected_size(root: Path, numel: int, model_dir: Path) -> int:
     """Bytes the next checkpoint takes: the newest one's size, or before the first, float32
     weights and AdamW's two moments (12 bytes a parameter) and the model directory's other files."""
@@ -77,14 +73,6 @@ def expected_size(root: Path, numel: int, model_dir: Path) -> int:
         return sum(f.stat().st_size for f in newest.iterdir() if f.is_file())
     files = [f for f in model_dir.iterdir() if f.is_file() and f.name != "model.safetensors"]
     return 12 * numel + sum(f.stat().st_size for f in files)
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def damage(path: Path) -> str | None:
@@ -137,10 +125,8 @@ def restore(path: Path, trainer: Trainer) -> dict[str, Any]:
     flat = read_weights(path)
     info = read_state(path)
     trainer.load_snapshot(flat, int(info["version"]))
-    try:
-        # Into host memory: the trainer moves it to its device when its GPU is its own.
-        state = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
-        trainer.load_optimizer_state(state)
-    except (ValueError, KeyError) as err:  # another backend or replica shape: cut differently
+    try:  # into host memory: the trainer moves it to its device when its GPU is its own
+        trainer.load_optimizer(path)
+    except (ValueError, KeyError, FileNotFoundError) as err:  # another backend or replica shape
         log.warning("%s: optimizer state does not fit this trainer (%s); AdamW starts afresh", path, err)
     return info

@@ -79,6 +79,7 @@ from gyre_hpc.trainer.megatron_weights import (
     stage_shapes,
 )
 from gyre_hpc.trainer.offload import Offload, moments
+from gyre_hpc.trainer.state_files import OPTIMIZER, read_state, write_state
 from gyre_hpc.trainer.tree_attention import (
     block_mask,
     dense_mask,
@@ -684,6 +685,13 @@ class MegatronTrainer:
             self.weights()
             self.release_memory()
         self.optimizer.load_state_dict(state)  # onto its parameters' device: the host, released
+
+    def save_optimizer(self, directory: Path, name: str = OPTIMIZER) -> dict[str, str]:
+        """Its optimizer state written into ``directory`` as ``name``: file name → sha256."""
+        return write_state(self.optimizer_state(), directory / name)
+
+    def load_optimizer(self, directory: Path, name: str = OPTIMIZER) -> None:
+        self.load_optimizer_state(read_state(directory / name))
 
     # ---- layout boundaries ---------------------------------------------------------------------
 

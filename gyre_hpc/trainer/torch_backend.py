@@ -28,6 +28,7 @@ from gyre_hpc.trainer.base import (
     tree_inputs,
 )
 from gyre_hpc.trainer.offload import Offload, moments
+from gyre_hpc.trainer.state_files import OPTIMIZER, read_state, write_state
 from gyre_hpc.trajectory.packing import PackedTree, pack_tree
 from gyre_hpc.trajectory.sequences import TrainSequence
 
@@ -177,3 +178,10 @@ class TorchTrainer:
     def load_optimizer_state(self, state: dict) -> None:
         assert self.optimizer is not None
         self.optimizer.load_state_dict(state)
+
+    def save_optimizer(self, directory: Path, name: str = OPTIMIZER) -> dict[str, str]:
+        """Its optimizer state written into ``directory`` as ``name``: file name → sha256."""
+        return write_state(self.optimizer_state(), directory / name)
+
+    def load_optimizer(self, directory: Path, name: str = OPTIMIZER) -> None:
+        self.load_optimizer_state(read_state(directory / name))

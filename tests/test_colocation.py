@@ -136,6 +136,39 @@ def test_a_server_that_dies_while_its_cell_trains_starts_again_when_the_cell_sam
     assert said(log) == ["update_weights_from_disk 200"]  # a fresh server holds its memory
 
 
+@pytest.mark.parametrize("verb", ["/release_memory_occupation", "/resume_memory_occupation"])
+def test_a_server_killed_as_a_release_or_a_resume_reaches_it_serves_when_its_cell_samples(
+    host,  # noqa: ANN001
+    verb: str,
+) -> None:
+    """The memory verbs of the fault matrix (the stand-in: SGLang on the CPU has no memory saver).
+    Killed as the release arrives, the cell trains on with no server (none is started beside the
+    trainer) and the resume starts one; killed as the resume arrives, it starts at once. Either
+    way it comes back at the newest weights, serving."""
+    h, log, _ = host
+    armed = {verb}
+
+    def kill_on_arrival(path: str) -> None:
+        if path in armed and h.server.proc is not None:
+            armed.discard(path)
+            os.killpg(h.server.proc.pid, signal.SIGKILL)
+
+    h.server.sent = kill_on_arrival
+    h.pause()
+    if verb == "/release_memory_occupation":
+        assert h.state == State.DOWN and not h.restarting and not armed
+    h.resume()
+    deadline = time.monotonic() + 60
+    while h.restarting:
+        assert time.monotonic() < deadline, "no restart within 60 s"
+        h.supervise()
+        time.sleep(0.05)
+    h.supervise()
+    cause = "died during pause" if verb == "/release_memory_occupation" else "died during resume"
+    assert not armed and h.state == S and [(r.cause, r.version) for r in h.restarts] == [(cause, 3)]
+    assert said(log)[-1] == "update_weights_from_disk 200"  # the fresh server holds the newest weights
+
+
 def test_a_server_that_dies_while_it_samples_is_started_again_at_once(host) -> None:  # noqa: ANN001
     h, log, _ = host
     os.killpg(h.server.proc.pid, signal.SIGKILL)

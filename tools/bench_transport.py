@@ -45,6 +45,7 @@ def worker(sizes_mib: list[int], claims: int) -> None:
 
     from gyre_hpc.recipe.schema import TransportConfig
     from gyre_hpc.runtime.protocol import wait_barrier
+    from gyre_hpc.trainer.data_parallel import add_into
     from gyre_hpc.transport import TransportPlan, make_transport
 
     comm = MPI.COMM_WORLD
@@ -71,11 +72,15 @@ def worker(sizes_mib: list[int], claims: int) -> None:
             dst = np.empty(n, np.float32)
             grad = best_of(3, lambda: t.pull_gradient(2, dst))  # noqa: B023
             assert float(dst[0]) == 1.0
-            comm.send((memcpy, snap, grad), dest=0)
+            # The core's sum of a pulled gradient into its own: numpy's one thread, then torch's.
+            total = np.zeros(n, np.float32)
+            one = best_of(3, lambda: np.add(total, dst, out=total))  # noqa: B023
+            threaded = best_of(3, lambda: add_into(total, dst))  # noqa: B023
+            comm.send((memcpy, snap, grad, one, threaded), dest=0)
         if rank == 0:
-            memcpy, snap, grad = idle_recv(comm, 1)
+            memcpy, snap, grad, one, threaded = idle_recv(comm, 1)
             gb = (n * 4) / 1e9
-            rows.append((mib, gb / memcpy, gb / snap, gb / grad, t.name))
+            rows.append((mib, gb / memcpy, gb / snap, gb / grad, gb / one, gb / threaded, t.name))
         wait_barrier(comm, 600)
         t.close()
     # Claim latency: the satellite takes micro-steps one by one, as a training cell does — once
@@ -105,12 +110,15 @@ def worker(sizes_mib: list[int], claims: int) -> None:
             "snapshot pull GB/s",
             "vs memcpy",
             "gradient pull GB/s",
+            "sum GB/s: numpy",
+            "threaded",
             "backend",
         ):
             table.add_column(col, justify="right")
-        for mib, mem, snap, grad, name in rows:
+        for mib, mem, snap, grad, one, threaded, name in rows:
             size = f"{mib} MiB" if mib < 1024 else f"{mib >> 10} GiB"
-            table.add_row(size, f"{mem:.2f}", f"{snap:.2f}", f"{snap / mem:.0%}", f"{grad:.2f}", name)
+            table.add_row(size, f"{mem:.2f}", f"{snap:.2f}", f"{snap / mem:.0%}", f"{grad:.2f}",
+                          f"{one:.2f}", f"{threaded:.2f}", name)  # fmt: skip
         Console().print(table)
         for phase, samples in lat.items():
             p50, p99 = np.percentile(samples, [50, 99])

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -57,7 +58,7 @@ def run(
     console = Console(stderr=True, soft_wrap=True)
     resolve_shown(r.run.model, console)  # built once here, not by every rank at once
     verb = "resuming" if resume is not None else "gyre-hpc run"
-    console.print(f"[bold]{verb}[/] {layout.describe()} → [cyan]{run_dir.path}[/]")
+    console.print(f"[bold]{verb}[/] {layout.describe()} → [cyan]{escape(str(run_dir.path))}[/]")
     local = LocalRun(run_dir, layout, max_restarts=r.run.max_restarts, executors=r.executors.nodes)
     with Progress(
         SpinnerColumn(),
@@ -70,10 +71,11 @@ def run(
     ) as progress:
         end = local.launch(shown(progress, layout.units, r.run.steps))
     style = {"completed": "green", "failed": "bold red"}.get(end.status, "yellow")
-    reason = f": {end.reason}" if end.reason else ""
-    console.print(f"[{style}]run {end.status}[/]{reason}\nrun directory: {run_dir.path}")
+    # What a rank said is not markup: a gloo error names its source file in [brackets].
+    reason = f": {escape(end.reason)}" if end.reason else ""
+    console.print(f"[{style}]run {end.status}[/]{reason}\nrun directory: {escape(str(run_dir.path))}")
     if end.status in ("preempted", "failed", "interrupted"):
-        hint = resume_hint(run_dir.path, end.reason)
+        hint = escape(resume_hint(run_dir.path, end.reason))
         console.print(hint.replace("not resumable yet", "[yellow]not resumable yet[/]", 1))
     raise typer.Exit(EXIT.get(end.status, 1))
 
@@ -91,10 +93,10 @@ def shown(progress: Progress, units: int, steps: int):  # noqa: ANN201 - the lau
             elif isinstance(e, ev.Finished):
                 progress.update(executions, completed=e.f)
             elif isinstance(e, ev.SandboxUp) and e.warning:
-                progress.console.print(f"[yellow]warning[/]: {e.warning}")
+                progress.console.print(f"[yellow]warning[/]: {escape(e.warning)}")
             elif isinstance(e, ev.Restarting):
                 progress.reset(cells)
-                progress.console.print(f"[yellow]restarting (attempt {e.attempt})[/]: {e.reason}")
+                progress.console.print(f"[yellow]restarting (attempt {e.attempt})[/]: {escape(e.reason)}")
             elif isinstance(e, ev.Step):
                 progress.update(step_bar, completed=e.step)
                 progress.console.print(

@@ -445,9 +445,9 @@ class MegatronTrainer:
                 self.main_grad.setdefault(n, torch.zeros_like(p, dtype=torch.float32))
             if self.layout.pp > 1:
                 self._sum_tied_embedding_grads()
-            if self.dp > 1:
-                for g in self.main_grad.values():
-                    torch.distributed.all_reduce(g, group=self.dp_group)
+            if self.dp > 1:  # in the parameters' order: the order backward filled it is a replica's own
+                for n in self.params:
+                    torch.distributed.all_reduce(self.main_grad[n], group=self.dp_group)
             self._to_leader(self.grad, self._whole_grad, add=True)
             self.main_grad, self.pending = {}, False
         return self.grad

@@ -2,9 +2,11 @@
 with what each rank holds: its (stage, TP rank, DP rank), the sizes of its whole-model host
 buffers, and the values its parameters, fp32 masters and Adam moments hold.
 
-mpirun -n DP·TP·PP python megatron_parallel.py MODEL_DIR OUT_NPZ TP PP [PACKING]
+mpirun -n DP·TP·PP python megatron_parallel.py MODEL_DIR OUT_NPZ TP PP [PACKING [SEQUENCES]]
 
 With PACKING ``tree`` the micro-step is the forked sequences of ``test_tree_packing``, packed.
+SEQUENCES: how many of ``test_megatron_backend.sequences`` (fewer than the replicas: some
+replica's share is empty).
 """
 
 import dataclasses
@@ -28,6 +30,7 @@ comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
 model_dir, out, tp, pp = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 packing = sys.argv[5] if len(sys.argv) > 5 else "paths"
+count = int(sys.argv[6]) if len(sys.argv) > 6 else 3
 port = comm.bcast(MegatronWorld.alone().port if rank == 0 else None, root=0)
 trainer = MegatronTrainer(
     model_dir,
@@ -38,7 +41,7 @@ trainer = MegatronTrainer(
 )
 before = trainer.weights().copy()
 vocab = Qwen3Config.load(model_dir).vocab_size
-stats = trainer.micro_step(forked_sequences(vocab) if packing == "tree" else sequences(vocab))
+stats = trainer.micro_step(forked_sequences(vocab) if packing == "tree" else sequences(vocab, count))
 grad = trainer.gradient().copy()
 trainer.apply(3)
 after = trainer.weights().copy()

@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""What each rank of a megatron cell holds, before and after shards, side by side in one run.
+
+    python tools/bench_shards.py --before CHECKOUT [--tp 2 --pp 2] [--json OUT]
+
+A Qwen3-shaped random model (~235M parameters: 16 layers, hidden 1024, ffn 3072, vocab 32,000)
+is trained for one step by a replica of tp × pp ranks (mpirun, gloo), as a core cell's ranks
+do in the runtime: build and load, one micro-step, the gradient gathered for the transport, one
+apply, the weights gathered for publishing. It runs twice: with the code of ``--before`` (a
+checkout, e.g. the commit before the shards) and with this one. For each rank: peak resident
+memory, the whole-model host buffers it allocated, and its parameters; and the step's seconds.
+The honest bound is a rank's slice: its parameters, Adam's two moments and its gradient.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parents[1]
+SHAPE = {
+    "vocab_size": 32_000, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 16,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True,
+    "max_position_embeddings": 4096,
+}  # fmt: skip
+
+
+def worker(model_dir: Path, out: Path, tp: int, pp: int) -> None:
+    """One rank: the step, then its figures gathered to rank 0, which writes ``out``."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from gyre_hpc.recipe.schema import TrainerConfig
+    from gyre_hpc.trainer.megatron_backend import MegatronTrainer, MegatronWorld
+    from gyre_hpc.trajectory.sequences import TrainSequence
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    port = comm.bcast(MegatronWorld.alone().port if rank == 0 else None, root=0)
+    started = time.perf_counter()
+    cfg = TrainerConfig(lr=1e-5, grad_clip=0.0, tp_size=tp, pp_size=pp)
+    trainer = MegatronTrainer(model_dir, cfg, core=True, world=MegatronWorld(rank, size, "127.0.0.1", port))
+    tokens = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], 256).astype(np.int32)
+    mask = (np.arange(256) >= 64).astype(np.float32)
+    seq = TrainSequence("bench", tokens, mask, np.where(mask > 0, -2.0, 0.0).astype(np.float32), 1.0,
+                        1.0 / mask.sum())  # fmt: skip
+    trainer.micro_step([seq])
+    trainer.gradient()
+    trainer.apply(1)
+    trainer.weights()
+    seconds = time.perf_counter() - started
+    whole = sum(getattr(trainer, name).nbytes for name in ("flat", "grad"))
+    params = sum(p.numel() for p in trainer.params.values())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    mine = {"rank": rank, "peak_rss_gb": round(peak / 1e9, 3), "whole_buffers_gb": round(whole / 1e9, 3),
+            "params": params, "seconds": round(seconds, 1)}  # fmt: skip
+    got = comm.gather(mine, root=0)
+    if rank == 0:
+        out.write_text(json.dumps({"numel": trainer.numel, "ranks": got}))
+
+
+def run(checkout: Path, model_dir: Path, tp: int, pp: int) -> dict:
+    out = Path(tempfile.mkstemp(suffix=".json")[1])
+    env = {**os.environ, "PYTHONPATH": str(checkout), "OMPI_ALLOW_RUN_AS_ROOT": "1",
+           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONWARNINGS": "ignore"}  # fmt: skip
+    cmd = ["mpirun", "--oversubscribe", "-n", str(tp * pp), sys.executable, __file__, "--worker",
+           str(model_dir), str(out), str(tp), str(pp)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, cwd=checkout, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        sys.exit(f"{checkout}: the step failed: {proc.stderr[-2000:]}")
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--before", type=Path, required=True, help="a checkout of the code to compare with")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    sys.path.insert(0, str(HERE))
+    from gyre_hpc.models.architecture import Qwen3Config
+    from tools.bench_megatron import write_model
+
+    model_dir = write_model(Qwen3Config(**SHAPE), Path(tempfile.mkdtemp(prefix="bench-shards-")) / "model")
+    figures = {"before": run(args.before.resolve(), model_dir, args.tp, args.pp),
+               "after": run(HERE, model_dir, args.tp, args.pp)}  # fmt: skip
+    numel = figures["after"]["numel"]
+    fp32 = 4 * numel / 1e9
+    print(f"Qwen3-shaped, {numel / 1e6:.0f}M parameters ({fp32:.2f} GB in fp32), tp {args.tp} × pp {args.pp}")
+    print(f"{'rank':>4} {'peak RSS GB before':>19} {'after':>7} {'ratio':>6} {'whole buffers GB':>17} "
+          f"{'after':>6} {'params':>10} {'bound GB':>9}")  # fmt: skip
+    for b, a in zip(figures["before"]["ranks"], figures["after"]["ranks"], strict=True):
+        bound = a["params"] * (4 + 8 + 4) / 1e9  # weights, Adam's moments, the gradient: fp32
+        print(f"{a['rank']:>4} {b['peak_rss_gb']:>19.2f} {a['peak_rss_gb']:>7.2f} "
+              f"{a['peak_rss_gb'] / b['peak_rss_gb']:>6.2f} {b['whole_buffers_gb']:>17.2f} "
+              f"{a['whole_buffers_gb']:>6.2f} {a['params']:>10,} {bound:>9.2f}")  # fmt: skip
+    seconds = [max(r["seconds"] for r in figures[k]["ranks"]) for k in ("before", "after")]
+    print(f"the step (build, load, micro-step, gradient, apply, weights): {seconds[0]} s before, "
+          f"{seconds[1]} s after")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

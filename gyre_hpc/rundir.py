@@ -352,6 +352,18 @@ def checkpoint_state(path: Path) -> Path:
     return path / "state.json"
 
 
+def checkpoint_optimizer(path: Path, rank: int | None = None) -> Path:
+    """A checkpoint's optimizer state: ``optimizer.pt`` (a trainer of one rank), or that of rank
+    ``rank`` of a replica (``optimizer-rank-<r>.pt``, ``trainer.state_files``)."""
+    return path / ("optimizer.pt" if rank is None else f"optimizer-rank-{rank}.pt")
+
+
+def checkpoint_optimizer_ranks(path: Path) -> list[Path]:
+    """A checkpoint's per-rank optimizer files, in rank order."""
+    found = path.glob("optimizer-rank-*.pt")
+    return sorted(found, key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+
+
 def checkpoint_recorded(path: Path) -> Path:
     """A checkpoint's mark that its step was recorded (``awaits_record`` in its state); it holds
     the step's record (``runtime.resume.mark_recorded``)."""

@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
+from gyre_hpc.rundir import checkpoint_optimizer, checkpoint_optimizer_ranks
 from gyre_hpc.runtime.protocol import Channel, Mirror, ProtocolError
 from gyre_hpc.step.claims import MicroStats
 from gyre_hpc.trainer.base import ApplyStats, Trainer
-from gyre_hpc.trainer.state_files import rank_file, rank_files
 from gyre_hpc.trajectory.sequences import TrainSequence
 
 NOTHING = np.zeros(0, dtype=np.float32)
@@ -85,16 +85,16 @@ class MirroredTrainer:
         """Each rank writes its own state and digests it, in parallel; only names and digests
         come back here (nothing is pickled through MPI but them)."""
         self._announce("save_optimizer", directory)
-        mine = self.local.save_optimizer(directory, rank_file(0))
+        mine = self.local.save_optimizer(directory, 0)
         return {name: digest for got in self.comm.gather(mine, root=0) for name, digest in got.items()}
 
     def load_optimizer(self, directory: Path) -> None:
-        size, found = self.comm.Get_size(), rank_files(directory)
-        if found != [rank_file(r) for r in range(size)]:
+        size, found = self.comm.Get_size(), checkpoint_optimizer_ranks(directory)
+        if found != [checkpoint_optimizer(directory, r) for r in range(size)]:
             # Checked before any member is told, so a refusal leaves the cell in step.
             raise ValueError(f"{directory}: not the optimizer state of a replica over {size} ranks")
         self._announce("load_optimizer", directory)
-        self.local.load_optimizer(directory, rank_file(0))
+        self.local.load_optimizer(directory, 0)
 
 
 def mirror(trainer: Trainer, msg: Mirror, comm: Any) -> None:
@@ -103,9 +103,9 @@ def mirror(trainer: Trainer, msg: Mirror, comm: Any) -> None:
     if verb == "load_snapshot":
         trainer.load_snapshot(NOTHING, *args)  # its slice comes from the leader
     elif verb == "save_optimizer":
-        comm.gather(trainer.save_optimizer(*args, rank_file(comm.Get_rank())), root=0)
+        comm.gather(trainer.save_optimizer(*args, comm.Get_rank()), root=0)
     elif verb == "load_optimizer":
-        trainer.load_optimizer(*args, rank_file(comm.Get_rank()))
+        trainer.load_optimizer(*args, comm.Get_rank())
     elif verb in ("weights", "zero_grad", "micro_step", "gradient", "apply"):
         getattr(trainer, verb)(*args)
     else:

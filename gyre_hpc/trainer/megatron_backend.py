@@ -61,6 +61,7 @@ from gyre_hpc.loss.token_stats import TokenStats
 from gyre_hpc.models.architecture import Qwen3Config
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.recipe.schema import TrainerConfig
+from gyre_hpc.rundir import checkpoint_optimizer
 from gyre_hpc.step.claims import MicroStats, micro_stats
 from gyre_hpc.trainer.base import (
     ApplyStats,
@@ -79,7 +80,7 @@ from gyre_hpc.trainer.megatron_weights import (
     stage_shapes,
 )
 from gyre_hpc.trainer.offload import Offload, moments
-from gyre_hpc.trainer.state_files import OPTIMIZER, read_state, write_state
+from gyre_hpc.trainer.state_files import read_state, write_state
 from gyre_hpc.trainer.tree_attention import (
     block_mask,
     dense_mask,
@@ -686,12 +687,13 @@ class MegatronTrainer:
             self.release_memory()
         self.optimizer.load_state_dict(state)  # onto its parameters' device: the host, released
 
-    def save_optimizer(self, directory: Path, name: str = OPTIMIZER) -> dict[str, str]:
-        """Its optimizer state written into ``directory`` as ``name``: file name → sha256."""
-        return write_state(self.optimizer_state(), directory / name)
+    def save_optimizer(self, directory: Path, rank: int | None = None) -> dict[str, str]:
+        """Its optimizer state written into ``directory`` (as rank ``rank``'s of a replica):
+        file name → sha256."""
+        return write_state(self.optimizer_state(), checkpoint_optimizer(directory, rank))
 
-    def load_optimizer(self, directory: Path, name: str = OPTIMIZER) -> None:
-        self.load_optimizer_state(read_state(directory / name))
+    def load_optimizer(self, directory: Path, rank: int | None = None) -> None:
+        self.load_optimizer_state(read_state(checkpoint_optimizer(directory, rank)))
 
     # ---- layout boundaries ---------------------------------------------------------------------
 

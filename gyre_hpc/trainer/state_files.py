@@ -7,7 +7,8 @@ in parallel.
  a replica over n ranks:       optimizer-rank-0.pt … optimizer-rank-<n-1>.pt  (each its slice's)
 ```
 
-It knows nothing of checkpoints' layout beyond these names, or of what the state holds.
+The names are ``rundir``'s (``checkpoint_optimizer``); this module knows nothing of what the
+state holds.
 """
 
 from __future__ import annotations
@@ -16,19 +17,6 @@ import hashlib
 from pathlib import Path
 
 import torch
-
-OPTIMIZER = "optimizer.pt"
-
-
-def rank_file(rank: int) -> str:
-    """The file of a replica's rank ``rank``."""
-    return f"optimizer-rank-{rank}.pt"
-
-
-def rank_files(directory: Path) -> list[str]:
-    """The rank files in ``directory``, in rank order."""
-    found = sorted(directory.glob("optimizer-rank-*.pt"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
-    return [p.name for p in found]
 
 
 def sha256(path: Path) -> str:

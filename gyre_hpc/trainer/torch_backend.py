@@ -18,6 +18,7 @@ from gyre_hpc.loss.diagnostics import entropy_from_logprobs
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.qwen3 import KV, Qwen3ForCausalLM
 from gyre_hpc.recipe.schema import TrainerConfig
+from gyre_hpc.rundir import checkpoint_optimizer
 from gyre_hpc.step.claims import MicroStats, micro_stats
 from gyre_hpc.trainer.base import (
     ApplyStats,
@@ -28,7 +29,7 @@ from gyre_hpc.trainer.base import (
     tree_inputs,
 )
 from gyre_hpc.trainer.offload import Offload, moments
-from gyre_hpc.trainer.state_files import OPTIMIZER, read_state, write_state
+from gyre_hpc.trainer.state_files import read_state, write_state
 from gyre_hpc.trajectory.packing import PackedTree, pack_tree
 from gyre_hpc.trajectory.sequences import TrainSequence
 
@@ -179,9 +180,10 @@ class TorchTrainer:
         assert self.optimizer is not None
         self.optimizer.load_state_dict(state)
 
-    def save_optimizer(self, directory: Path, name: str = OPTIMIZER) -> dict[str, str]:
-        """Its optimizer state written into ``directory`` as ``name``: file name → sha256."""
-        return write_state(self.optimizer_state(), directory / name)
+    def save_optimizer(self, directory: Path, rank: int | None = None) -> dict[str, str]:
+        """Its optimizer state written into ``directory`` (as rank ``rank``'s of a replica):
+        file name → sha256."""
+        return write_state(self.optimizer_state(), checkpoint_optimizer(directory, rank))
 
-    def load_optimizer(self, directory: Path, name: str = OPTIMIZER) -> None:
-        self.load_optimizer_state(read_state(directory / name))
+    def load_optimizer(self, directory: Path, rank: int | None = None) -> None:
+        self.load_optimizer_state(read_state(checkpoint_optimizer(directory, rank)))

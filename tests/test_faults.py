@@ -260,10 +260,11 @@ def test_a_fault_at_each_point_of_a_step_costs_a_restart_and_loses_nothing(tmp_p
     seeded: every call samples what the same run without a fault samples, so every execution gets
     the same reward."""
     sets = ("run.steps=1", "trainer.checkpoint_every=1", "proxy.workers=2", "run.model=tiny-warm")
+    # Side by side: the plain run computes while the faulted one waits on its restarts.
     plain = start(tmp_path / "plain", *sets)
+    proc = start(tmp_path / "faulted", *sets, "run.max_restarts=7", env={"GYRE_FAULT": ",".join(FAULTS)})
     _, said = plain.communicate(timeout=600)
     assert plain.returncode == 0, said[-3000:]
-    proc = start(tmp_path / "faulted", *sets, "run.max_restarts=7", env={"GYRE_FAULT": ",".join(FAULTS)})
     out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]
     run = the_run(tmp_path / "faulted")

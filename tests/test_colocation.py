@@ -93,6 +93,15 @@ def said(log: Path) -> list[str]:
     return [f"{lines[i]} {lines[i + 1]}" for i in range(0, len(lines), 2)]
 
 
+def back(h: SGLangHost) -> None:
+    """The cell's loop while its server restarts: supervise between messages, until it is back."""
+    deadline = time.monotonic() + 60
+    while h.restarting:
+        assert time.monotonic() < deadline, "no restart within 60 s"
+        h.supervise()
+        time.sleep(0.05)
+
+
 def test_a_cell_that_trains_releases_its_server_s_memory_and_takes_it_back(host) -> None:  # noqa: ANN001
     h, log, flat = host
     h.load(flat, 1)
@@ -125,11 +134,7 @@ def test_a_server_that_dies_while_its_cell_trains_starts_again_when_the_cell_sam
     h.pause()  # the cell trains on: nothing to do
     assert h.state == State.DOWN and not h.restarting and h.restarts == []
     h.resume()
-    deadline = time.monotonic() + 60
-    while h.restarting:
-        assert time.monotonic() < deadline, "no restart within 60 s"
-        h.supervise()
-        time.sleep(0.05)
+    back(h)
     h.supervise()
     assert [r.cause for r in h.restarts] == ["died (code -9)"] and h.state == S
     assert [r.version for r in h.restarts] == [3]  # the newest weights the cell held
@@ -158,11 +163,7 @@ def test_a_server_killed_as_a_release_or_a_resume_reaches_it_serves_when_its_cel
     if verb == "/release_memory_occupation":
         assert h.state == State.DOWN and not h.restarting and not armed
     h.resume()
-    deadline = time.monotonic() + 60
-    while h.restarting:
-        assert time.monotonic() < deadline, "no restart within 60 s"
-        h.supervise()
-        time.sleep(0.05)
+    back(h)
     h.supervise()
     cause = "died during pause" if verb == "/release_memory_occupation" else "died during resume"
     assert not armed and h.state == S and [(r.cause, r.version) for r in h.restarts] == [(cause, 3)]
@@ -175,11 +176,7 @@ def test_a_server_that_dies_while_it_samples_is_started_again_at_once(host) -> N
     h.server.proc.wait()
     h.supervise()
     assert h.restarting
-    deadline = time.monotonic() + 60
-    while h.restarting:
-        assert time.monotonic() < deadline, "no restart within 60 s"
-        h.supervise()
-        time.sleep(0.05)
+    back(h)
     assert h.state == S and said(log) == ["update_weights_from_disk 200"]
 
 

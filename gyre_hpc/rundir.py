@@ -364,6 +364,25 @@ def checkpoint_optimizer_ranks(path: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.stem.rsplit("-", 1)[1]))
 
 
+SHARDS = "megatron"
+"""A checkpoint's folder of weight shards, apart from the Hugging Face files that loaders glob."""
+
+
+def checkpoint_shard(path: Path, stage: int, tp_rank: int) -> Path:
+    """The weights a replica's rank of pipeline stage ``stage`` and tensor-parallel rank
+    ``tp_rank`` holds, in Megatron's names (``trainer.weight_shards``): written by that rank."""
+    return path / SHARDS / f"stage-{stage}-tp-{tp_rank}.safetensors"
+
+
+def checkpoint_shards(path: Path) -> dict[tuple[int, int], Path]:
+    """A checkpoint's weight shards by (stage, TP rank); empty for one written whole."""
+    out = {}
+    for f in (path / SHARDS).glob("stage-*-tp-*.safetensors"):
+        _, stage, _, tp_rank = f.name.removesuffix(".safetensors").split("-")
+        out[int(stage), int(tp_rank)] = f
+    return dict(sorted(out.items()))
+
+
 def checkpoint_recorded(path: Path) -> Path:
     """A checkpoint's mark that its step was recorded (``awaits_record`` in its state); it holds
     the step's record (``runtime.resume.mark_recorded``)."""

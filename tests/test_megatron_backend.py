@@ -14,14 +14,18 @@ import numpy as np
 import pytest
 import torch
 from conftest import flat_of, gyre
+from safetensors import safe_open
 
 from gyre_hpc.builtin_models.resolve import resolve_model
 from gyre_hpc.models.architecture import Qwen3Config
 from gyre_hpc.models.flat import FlatLayout
+from gyre_hpc.models.hf_files import copy_model_files
 from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 from gyre_hpc.models.tiny import init_tiny, save_weights
 from gyre_hpc.observability.events import read_events
 from gyre_hpc.recipe.schema import AgentConfig, CellsConfig, EngineConfig, TrainerConfig
+from gyre_hpc.rundir import checkpoint_shards
+from gyre_hpc.trainer import checkpoint, weight_shards
 from gyre_hpc.trainer.megatron_weights import MegatronLayout, slice_shapes
 from gyre_hpc.trainer.torch_backend import TorchTrainer
 from gyre_hpc.trajectory.sequences import TrainSequence
@@ -135,6 +139,36 @@ def test_a_data_tensor_or_pipeline_parallel_trainer_matches_one_rank(
         mine = sum(s.numel() for s in slice_shapes(layout, shapes, tp_rank, stage).values())
         assert (whole_weights, whole_grad, params, moments) == (whole, whole, mine, 2 * mine)
         assert mine <= flat.numel / (tp * pp) + layout.padded_vocab * config.hidden_size / tp
+    # Checkpoint shards: each written by its rank of the first replica, holding its slice alone,
+    # read back by the same ranks exactly, and joined into the whole model without a gather.
+    shards = tmp_path / "shards"
+    assert np.array_equal(got["reloaded"], got["after"])
+    assert set(checkpoint_shards(shards)) == {(s, t) for s in range(pp) for t in range(tp)}
+    for (stage, tp_rank), f in checkpoint_shards(shards).items():
+        with safe_open(f, framework="pt") as h:
+            held = {name: h.get_slice(name).get_shape() for name in h.keys()}  # noqa: SIM118
+        assert held == {n: list(s) for n, s in slice_shapes(layout, shapes, tp_rank, stage).items()}
+    assert sorted(json.loads(str(got["digests"]))) == [
+        str(f.relative_to(shards)) for f in checkpoint_shards(shards).values()]  # fmt: skip
+    copy_model_files(model_dir, shards)
+    assert np.array_equal(checkpoint.read_weights(shards), got["after"])
+    exported = tmp_path / "hf"
+    files = checkpoint.export_hf(shards, exported, bucket_bytes=flat.numel)  # ~4 files of float32
+    assert len(files) > 2 and (exported / "model.safetensors.index.json").exists()
+    import transformers
+
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
+    state = theirs.state_dict()
+    for name, view in flat.views(got["after"]).items():
+        assert torch.equal(state[name], view), name
+    assert np.array_equal(flat_of(Qwen3ForCausalLM.from_pretrained(exported)).numpy(), got["after"])
+    # Another layout reshards the weights as it reads them; it would not take this one's optimizer.
+    assert weight_shards.other_layout(shards, layout) is None
+    said = weight_shards.other_layout(shards, MegatronLayout(config))  # tp = pp = 1
+    assert (said is None) == (tp == pp == 1) and (said is None or f"written by tp {tp} × pp {pp}" in said)
+    resharded = megatron_backend.MegatronTrainer(model_dir, CFG, core=True)  # tp = pp = 1
+    resharded.load_weights(shards, 9)
+    assert resharded.version == 9 and np.array_equal(resharded.weights(), got["after"])
 
 
 def test_checkpoints_are_hugging_face_directories_whatever_the_backend(tmp_path: Path) -> None:
@@ -190,7 +224,7 @@ def test_the_runtime_trains_with_megatron_cells_of_one_rank_or_of_several(tmp_pa
     # The transport's reads of snapshots and gradients go in 1 MiB parts (the tiny model is 3.4
     # MiB): the path an 8.19e9-element buffer takes past MPI's 32-bit counts.
     pp = ("--set", "trainer.pp_size=2", "--set", "cells.ranks_per_cell=2")
-    pp += ("--set", "transport.mpi_chunk_mb=1")
+    pp += ("--set", "transport.mpi_chunk_mb=1", "--set", "trainer.export_every=2")
     one = smoke_run(tmp_path / "tp1", *one_cell)
     pp2 = smoke_run(tmp_path / "pp2", *one_cell, *pp)
     assert [s.version for s in step_events(pp2)] == [1, 2]
@@ -206,10 +240,27 @@ def test_the_runtime_trains_with_megatron_cells_of_one_rank_or_of_several(tmp_pa
     d1 = np.concatenate([(w1[k] - start[k]).ravel() for k in start])
     d2 = np.concatenate([(w2[k] - start[k]).ravel() for k in start])
     assert np.linalg.norm(d2 - d1) <= 1e-3 * np.linalg.norm(d1)  # measured: 1.4e-4
-    # Each rank of the replica wrote its own optimizer state, digested; resuming reads each back.
+    # Each rank of the replica wrote its own weights and optimizer state, digested; step 2's
+    # checkpoint (trainer.export_every = 2) is also a Hugging Face model, step 1's is not.
     state = json.loads((pp2 / "checkpoints/step-000002/state.json").read_text())
-    assert sorted(state["sha256"]) == ["model.safetensors", "optimizer-rank-0.pt", "optimizer-rank-1.pt"]
+    assert sorted(state["sha256"]) == [
+        "megatron/stage-0-tp-0.safetensors", "megatron/stage-1-tp-0.safetensors", "model.safetensors",
+        "optimizer-rank-0.pt", "optimizer-rank-1.pt"]  # fmt: skip
     assert not (pp2 / "checkpoints/step-000002/optimizer.pt").exists()
+    assert not (pp2 / "checkpoints/step-000001/model.safetensors").exists()
+    # Any checkpoint exports, a bucket at a time: the files transformers reads hold its weights.
+    out = tmp_path / "exported"
+    said = gyre("model", "export", str(pp2 / "checkpoints/step-000001"), str(out), "--bucket-gib", "0.001")
+    assert said.returncode == 0 and "wrote" in said.stdout, said.stderr
+    assert (out / "model.safetensors.index.json").exists() and (out / "tokenizer.json").exists()
+    import transformers
+
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    layout = FlatLayout.of(Qwen3Config.load(out))
+    for name, view in layout.views(checkpoint.read_weights(pp2 / "checkpoints/step-000001")).items():
+        assert torch.equal(theirs[name], view), name
+    again = gyre("model", "export", str(pp2), str(out))
+    assert again.returncode == 2 and again.stderr.count("\n") == 1 and "not empty" in again.stderr
     smoke_run(tmp_path, "--set", "run.steps=3", resume=pp2)
     assert [s.version for s in step_events(pp2)][-1] == 3
     logs = "".join(p.read_text() for p in (pp2 / "logs").glob("rank-*.log"))

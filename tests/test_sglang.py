@@ -43,6 +43,7 @@ from gyre_hpc.errors import LaunchError
 from gyre_hpc.models.architecture import Qwen3Config
 from gyre_hpc.models.catalog import model_shape
 from gyre_hpc.models.flat import FlatLayout
+from gyre_hpc.models.hf_files import copy_model_files
 from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.observability import events as ev
@@ -50,6 +51,9 @@ from gyre_hpc.observability.events import read_events
 from gyre_hpc.proxy.router import EngineSlot, Router
 from gyre_hpc.recipe.schema import EngineConfig
 from gyre_hpc.rundir import RunDir
+from gyre_hpc.trainer import checkpoint
+from gyre_hpc.trainer.megatron_weights import MegatronLayout, hf_to_megatron
+from gyre_hpc.trainer.weight_shards import write_shard
 from gyre_hpc.trajectory.codec import by_run, read_records
 from gyre_hpc.trajectory.tree import TrajectoryTree
 
@@ -238,8 +242,9 @@ def test_new_weights_arrive_by_reference_by_broadcast_and_from_disk(
 ) -> None:
     """The core's flat snapshot reaches the server bucket by bucket — read where it lies (the
     tensor verb; a shared-memory file here, CUDA IPC on a GPU) or broadcast — or as a model
-    directory; it then serves that version, and its log-probs are those of those weights
-    computed here. No push ever stages more than one bucket."""
+    directory (a checkpoint's TP 2 × PP 2 shards exported as Hugging Face files a bucket at a
+    time); it then serves that version, and its log-probs are those of those weights computed
+    here. No push ever stages more than one bucket."""
     url, model_dir = served
     layout = FlatLayout.of(Qwen3Config.load(model_dir))
     model = Qwen3ForCausalLM.from_pretrained(model_dir)
@@ -256,7 +261,13 @@ def test_new_weights_arrive_by_reference_by_broadcast_and_from_disk(
             call(url, lambda c: c.end_weight_update())
             assert 0 < push.peak_bytes <= 1 << 20  # never more than a bucket staged
         else:
-            path = layout.save(flat, model_dir, tmp_path / f"v{version}")
+            shards, path = tmp_path / f"v{version}-shards", tmp_path / f"v{version}"
+            cut = MegatronLayout(Qwen3Config.load(model_dir), tp=2, pp=2)
+            for stage, rank in itertools.product(range(2), range(2)):
+                mine = dict(hf_to_megatron(layout.views(flat).__getitem__, cut, rank, stage))
+                write_shard(shards, mine, cut, stage, rank)
+            copy_model_files(model_dir, shards)
+            assert len(checkpoint.export_hf(shards, path, bucket_bytes=1 << 20)) > 2  # files and index
             assert call(url, lambda c, path=path, v=version: c.update_weights_from_disk(str(path), str(v)))[
                 "success"
             ]

@@ -39,6 +39,65 @@ def resolve_shown(name: str, console: Console) -> Path:
         return resolve_model(name, lambda done, total: bar.update(task, completed=done, total=total))
 
 
+@model_app.command("export")
+def export(
+    source: Annotated[
+        Path,
+        typer.Argument(
+            help="A checkpoint directory, or a run directory (its newest intact checkpoint).",
+            show_default=False,
+        ),
+    ],
+    out: Annotated[
+        Path, typer.Argument(help="Directory to write the model to (new or empty).", show_default=False)
+    ],
+    bucket_gib: Annotated[
+        float, typer.Option(min=0.001, max=64.0, help="GiB written a file at a time (0.001–64).")
+    ] = 2.0,
+    dtype: Annotated[str, typer.Option(help="Weights' dtype: float32 (as trained) or bfloat16.")] = "float32",
+) -> None:
+    """Write a checkpoint's weights as a Hugging Face model directory, one bucket at a time.
+
+    A replica over several ranks checkpoints each rank's slice (megatron/stage-*-tp-*); this joins
+    them without holding the model whole. transformers and SGLang load what it writes.
+
+    Example: `gyre-hpc model export runs/smoke-20261207-101500 models/step-12`
+    """
+    import torch
+
+    from gyre_hpc.models.architecture import Qwen3Config
+    from gyre_hpc.models.flat import FlatLayout
+    from gyre_hpc.rundir import RunDir, checkpoint_state
+    from gyre_hpc.trainer import checkpoint
+
+    if dtype not in ("float32", "bfloat16"):
+        raise GyreError(f"--dtype {dtype!r}: valid are float32, bfloat16")
+    path = source
+    if not checkpoint_state(source).exists():
+        if not RunDir(source).checkpoints.is_dir():
+            state = checkpoint_state(source).name
+            raise GyreError(
+                f"{source}: neither a checkpoint (no {state}) nor a run directory with checkpoints"
+            )
+        path, skipped = checkpoint.newest_intact(RunDir(source).checkpoints)
+        if path is None:
+            raise GyreError(f"{source}: no intact checkpoint" + (f" ({skipped[0]})" if skipped else ""))
+    elif problem := checkpoint.damage(source):
+        raise GyreError(problem)
+    if out.exists() and any(out.iterdir()):
+        raise GyreError(f"{out}: not empty; give a new or empty directory")
+    tensors = len(FlatLayout.of(Qwen3Config.load(path)).slots)
+    console = Console(stderr=True)
+    with Progress(TextColumn(f"exporting {path.name}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console) as bar:  # fmt: skip
+        task = bar.add_task("export", total=tensors)
+        digests = checkpoint.export_hf(
+            path, out, int(bucket_gib * (1 << 30)), getattr(torch, dtype), lambda: bar.advance(task)
+        )
+    size = sum((out / name).stat().st_size for name in digests)
+    typer.echo(f"wrote {out} from {path} ({len(digests)} weight files, {size / 1e6:.1f} MB)")
+
+
 engine_app = typer.Typer(help="Run an inference engine.", no_args_is_help=True)
 
 

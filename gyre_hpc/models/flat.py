@@ -15,7 +15,6 @@ this module, so the layout is derived once. It knows nothing about where the buf
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -25,17 +24,8 @@ import torch
 from safetensors.torch import save_file
 
 from gyre_hpc.models.architecture import Qwen3Config
+from gyre_hpc.models.hf_files import copy_model_files
 from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
-
-MODEL_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "chat_template.jinja",
-    "special_tokens_map.json",
-)
-"""What a model directory holds besides its weights."""
 
 
 @dataclass(frozen=True)
@@ -92,10 +82,7 @@ class FlatLayout:
     def save(self, flat: np.ndarray, model_dir: Path, out: Path) -> Path:
         """``flat`` as a Hugging Face model directory ``out``: ``model_dir``'s config, tokenizer
         and chat template beside the weights (``model.safetensors``)."""
-        out.mkdir(parents=True, exist_ok=True)
-        for name in MODEL_FILES:
-            if (model_dir / name).exists() and not (out / name).exists():
-                shutil.copy2(model_dir / name, out / name)
+        copy_model_files(model_dir, out)
         tensors = {k: v.contiguous() for k, v in self.views(flat).items()}
         save_file(tensors, str(out / "model.safetensors"), {"format": "pt"})
         return out

@@ -250,6 +250,15 @@ class TrainerConfig:
         "recomputes the layer there (about a third more compute, a fraction of the memory).",
     )
     checkpoint_every: int = knob(1, "Write a checkpoint every N steps; 0 never.", min=0, max=10_000_000)
+    export_every: int = knob(
+        0,
+        "Also write a checkpoint's weights as a Hugging Face model every N steps (at the checkpoints "
+        "of steps that N divides) when a replica over several ranks keeps them as shards; 0 never "
+        "(`gyre-hpc model export` writes one from any checkpoint). A replica of one rank's checkpoints "
+        "are Hugging Face models already.",
+        min=0,
+        max=10_000_000,
+    )
     emulated_s_per_token: float = knob(
         0.001,
         "emulated: seconds one cell spends per trained token (forward and backward).",

@@ -301,7 +301,7 @@ class Leader(CellHost):
             saved = str(
                 checkpoint.save(
                     self.setup.checkpoints, msg.step, self.trainer, self.setup.model_dir,
-                    written=lambda: faults.reach("checkpoint"), **msg.state,
+                    written=lambda: faults.reach("checkpoint"), export=self._exports(msg.step), **msg.state,
                 )
             )  # fmt: skip
         return StepApplied(
@@ -311,6 +311,10 @@ class Leader(CellHost):
             seconds=time.monotonic() - started,
             checkpoint=saved,
         )
+
+    def _exports(self, step: int) -> bool:
+        every = self.trainer_cfg.export_every
+        return bool(every) and step % every == 0
 
     def _forward(self, msg: TakeRole | Goodbye) -> None:
         for member in range(1, self.world.cell_comm.Get_size()):

@@ -6,7 +6,9 @@
      trainer.micro_step(seqs) ◀═══ tensor-parallel collectives (torch.distributed) ═══▶
    replica.load_snapshot(flat, v) ──Mirror──▶ trainer.load_snapshot(·, v)  (its slice, from the leader)
    replica.apply(R) ──Mirror──▶ trainer.apply(R)  (its slice of the summed gradient; each steps its own)
-   replica.save_optimizer(dir) ──Mirror──▶ each rank writes its own file ──gather──▶ names, digests
+   replica.save_weights(dir) / save_optimizer(dir) ──Mirror──▶ each rank writes its own file
+                                                            ──gather──▶ names, digests
+   replica.load_weights(dir, v) ──Mirror──▶ each rank reads its own slice (resharded if need be)
 ```
 
 A megatron trainer's verbs are collective over its model-parallel group: every rank of the cell
@@ -28,6 +30,7 @@ import numpy as np
 from gyre_hpc.rundir import checkpoint_optimizer, checkpoint_optimizer_ranks
 from gyre_hpc.runtime.protocol import Channel, Mirror, ProtocolError
 from gyre_hpc.step.claims import MicroStats
+from gyre_hpc.trainer import weight_shards
 from gyre_hpc.trainer.base import ApplyStats, Trainer
 from gyre_hpc.trajectory.sequences import TrainSequence
 
@@ -81,18 +84,31 @@ class MirroredTrainer:
         self._announce("apply", num_runs)  # the core's sum of every contributor, in its gradient
         return self.local.apply(num_runs)
 
+    def save_weights(self, directory: Path) -> dict[str, str]:
+        """Each rank writes its shard and digests it, in parallel: names and digests come back."""
+        self._announce("save_weights", directory)
+        return self._gathered(self.local.save_weights(directory, 0))
+
+    def load_weights(self, directory: Path, version: int) -> None:
+        self._announce("load_weights", directory, version)
+        self.local.load_weights(directory, version, 0)
+
+    def _gathered(self, mine: dict[str, str]) -> dict[str, str]:
+        return {name: digest for got in self.comm.gather(mine, root=0) for name, digest in got.items()}
+
     def save_optimizer(self, directory: Path) -> dict[str, str]:
         """Each rank writes its own state and digests it, in parallel; only names and digests
         come back here (nothing is pickled through MPI but them)."""
         self._announce("save_optimizer", directory)
-        mine = self.local.save_optimizer(directory, 0)
-        return {name: digest for got in self.comm.gather(mine, root=0) for name, digest in got.items()}
+        return self._gathered(self.local.save_optimizer(directory, 0))
 
     def load_optimizer(self, directory: Path) -> None:
         size, found = self.comm.Get_size(), checkpoint_optimizer_ranks(directory)
+        # Checked before any member is told, so a refusal leaves the cell in step.
         if found != [checkpoint_optimizer(directory, r) for r in range(size)]:
-            # Checked before any member is told, so a refusal leaves the cell in step.
             raise ValueError(f"{directory}: not the optimizer state of a replica over {size} ranks")
+        if reason := weight_shards.other_layout(directory, self.local.layout):  # resharded weights
+            raise ValueError(reason)
         self._announce("load_optimizer", directory)
         self.local.load_optimizer(directory, 0)
 
@@ -102,10 +118,10 @@ def mirror(trainer: Trainer, msg: Mirror, comm: Any) -> None:
     verb, args = msg.verb, msg.args
     if verb == "load_snapshot":
         trainer.load_snapshot(NOTHING, *args)  # its slice comes from the leader
-    elif verb == "save_optimizer":
-        comm.gather(trainer.save_optimizer(*args, comm.Get_rank()), root=0)
-    elif verb == "load_optimizer":
-        trainer.load_optimizer(*args, comm.Get_rank())
+    elif verb in ("save_weights", "save_optimizer"):
+        comm.gather(getattr(trainer, verb)(*args, comm.Get_rank()), root=0)
+    elif verb in ("load_weights", "load_optimizer"):
+        getattr(trainer, verb)(*args, comm.Get_rank())
     elif verb in ("weights", "zero_grad", "micro_step", "gradient", "apply"):
         getattr(trainer, verb)(*args)
     else:

@@ -67,6 +67,15 @@ class Trainer(Protocol):
     def apply(self, num_runs: int) -> ApplyStats:
         """Core only: the summed gradient is in ``gradient()``; one optimizer step."""
 
+    def save_weights(self, directory: Path) -> dict[str, str]:
+        """Its weights written into ``directory`` (``trainer.weight_shards``: Hugging Face's
+        ``model.safetensors`` when one rank holds them all, else each rank its shard): file
+        name → sha256."""
+
+    def load_weights(self, directory: Path, version: int) -> None:
+        """Weights read from a checkpoint or model directory, whatever layout wrote them (each
+        rank reads its slice; another layout's shards are resharded as they are read)."""
+
     def save_optimizer(self, directory: Path) -> dict[str, str]:
         """Its optimizer state written into ``directory`` (``trainer.state_files``: one file, or
         one per rank of a replica, each by its rank): file name → sha256."""

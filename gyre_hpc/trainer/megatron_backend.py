@@ -60,9 +60,11 @@ from gyre_hpc.loss.diagnostics import entropy_from_logprobs
 from gyre_hpc.loss.token_stats import TokenStats
 from gyre_hpc.models.architecture import Qwen3Config
 from gyre_hpc.models.flat import FlatLayout
+from gyre_hpc.models.hf_files import hf_weight_files
 from gyre_hpc.recipe.schema import TrainerConfig
-from gyre_hpc.rundir import checkpoint_optimizer
+from gyre_hpc.rundir import checkpoint_optimizer, checkpoint_shard
 from gyre_hpc.step.claims import MicroStats, micro_stats
+from gyre_hpc.trainer import weight_shards
 from gyre_hpc.trainer.base import (
     ApplyStats,
     entry_rows,
@@ -687,6 +689,35 @@ class MegatronTrainer:
             self.release_memory()
         self.optimizer.load_state_dict(state)  # onto its parameters' device: the host, released
 
+    def save_weights(self, directory: Path, rank: int | None = None) -> dict[str, str]:
+        """Its weights written into ``directory``: Hugging Face's file when it is a replica of
+        one rank (``rank`` None), else this rank's shard (the fp32 masters where it keeps them),
+        written by the first data-parallel replica's ranks, each its own, in parallel."""
+        if rank is None:
+            return weight_shards.write_whole(self.flat_layout, self.weights(), directory)
+        if self.dp_rank != 0:  # the other replicas hold the same
+            return {}
+        source = self.master or self.params
+        tensors = {name: t.detach().to("cpu", torch.float32) for name, t in source.items()}
+        return weight_shards.write_shard(directory, tensors, self.layout, self.stage, self.tp_rank)
+
+    def load_weights(self, directory: Path, version: int, rank: int | None = None) -> None:
+        """This rank's slice from ``directory``: its own shard when the checkpoint was written in
+        this layout, else resharded from another layout's shards or cut from Hugging Face files,
+        one tensor at a time (not collective: each rank reads its own)."""
+        written = weight_shards.layout_of(directory, self.model_config)
+        mine = (self.layout.tp, self.layout.pp, self.layout.vocab_multiple)
+        if written is not None and (written.tp, written.pp, written.vocab_multiple) == mine:
+            with safe_open(checkpoint_shard(directory, self.stage, self.tp_rank), framework="pt") as h:
+                self._load((name, h.get_tensor(name)) for name in h.keys())  # noqa: SIM118
+        elif written is not None:
+            reader = weight_shards.HFReader(directory, written)
+            self._load(hf_to_megatron(reader, self.layout, self.tp_rank, self.stage))
+        else:
+            self.load_files(directory)
+        self.version = version
+        self.fresh = False
+
     def save_optimizer(self, directory: Path, rank: int | None = None) -> dict[str, str]:
         """Its optimizer state written into ``directory`` (as rank ``rank``'s of a replica):
         file name → sha256."""
@@ -774,7 +805,7 @@ class MegatronTrainer:
 
 
 def _reader(model_dir: Path):  # noqa: ANN202 - a reader callback
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = hf_weight_files(model_dir)
     where = {}
     for f in files:
         with safe_open(f, framework="pt") as h:

@@ -20,6 +20,7 @@ from gyre_hpc.models.qwen3 import KV, Qwen3ForCausalLM
 from gyre_hpc.recipe.schema import TrainerConfig
 from gyre_hpc.rundir import checkpoint_optimizer
 from gyre_hpc.step.claims import MicroStats, micro_stats
+from gyre_hpc.trainer import weight_shards
 from gyre_hpc.trainer.base import (
     ApplyStats,
     entry_rows,
@@ -179,6 +180,12 @@ class TorchTrainer:
     def load_optimizer_state(self, state: dict) -> None:
         assert self.optimizer is not None
         self.optimizer.load_state_dict(state)
+
+    def save_weights(self, directory: Path, rank: int | None = None) -> dict[str, str]:
+        return weight_shards.write_whole(self.layout, self.weights(), directory)
+
+    def load_weights(self, directory: Path, version: int, rank: int | None = None) -> None:
+        self.load_snapshot(weight_shards.read_flat(directory, self.layout), version)
 
     def save_optimizer(self, directory: Path, rank: int | None = None) -> dict[str, str]:
         """Its optimizer state written into ``directory`` (as rank ``rank``'s of a replica):

@@ -1,6 +1,7 @@
 """A megatron trainer over DP × TP × PP ranks: one micro-step and one update, recorded by rank 0,
 with what each rank holds: its (stage, TP rank, DP rank), the sizes of its whole-model host
-buffers, and the values its parameters, fp32 masters and Adam moments hold.
+buffers, and the values its parameters, fp32 masters and Adam moments hold. Then each rank writes
+its checkpoint shard into ``shards/`` beside OUT_NPZ, forgets its weights, and reads them back.
 
 mpirun -n DP·TP·PP python megatron_parallel.py MODEL_DIR OUT_NPZ TP PP [PACKING [SEQUENCES]]
 
@@ -10,11 +11,14 @@ replica's share is empty).
 """
 
 import dataclasses
+import json
 import sys
+import traceback
 import warnings
 from pathlib import Path
 
 import numpy as np
+import torch
 from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -27,6 +31,7 @@ from gyre_hpc.models.architecture import Qwen3Config  # noqa: E402
 from gyre_hpc.trainer.megatron_backend import MegatronTrainer, MegatronWorld  # noqa: E402
 
 comm = MPI.COMM_WORLD
+sys.excepthook = lambda *exc: (traceback.print_exception(*exc), comm.Abort(1))  # no rank waits forever
 rank, size = comm.Get_rank(), comm.Get_size()
 model_dir, out, tp, pp = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 packing = sys.argv[5] if len(sys.argv) > 5 else "paths"
@@ -47,9 +52,18 @@ trainer.apply(3)
 after = trainer.weights().copy()
 params = sum(p.numel() for p in trainer.params.values())
 state = sum(t.numel() for s in trainer.optimizer.state.values() for t in s.values() if t.dim())
+shards = Path(out).parent / "shards"
+digests = comm.gather(trainer.save_weights(shards, rank), root=0)
+comm.Barrier()  # every shard written before any is read back
+with torch.no_grad():  # forgotten: what comes back is read from the shard
+    for t in [*trainer.params.values(), *(trainer.master or {}).values()]:
+        t.zero_()
+trainer.load_weights(shards, 9, rank)
+reloaded = trainer.weights().copy()
 held = (trainer.stage, trainer.tp_rank, trainer.dp_rank, trainer.flat.size, trainer.grad.size, params, state)
 held = comm.gather(held, root=0)
 if rank == 0:
     np.savez(out, before=before, grad=grad, after=after, loss=stats.loss_sum, clipped=stats.clipped,
-             tokens=stats.tokens, held=np.array(held))  # fmt: skip
+             tokens=stats.tokens, held=np.array(held), reloaded=reloaded,
+             digests=json.dumps({k: v for d in digests for k, v in d.items()}))  # fmt: skip
 comm.Barrier()

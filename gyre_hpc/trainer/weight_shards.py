@@ -1,0 +1,147 @@
+"""A checkpoint's weights as its ranks hold them, and the Hugging Face model read back from them
+one tensor at a time.
+
+```
+ a replica of one rank (torch, or megatron at tp = pp = 1): model.safetensors       (write_whole)
+ a replica over ranks: megatron/stage-<s>-tp-<t>.safetensors, each written by that rank of the
+   first data-parallel replica, in Megatron's names, {tp, pp, stage, tp_rank} in its metadata
+        │ hf_tensors(path): megatron_to_hf over each stage, the TP shards of a tensor joined
+        ▼
+ (HF name, tensor) … stage by stage ──▶ a flat buffer (read_flat), a Hugging Face export
+                                        (models.hf_files), or another layout's slice (HFReader)
+```
+
+No file holds the whole model unless one rank did; no reader holds more than a tensor's shards
+and what a stage's order puts before the tensor it was asked for. It knows the files and the
+layout arithmetic, not who writes them nor which device the tensors came from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from gyre_hpc.models.architecture import Qwen3Config
+from gyre_hpc.models.flat import FlatLayout
+from gyre_hpc.models.hf_files import hf_weight_files
+from gyre_hpc.rundir import checkpoint_shard, checkpoint_shards
+from gyre_hpc.trainer.megatron_weights import MegatronLayout, megatron_to_hf
+from gyre_hpc.trainer.state_files import sha256
+
+WHOLE = "model.safetensors"
+
+
+def write_whole(layout: FlatLayout, flat: np.ndarray, directory: Path) -> dict[str, str]:
+    """A whole model's flat buffer as Hugging Face's ``model.safetensors``: its name → sha256."""
+    path = directory / WHOLE
+    save_file({k: v.contiguous() for k, v in layout.views(flat).items()}, str(path), {"format": "pt"})
+    return {WHOLE: sha256(path)}
+
+
+def write_shard(
+    directory: Path, tensors: dict[str, torch.Tensor], layout: MegatronLayout, stage: int, tp_rank: int
+) -> dict[str, str]:
+    """One rank's tensors (Megatron's stage-local names) as its shard: its name → sha256."""
+    path = checkpoint_shard(directory, stage, tp_rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"tp": layout.tp, "pp": layout.pp, "stage": stage, "tp_rank": tp_rank,
+            "vocab_multiple": layout.vocab_multiple}  # fmt: skip
+    save_file(
+        {n: t.contiguous() for n, t in tensors.items()}, str(path), {k: str(v) for k, v in meta.items()}
+    )
+    return {str(path.relative_to(directory)): sha256(path)}
+
+
+def layout_of(directory: Path, config: Qwen3Config) -> MegatronLayout | None:
+    """The layout a checkpoint's shards were written in; None for a checkpoint written whole.
+    ``ValueError`` naming what is missing when the shards do not cover a TP × PP grid."""
+    shards = checkpoint_shards(directory)
+    if not shards:
+        return None
+    with safe_open(next(iter(shards.values())), framework="pt") as h:
+        meta = h.metadata() or {}
+    try:
+        tp, pp, multiple = int(meta["tp"]), int(meta["pp"]), int(meta["vocab_multiple"])
+    except (KeyError, ValueError) as err:
+        raise ValueError(f"{directory}: a weight shard without its layout ({err})") from err
+    missing = sorted({(s, t) for s in range(pp) for t in range(tp)} - set(shards))
+    if missing or len(shards) != tp * pp:
+        raise ValueError(f"{directory}: weight shards of tp {tp} × pp {pp}, missing (stage, tp) {missing}")
+    return MegatronLayout(config, tp=tp, pp=pp, vocab_multiple=multiple)
+
+
+def other_layout(directory: Path, layout: MegatronLayout) -> str | None:
+    """Why state kept per rank in ``directory`` (its optimizer's) is not ``layout``'s to load, in
+    one line; None when its weights were written in ``layout``."""
+    written = layout_of(directory, layout.config)
+    if written is None:
+        return f"{directory}: weights written whole, not as tp {layout.tp} × pp {layout.pp} shards"
+    if (written.tp, written.pp, written.vocab_multiple) != (layout.tp, layout.pp, layout.vocab_multiple):
+        was, now = f"tp {written.tp} × pp {written.pp}", f"tp {layout.tp} × pp {layout.pp}"
+        return f"{directory}: written by {was}, not this {now}"
+    return None
+
+
+def stage_tensors(directory: Path, layout: MegatronLayout, stage: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stage ``stage``'s Hugging Face tensors, each joined from its TP shards as it is read."""
+    shards = checkpoint_shards(directory)
+    handles = [safe_open(shards[stage, t], framework="pt") for t in range(layout.tp)]
+    yield from megatron_to_hf(lambda name: [h.get_tensor(name) for h in handles], layout, stage)
+
+
+def hf_tensors(directory: Path, config: Qwen3Config | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every Hugging Face tensor of a checkpoint (shards or whole) or model directory, one at a time."""
+    config = config or Qwen3Config.load(directory)
+    layout = layout_of(directory, config)
+    if layout is None:
+        for f in hf_weight_files(directory):
+            with safe_open(f, framework="pt") as h:
+                for name in h.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+                    yield name, h.get_tensor(name)
+        return
+    for stage in range(layout.pp):
+        yield from stage_tensors(directory, layout, stage)
+
+
+def read_flat(directory: Path, layout: FlatLayout | None = None) -> np.ndarray:
+    """A checkpoint's weights as one flat float32 buffer (``models.flat`` order)."""
+    layout = layout or FlatLayout.of(Qwen3Config.load(directory))
+    flat = np.empty(layout.numel, dtype=np.float32)
+    views, seen = layout.views(flat), set()
+    for name, t in hf_tensors(directory):
+        if name in views:  # a tied lm_head is the embedding's slot
+            views[name].copy_(t)
+            seen.add(name)
+    if missing := sorted(set(views) - seen):
+        raise ValueError(f"{directory}: no weights for {missing[:3]}{' …' if len(missing) > 3 else ''}")
+    return flat
+
+
+class HFReader:
+    """Hugging Face tensors by name from a checkpoint's shards, for a slice of another layout
+    (``megatron_weights.hf_to_megatron`` asks in the order ``megatron_to_hf`` yields, so each
+    stage is read once, holding only what was read ahead of the tensor asked for)."""
+
+    def __init__(self, directory: Path, layout: MegatronLayout) -> None:
+        self.directory, self.layout = directory, layout
+        self.streams: dict[int, Iterator[tuple[str, torch.Tensor]]] = {}
+        self.ahead: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name in self.ahead:  # the embedding may be asked twice (a tied output layer)
+            return self.ahead[name] if name == "model.embed_tokens.weight" else self.ahead.pop(name)
+        stage = self.layout.stage_of(name)
+        if stage not in self.streams:
+            self.streams[stage] = stage_tensors(self.directory, self.layout, stage)
+        for got, t in self.streams[stage]:
+            if got == name:
+                if name == "model.embed_tokens.weight":
+                    self.ahead[name] = t
+                return t
+            self.ahead[got] = t
+        raise KeyError(f"{self.directory}: no tensor {name}")

@@ -6,10 +6,13 @@
 A Qwen3-shaped random model (~235M parameters: 16 layers, hidden 1024, ffn 3072, vocab 32,000)
 is trained for one step by a replica of tp × pp ranks (mpirun, gloo), as a core cell's ranks
 do in the runtime: build and load, one micro-step, the gradient gathered for the transport, one
-apply, the weights gathered for publishing. It runs twice: with the code of ``--before`` (a
-checkout, e.g. the commit before the shards) and with this one. For each rank: peak resident
-memory, the whole-model host buffers it allocated, and its parameters; and the step's seconds.
-The honest bound is a rank's slice: its parameters, Adam's two moments and its gradient.
+apply, the weights gathered for publishing, then its checkpoint (weights and optimizer state).
+It runs twice: with the code of ``--before`` (a checkout, e.g. the commit before the shards) and
+with this one. For each rank: peak resident memory after the step and after the checkpoint, the
+whole-model host buffers it allocated, and its parameters; the step's and the checkpoint's
+seconds. The honest bound is a rank's slice: its parameters, Adam's two moments and its
+gradient. Then this code's checkpoint is exported as a Hugging Face model (``checkpoint.export_hf``,
+in 256 MiB files): its seconds and peak memory, against a bucket and the largest tensor.
 """
 
 from __future__ import annotations
@@ -59,11 +62,41 @@ def worker(model_dir: Path, out: Path, tp: int, pp: int) -> None:
     whole = sum(getattr(trainer, name).nbytes for name in ("flat", "grad"))
     params = sum(p.numel() for p in trainer.params.values())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    ckpt = out.with_suffix(".ckpt")
+    started = time.perf_counter()
+    if hasattr(trainer, "save_weights"):  # each rank its shard
+        trainer.save_weights(ckpt, rank)
+    else:  # the code before shards: the leader writes the whole weights it gathered
+        from gyre_hpc.models.flat import FlatLayout
+
+        flat = trainer.weights()
+        if rank == 0:
+            FlatLayout.of(trainer.model_config).save(flat, model_dir, ckpt)
+    trainer.save_optimizer(ckpt, rank)
+    comm.Barrier()
+    ckpt_s = time.perf_counter() - started
+    ckpt_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     mine = {"rank": rank, "peak_rss_gb": round(peak / 1e9, 3), "whole_buffers_gb": round(whole / 1e9, 3),
-            "params": params, "seconds": round(seconds, 1)}  # fmt: skip
+            "params": params, "seconds": round(seconds, 1), "checkpoint_s": round(ckpt_s, 1),
+            "ckpt_peak_rss_gb": round(ckpt_peak / 1e9, 3)}  # fmt: skip
     got = comm.gather(mine, root=0)
     if rank == 0:
-        out.write_text(json.dumps({"numel": trainer.numel, "ranks": got}))
+        out.write_text(json.dumps({"numel": trainer.numel, "ranks": got, "checkpoint": str(ckpt)}))
+
+
+def export(ckpt: Path, model_dir: Path, out: Path, bucket: int) -> None:
+    """This code's checkpoint as a Hugging Face model: seconds and peak memory into ``out``."""
+    from gyre_hpc.models.hf_files import copy_model_files
+    from gyre_hpc.trainer.checkpoint import export_hf
+
+    copy_model_files(model_dir, ckpt)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    started = time.perf_counter()
+    files = export_hf(ckpt, ckpt.with_suffix(".hf"), bucket)
+    seconds = time.perf_counter() - started
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out.write_text(json.dumps({"seconds": round(seconds, 2), "peak_rss_gb": round(peak / 1e9, 3),
+                               "before_gb": round(base / 1e9, 3), "files": len(files)}))  # fmt: skip
 
 
 def run(checkout: Path, model_dir: Path, tp: int, pp: int) -> dict:
@@ -81,6 +114,9 @@ def run(checkout: Path, model_dir: Path, tp: int, pp: int) -> dict:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         worker(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--export":
+        export(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]))
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--before", type=Path, required=True, help="a checkout of the code to compare with")
@@ -108,6 +144,21 @@ def main() -> None:
     seconds = [max(r["seconds"] for r in figures[k]["ranks"]) for k in ("before", "after")]
     print(f"the step (build, load, micro-step, gradient, apply, weights): {seconds[0]} s before, "
           f"{seconds[1]} s after")  # fmt: skip
+    print(f"{'rank':>4} {'checkpoint s before':>20} {'after':>6} {'peak RSS GB before':>19} {'after':>6}")
+    for b, a in zip(figures["before"]["ranks"], figures["after"]["ranks"], strict=True):
+        print(f"{a['rank']:>4} {b['checkpoint_s']:>20} {a['checkpoint_s']:>6} "
+              f"{b['ckpt_peak_rss_gb']:>19.2f} {a['ckpt_peak_rss_gb']:>6.2f}")  # fmt: skip
+    bucket, measured = 256 << 20, Path(tempfile.mkstemp(suffix=".json")[1])
+    ckpt = figures["after"]["checkpoint"]
+    cmd = [sys.executable, __file__, "--export", ckpt, str(model_dir), str(measured), str(bucket)]
+    done = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"the export failed: {done.stderr[-2000:]}")
+    figures["export"] = ex = json.loads(measured.read_text())
+    largest = 2 * 4 * SHAPE["vocab_size"] * SHAPE["hidden_size"] / 1e9  # its shards, and them joined
+    print(f"export to Hugging Face ({ex['files']} files of ≤ {bucket >> 20} MiB): {ex['seconds']} s, "
+          f"peak RSS {ex['peak_rss_gb']:.2f} GB ({ex['before_gb']:.2f} before it began; a bucket and the "
+          f"largest tensor twice: {bucket / 1e9 + largest:.2f} GB; the model: {fp32:.2f} GB)")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1) + "\n")
 

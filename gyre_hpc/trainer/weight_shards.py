@@ -77,10 +77,11 @@ def layout_of(directory: Path, config: Qwen3Config) -> MegatronLayout | None:
 
 def other_layout(directory: Path, layout: MegatronLayout) -> str | None:
     """Why state kept per rank in ``directory`` (its optimizer's) is not ``layout``'s to load, in
-    one line; None when its weights were written in ``layout``."""
+    one line; None when its weights were written in ``layout``, or whole (a checkpoint from before
+    shards: its ranks' files are as many as this replica's, which the caller checks)."""
     written = layout_of(directory, layout.config)
     if written is None:
-        return f"{directory}: weights written whole, not as tp {layout.tp} × pp {layout.pp} shards"
+        return None
     if (written.tp, written.pp, written.vocab_multiple) != (layout.tp, layout.pp, layout.vocab_multiple):
         was, now = f"tp {written.tp} × pp {written.pp}", f"tp {layout.tp} × pp {layout.pp}"
         return f"{directory}: written by {was}, not this {now}"

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from gyre_hpc.builtin_models.resolve import resolve_model
 from gyre_hpc.diskspace import describe
@@ -31,14 +32,13 @@ from gyre_hpc.plan.ranks import CONTROLLER, RankLayout
 from gyre_hpc.recipe.schema import Recipe
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.runtime import resume
-from gyre_hpc.runtime.cell import run_cell
-from gyre_hpc.runtime.cell_host import CellSetup
-from gyre_hpc.runtime.controller import Controller, Watch
-from gyre_hpc.runtime.fleet import MpiFleet, Waits
-from gyre_hpc.runtime.serving import Serving
 from gyre_hpc.runtime.world import World
 from gyre_hpc.sandbox.confine import for_run
 from gyre_hpc.transport import Transport, TransportPlan, make_transport
+
+if TYPE_CHECKING:
+    from gyre_hpc.runtime.controller import Controller
+    from gyre_hpc.runtime.serving import Serving
 
 log = logging.getLogger("gyre_hpc.runtime")
 
@@ -94,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         transport = make_transport(comm, transport_plan(world.layout, model_dir), recipe.transport)
         if world.is_controller:
             controller(world, recipe, run_dir, events, model_dir, transport, checkpoint_now).run()
-        else:
+        else:  # a cell never imports the controller's clients, nor the controller a cell's engines
+            from gyre_hpc.runtime.cell import run_cell
+            from gyre_hpc.runtime.cell_host import CellSetup
+
             setup = CellSetup(
                 model_dir,
                 run_dir.checkpoints,
@@ -152,6 +155,10 @@ def controller(
     checkpoint_now: threading.Event,
 ) -> Controller:
     """Rank 0: resumes from the newest intact checkpoint, and the executions journalled after it."""
+    from gyre_hpc.runtime.controller import Controller, Watch
+    from gyre_hpc.runtime.fleet import MpiFleet, Waits
+    from gyre_hpc.runtime.serving import Serving
+
     attempt = 1 + sum(isinstance(e, ev.WorldUp) for e in run_dir.read_events())
     events.emit(
         ev.WorldUp(

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
@@ -45,6 +46,7 @@ def worker(model_dir: Path, out: Path, tp: int, pp: int) -> None:
     from gyre_hpc.trajectory.sequences import TrainSequence
 
     comm = MPI.COMM_WORLD
+    sys.excepthook = lambda *exc: (traceback.print_exception(*exc), comm.Abort(1))  # none waits forever
     rank, size = comm.Get_rank(), comm.Get_size()
     port = comm.bcast(MegatronWorld.alone().port if rank == 0 else None, root=0)
     started = time.perf_counter()
@@ -63,6 +65,7 @@ def worker(model_dir: Path, out: Path, tp: int, pp: int) -> None:
     params = sum(p.numel() for p in trainer.params.values())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     ckpt = out.with_suffix(".ckpt")
+    ckpt.mkdir(exist_ok=True)  # as checkpoint.save makes it, before any rank writes
     started = time.perf_counter()
     if hasattr(trainer, "save_weights"):  # each rank its shard
         trainer.save_weights(ckpt, rank)

@@ -41,8 +41,10 @@ def test_sigusr2_checkpoints_requeues_and_the_job_completes_as_a_straight_run(
     wait_for(lambda: job_state(job_id).state == "PENDING", 60, "the requeued job")
     status = gyre("status", str(run.path), "--once")
     assert "run: requeued · attempt 1 · step 2/3" in status.stdout, status.stdout
-    # Slurm holds a requeued job ~2 minutes before it may start again; the test does not wait.
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+    # Slurm holds a requeued job ~2 minutes before it may start again; the test waits 2 s, not 2
+    # minutes: a node refuses a job whose credential is as old as (the same second as) the
+    # revocation of its last attempt's ("Job credential revoked"), and the job ends FAILED.
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+2"], check=True)
     wait_for_event_count(run, ev.RunEnd, 2, timeout=300)
     first, last = ends(run)
     assert first.status == "preempted" and last.status == "completed", (first, last)

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from gyre_hpc.models.architecture import Qwen3Config
-from gyre_hpc.models.hf_files import copy_model_files
+from gyre_hpc.models.hf_files import WEIGHTS, copy_model_files
 from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 
 
@@ -83,6 +83,11 @@ class FlatLayout:
         """``flat`` as a Hugging Face model directory ``out``: ``model_dir``'s config, tokenizer
         and chat template beside the weights (``model.safetensors``)."""
         copy_model_files(model_dir, out)
-        tensors = {k: v.contiguous() for k, v in self.views(flat).items()}
-        save_file(tensors, str(out / "model.safetensors"), {"format": "pt"})
+        self.save_weights(flat, out)
         return out
+
+    def save_weights(self, flat: np.ndarray, out: Path) -> Path:
+        """``flat`` as ``out``'s one weights file (``model.safetensors``); its path."""
+        path = out / WEIGHTS
+        save_file({k: v.contiguous() for k, v in self.views(flat).items()}, str(path), {"format": "pt"})
+        return path

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+WEIGHTS = "model.safetensors"
+"""A model's weights in one file (no index)."""
 INDEX = "model.safetensors.index.json"
 MODEL_FILES = (
     "config.json",
@@ -84,8 +86,8 @@ def write_buckets(
         total += t.nbytes
     flush()
     if len(written) == 1:
-        written[0].rename(out / "model.safetensors")
-        return ["model.safetensors"]
+        written[0].rename(out / WEIGHTS)
+        return [WEIGHTS]
     names = [f"model-{i + 1:05d}-of-{len(written):05d}.safetensors" for i in range(len(written))]
     for path, name in zip(written, names, strict=True):
         path.rename(out / name)

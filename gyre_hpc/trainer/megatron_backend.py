@@ -706,8 +706,7 @@ class MegatronTrainer:
         this layout, else resharded from another layout's shards or cut from Hugging Face files,
         one tensor at a time (not collective: each rank reads its own)."""
         written = weight_shards.layout_of(directory, self.model_config)
-        mine = (self.layout.tp, self.layout.pp, self.layout.vocab_multiple)
-        if written is not None and (written.tp, written.pp, written.vocab_multiple) == mine:
+        if written is not None and weight_shards.same_cut(written, self.layout):
             with safe_open(checkpoint_shard(directory, self.stage, self.tp_rank), framework="pt") as h:
                 self._load((name, h.get_tensor(name)) for name in h.keys())  # noqa: SIM118
         elif written is not None:

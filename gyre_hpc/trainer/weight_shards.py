@@ -33,14 +33,11 @@ from gyre_hpc.rundir import checkpoint_shard, checkpoint_shards
 from gyre_hpc.trainer.megatron_weights import MegatronLayout, megatron_to_hf
 from gyre_hpc.trainer.state_files import sha256
 
-WHOLE = "model.safetensors"
-
 
 def write_whole(layout: FlatLayout, flat: np.ndarray, directory: Path) -> dict[str, str]:
-    """A whole model's flat buffer as Hugging Face's ``model.safetensors``: its name → sha256."""
-    path = directory / WHOLE
-    save_file({k: v.contiguous() for k, v in layout.views(flat).items()}, str(path), {"format": "pt"})
-    return {WHOLE: sha256(path)}
+    """A whole model's flat buffer as Hugging Face's one weights file: its name → sha256."""
+    path = layout.save_weights(flat, directory)
+    return {path.name: sha256(path)}
 
 
 def write_shard(
@@ -82,10 +79,15 @@ def other_layout(directory: Path, layout: MegatronLayout) -> str | None:
     written = layout_of(directory, layout.config)
     if written is None:
         return None
-    if (written.tp, written.pp, written.vocab_multiple) != (layout.tp, layout.pp, layout.vocab_multiple):
+    if not same_cut(written, layout):
         was, now = f"tp {written.tp} × pp {written.pp}", f"tp {layout.tp} × pp {layout.pp}"
         return f"{directory}: written by {was}, not this {now}"
     return None
+
+
+def same_cut(a: MegatronLayout, b: MegatronLayout) -> bool:
+    """Whether two layouts cut every tensor alike (each rank's shard of one is its shard of the other)."""
+    return (a.tp, a.pp, a.vocab_multiple) == (b.tp, b.pp, b.vocab_multiple)
 
 
 def stage_tensors(directory: Path, layout: MegatronLayout, stage: int) -> Iterator[tuple[str, torch.Tensor]]:

@@ -35,9 +35,12 @@ from gyre_hpc.observability import events as ev
 from gyre_hpc.plan.ranks import RankLayout
 from gyre_hpc.rundir import RunDir
 
-# Ranks outnumber cores on a laptop: busy-polling MPI would starve the controller.
+# Ranks outnumber cores on a laptop: busy-polling MPI would starve the controller. One machine has
+# no InfiniBand, so ob1 (shared memory, TCP) is the pml; naming it skips the UCX pml's probe of
+# every UCX transport in MPI_Init, which has crashed when two worlds start at once.
 MPI_ENV = {
     "OMPI_MCA_mpi_yield_when_idle": "1",
+    "OMPI_MCA_pml": "ob1",
     "OMPI_MCA_btl_tcp_if_include": "lo",
     "OMPI_MCA_oob_tcp_if_include": "lo",
     "PYTHONUNBUFFERED": "1",

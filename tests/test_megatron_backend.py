@@ -85,7 +85,7 @@ def test_megatron_micro_step_and_update_match_the_torch_backend(tmp_path: Path, 
     a, b = ours.micro_step(seqs), mega.micro_step(seqs)
     assert (a.tokens, a.loss_tokens, a.clipped) == (b.tokens, b.loss_tokens, b.clipped)
     assert b.loss_sum == pytest.approx(a.loss_sum, rel=1e-5)
-    g_ours, g_mega = ours.gradient(), mega.gradient()
+    g_ours, g_mega = ours.gradient(), mega.hf_gradient()
     assert np.abs(g_mega - g_ours).max() <= 1e-5 * np.abs(g_ours).max()
 
     ours.apply(3)
@@ -123,21 +123,23 @@ def test_a_data_tensor_or_pipeline_parallel_trainer_matches_one_rank(
     assert np.array_equal(got["before"], one.weights())  # shards and stages gathered back exactly
     stats = one.micro_step(sequences(Qwen3Config.load(model_dir).vocab_size, count))
     assert float(got["loss"]) == pytest.approx(stats.loss_sum, rel=1e-5) and got["clipped"] == stats.clipped
-    g1 = one.gradient()
+    g1 = one.hf_gradient()
     assert np.abs(got["grad"] - g1).max() <= 1e-5 * np.abs(g1).max()
-    one.apply(3)
+    # The norm: each rank's squares, all-reduced, each replicated tensor counted once.
+    assert float(got["norm"]) == pytest.approx(one.apply(3).grad_norm, rel=1e-5)
     assert np.abs(got["after"] - one.weights()).max() < 1e-5
-    # No rank but the replica's first holds a whole-model buffer; each holds its slice, and Adam's
-    # two moments of it, alone: its share of the model, and at most one embedding's shard more
-    # (a tied embedding's copy on the last stage, rows padded to a multiple of 128 × tp).
+    # No rank but the replica's first holds a whole-model buffer (the weights, for engines);
+    # each holds its slice, its gradient and Adam's two moments of it, alone: its share of the
+    # model, and at most one embedding's shard more (a tied embedding's copy on the last stage,
+    # rows padded to a multiple of 128 × tp).
     config = Qwen3Config.load(model_dir)
     layout, flat = MegatronLayout(config, tp, pp), FlatLayout.of(config)
     shapes = {name: shape for name, (_, shape) in flat.slots.items()}
     assert len(got["held"]) == ranks
-    for stage, tp_rank, dp_rank, whole_weights, whole_grad, params, moments in got["held"].tolist():
+    for stage, tp_rank, dp_rank, whole_weights, grad, params, moments in got["held"].tolist():
         whole = flat.numel if (stage, tp_rank, dp_rank) == (0, 0, 0) else 0
         mine = sum(s.numel() for s in slice_shapes(layout, shapes, tp_rank, stage).values())
-        assert (whole_weights, whole_grad, params, moments) == (whole, whole, mine, 2 * mine)
+        assert (whole_weights, grad, params, moments) == (whole, mine, mine, 2 * mine)
         assert mine <= flat.numel / (tp * pp) + layout.padded_vocab * config.hidden_size / tp
     # Checkpoint shards: each written by its rank of the first replica, holding its slice alone,
     # read back by the same ranks exactly, and joined into the whole model without a gather.
@@ -169,6 +171,48 @@ def test_a_data_tensor_or_pipeline_parallel_trainer_matches_one_rank(
     resharded = megatron_backend.MegatronTrainer(model_dir, CFG, core=True)  # tp = pp = 1
     resharded.load_weights(shards, 9)
     assert resharded.version == 9 and np.array_equal(resharded.weights(), got["after"])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    ("ranks", "tp", "pp", "dtype"),
+    [(2, 2, 1, "float32"), (2, 1, 2, "float32"), (2, 1, 1, "float32"), (2, 2, 1, "bfloat16")],
+)
+def test_two_cells_sum_their_gradients_and_move_their_weights_slice_by_slice(
+    tmp_path: Path, ranks: int, tp: int, pp: int, dtype: str
+) -> None:
+    """A core and a satellite of TP 2, PP 2 (tied embedding: a copy on each end) or DP 2: each
+    rank pulls its counterpart's gradient slice, never the whole model; the norm from the
+    slices' squares and the step are one rank's that trained every micro-step. Each satellite
+    rank then loads its counterpart's weight slice, in the training dtype (bf16: half the bytes
+    of fp32; the fp32 masters stay on the core)."""
+    from gyre_hpc.trainer import megatron_backend
+
+    model_dir = init_tiny(tmp_path / "tiny")
+    out = tmp_path / "sliced.npz"
+    proc = subprocess.run(
+        ["mpirun", "--oversubscribe", "-n", str(1 + 2 * ranks), sys.executable,
+         str(HERE / "mpi_programs" / "sliced_gradients.py"), str(model_dir), str(out), str(tp), str(pp),
+         dtype],
+        capture_output=True, text=True, timeout=240,
+        env={**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    got, satellite = np.load(out), np.load(out.with_suffix(".satellite.npz"))
+    if dtype == "bfloat16":  # the satellite holds the core's bf16 weights: the masters rounded
+        assert np.abs(satellite["weights"] - got["after"]).max() <= 2**-8 * np.abs(got["after"]).max()
+        for held, capacity in satellite["sizes"]:  # bf16 values, fp32 norms: about half of fp32
+            assert held < 0.55 * capacity
+        return
+    assert np.array_equal(satellite["weights"], got["after"])
+    assert all(held == capacity for held, capacity in satellite["sizes"])
+    one = megatron_backend.MegatronTrainer(model_dir, replace(CFG, grad_clip=1e-3), core=True)
+    seqs = sequences(Qwen3Config.load(model_dir).vocab_size, 4)
+    one.micro_step(seqs[:2])
+    one.micro_step(seqs[2:])
+    stats = one.apply(3)
+    assert float(got["norm"]) == pytest.approx(stats.grad_norm, rel=1e-5) and stats.grad_norm / 3 > 1e-3
+    assert np.abs(got["after"] - one.weights()).max() < 1e-5
 
 
 def test_checkpoints_are_hugging_face_directories_whatever_the_backend(tmp_path: Path) -> None:

@@ -130,22 +130,23 @@ def test_delta_pushes_count_the_copies_both_sides_keep_on_the_host() -> None:
 
 def test_a_node_whose_ranks_hold_more_host_memory_than_it_has_is_refused_in_one_line() -> None:
     """Qwen3-32B over two nodes of 8 H200s (tp 8 × pp 2): only the leader holds the model whole on
-    the host (its trainer's weights and gradient, the snapshot it pulls, the published one); the
-    other ranks their slices, and the one hosting the second engine replica of the node the
-    snapshot it pulls. 823.9 GiB fits 2 TiB (with every rank holding the snapshot and gradient
-    whole it was 2380.4 at tp 8 on one node: refused); 512 GiB is refused in one line."""
+    the host (its trainer's weights, the published snapshot); every rank its slice and that
+    slice's gradient, and the one hosting the second engine replica of the node the snapshot it
+    pulls. 640.8 GiB fits 2 TiB (with the leader holding the gradient whole too it was 823.9;
+    with every rank holding the snapshot and gradient whole, 2380.4 at tp 8 on one node:
+    refused); 512 GiB is refused in one line."""
     sets = ["run.model=qwen3-32b", "cells.ranks_per_cell=16", "trainer.tp_size=8", "trainer.pp_size=2",
             "engine.mem_fraction_static=0.8"]  # fmt: skip
     r = load_recipe(FLAGSHIP, sets)
     shape = model_shape("qwen3-32b")
     fits = check_memory(shape, r.cells, r.engine, r.trainer, r.agent, nodes_per_cell=2)
     assert fits is not None and fits.lines()[-1] == (
-        "  host 823.9 GiB a node of 8 ranks (leader 514.9, 6 × 26.7, 1 × 148.8 hosting an engine "
+        "  host 640.8 GiB a node of 8 ranks (leader 278.4, 6 × 34.3, 1 × 156.4 hosting an engine "
         "replica), of 2048.0"
     )
     small = replace(r.cells, host_memory_gib=512)
     with pytest.raises(RecipeError) as err:
         check_memory(shape, small, r.engine, r.trainer, r.agent, nodes_per_cell=2)
     said = str(err.value)
-    assert said.startswith("memory plan: host 823.9 GiB a node of 8 ranks (leader 514.9") and "\n" not in said
+    assert said.startswith("memory plan: host 640.8 GiB a node of 8 ranks (leader 278.4") and "\n" not in said
     assert "> 512.0 GiB, cells.host_memory_gib" in said

@@ -177,7 +177,7 @@ def assert_same_step(paths, tree, seqs: list[TrainSequence], forwarded: int) -> 
     assert b.loss_sum == pytest.approx(a.loss_sum, rel=1e-5, abs=1e-7)
     assert (b.loss_tokens, b.clipped, b.sequences) == (a.loss_tokens, a.clipped, a.sequences)
     assert b.tokens == forwarded <= a.tokens
-    ga, gb = paths.gradient(), tree.gradient()
+    ga, gb = paths.hf_gradient(), tree.hf_gradient()
     assert np.abs(gb - ga).max() <= 1e-5 * max(np.abs(ga).max(), 1e-12)
 
 

@@ -5,7 +5,7 @@
 
 A Qwen3-shaped random model (~235M parameters: 16 layers, hidden 1024, ffn 3072, vocab 32,000)
 is trained for one step by a replica of tp × pp ranks (mpirun, gloo), as a core cell's ranks
-do in the runtime: build and load, one micro-step, the gradient gathered for the transport, one
+do in the runtime: build and load, one micro-step, the gradient made ready for the transport, one
 apply, the weights gathered for publishing, then its checkpoint (weights and optimizer state).
 It runs twice: with the code of ``--before`` (a checkout, e.g. the commit before the shards) and
 with this one. For each rank: peak resident memory after the step and after the checkpoint, the
@@ -61,7 +61,8 @@ def worker(model_dir: Path, out: Path, tp: int, pp: int) -> None:
     trainer.apply(1)
     trainer.weights()
     seconds = time.perf_counter() - started
-    whole = sum(getattr(trainer, name).nbytes for name in ("flat", "grad"))
+    # Whole-model host buffers: the weights on the leader; the gradient too before it was sliced.
+    whole = sum(b.nbytes for b in (trainer.flat, trainer.grad) if b.size >= trainer.numel)
     params = sum(p.numel() for p in trainer.params.values())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     ckpt = out.with_suffix(".ckpt")

@@ -53,7 +53,7 @@ def worker(sizes_mib: list[int], claims: int) -> None:
     rows = []
     for mib in sizes_mib:
         n = mib << 18  # float32 values in mib MiB
-        plan = TransportPlan(n, core=1, counter=0, grad_ranks=(2,))
+        plan = TransportPlan(n, core=1, counter=0, grads={2: n})
         t = make_transport(comm, plan, TransportConfig())
         if rank == 1:
             weights = np.random.default_rng(0).random(n, dtype=np.float32)
@@ -85,7 +85,7 @@ def worker(sizes_mib: list[int], claims: int) -> None:
         t.close()
     # Claim latency: the satellite takes micro-steps one by one, as a training cell does — once
     # while the counter's owner is outside MPI (busy elsewhere), once while it polls MPI.
-    plan = TransportPlan(1, core=1, counter=0, grad_ranks=(2,))
+    plan = TransportPlan(1, core=1, counter=0, grads={2: 1})
     t = make_transport(comm, plan, TransportConfig())
     lat: dict[str, np.ndarray] = {}
     for phase in ("owner outside MPI", "owner polling MPI"):

@@ -89,13 +89,13 @@ class MemoryPlan:
     context_tokens: int
     """Tokens one execution's context may reach (agent.context_limit_tokens + one reply)."""
     host_leader: int
-    """Host memory of the core's leader: the whole flat weights, gradient and pulled snapshot,
-    the published snapshot (the transport's), its released trainer slice, its engine's copy."""
+    """Host memory of the core's leader: the whole flat weights and the published snapshot (the
+    transport's), its released trainer slice and that slice's gradient, its engine's copy."""
     host_member: int = 0
-    """Host memory of a member: its released trainer slice alone."""
+    """Host memory of a member: its released trainer slice and that slice's gradient."""
     host_engine_member: int = 0
-    """Host memory of a member that hosts an engine replica: its slice, the snapshot it pulls
-    whole for its engine, and its engine's copy."""
+    """Host memory of a member that hosts an engine replica: its slice and gradient, the
+    snapshot it pulls whole for its engine, and its engine's copy."""
     engine_members: int = 0
     """Members of the leader's node that host an engine replica."""
     ranks_per_node: int = 1
@@ -290,11 +290,11 @@ def plan(
         )))  # fmt: skip
     training = max(stages, key=lambda p: p.total)
     start_up = max(starts, key=lambda p: p.total)
-    # A rank's slice while released (the core's: weights, fp32 masters, Adam's moments). Only
-    # the leader holds whole fp32 buffers (its trainer's weights and gradient, the snapshot it
-    # pulls, the core's published one); a member hosting an engine replica pulls it whole too.
+    # A rank's slice while released (the core's: weights, fp32 masters, Adam's moments) and its
+    # fp32 gradient slice. Only the leader holds whole fp32 buffers (its trainer's weights, the
+    # core's published snapshot); a member hosting an engine replica pulls a snapshot whole.
     rank_params = t.params // (tp * pp)
-    state = rank_params * (train_dtype + (4 if trainer.dtype != "float32" else 0) + 8)
+    state = rank_params * (train_dtype + (4 if trainer.dtype != "float32" else 0) + 8 + 4)
     whole = 4 * s.params
     # delta: the version each side last held, in the served dtype: the sender's (a rank hosting
     # a replica), and the server rank's on this GPU (at tp > 1 nearly all of it: sharded).
@@ -309,7 +309,7 @@ def plan(
         micro_step_tokens=tokens,
         kv_tokens=max(0, static - engine_weights) // kv_per_token,
         context_tokens=context,
-        host_leader=state + 4 * whole + engine_copy,
+        host_leader=state + 2 * whole + engine_copy,
         host_member=state,
         host_engine_member=state + whole + engine_copy,
         engine_members=max(0, heads - 1),

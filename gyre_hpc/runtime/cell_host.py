@@ -35,10 +35,12 @@ from gyre_hpc.runtime.protocol import (
     Channel,
     ProtocolError,
 )
+from gyre_hpc.runtime.replica import MirroredTrainer
 from gyre_hpc.runtime.world import World
 from gyre_hpc.scheduler.policy import Role
 from gyre_hpc.trainer import checkpoint
 from gyre_hpc.trainer.base import Trainer
+from gyre_hpc.trainer.data_parallel import publish_slice, pull_slice, pull_snapshot
 from gyre_hpc.trainer.emulated import EmulatedTrainer
 from gyre_hpc.trainer.torch_backend import TorchTrainer
 from gyre_hpc.transport.base import Transport
@@ -150,10 +152,12 @@ class CellHost:
         a part that serves no HTTP)."""
         assert self.setup is not None
         s, env, part = self.setup, self.world.env, self.part
-        # Pulled snapshots land here: an engine part's, and the leader's (its trainer's, and the
-        # gradients it sums). A member that hosts no engine part holds no whole-model buffer.
+        # Pulled snapshots land here: an engine part's, and a satellite leader's (its trainer's).
+        # The core's leader loads its trainer's own weights; a member that hosts no engine part
+        # holds no whole-model buffer.
         leads = self.world.cell_comm.Get_rank() == 0
-        whole = s.transport.plan.params if part is not None or leads else 0
+        pulls = (part is not None or leads) and not (leads and self.is_core)
+        whole = s.transport.plan.params if pulls else 0
         self.scratch = np.empty(whole, dtype=np.float32)
         if part is None:
             return None
@@ -207,10 +211,16 @@ class CellHost:
             s.model_dir,
             self.trainer_cfg,
             core=self.is_core,
-            grad_buffer=None if self.is_core else s.transport.gradient_buffer(),
+            grad_buffer=self.exposed_gradient(),
             packing=s.packing,
             **({"world": self.megatron} if self.megatron is not None else {"device": self._torch_device()}),
         )
+
+    def exposed_gradient(self) -> np.ndarray | None:
+        """Where this rank's trainer keeps its gradient: a satellite's, in the buffer the
+        transport exposes (the core reads it there); the core's, its own."""
+        assert self.setup is not None
+        return None if self.is_core else self.setup.transport.gradient_buffer()
 
     def restore(self) -> None:
         """The core's trainer from the newest intact checkpoint, and that version published."""
@@ -221,6 +231,29 @@ class CellHost:
             info = checkpoint.restore(last, self.trainer)
             log.info("core: resumed from %s (step %s, version %s)", last, info["step"], info["version"])
         s.transport.publish(self.trainer.weights(), self.trainer.version)
+        self.publish_slices()
+
+    def publish_slices(self) -> None:
+        """The core: with megatron, each rank's weight slice of the trainer's version as well."""
+        transport, trainer = self.setup.transport, self.trainer
+        if not transport.plan.slices:
+            return
+        if isinstance(trainer, MirroredTrainer):
+            trainer.publish_slices(transport)
+        else:
+            publish_slice(trainer, transport)
+
+    def pull_weights(self, version: int) -> None:
+        """A satellite's trainer at the core's ``version``: with megatron each rank pulls its
+        slice from the core's rank at its place, else the leader pulls the whole snapshot."""
+        transport, trainer = self.setup.transport, self.trainer
+        if not transport.plan.slices:
+            pull_snapshot(trainer, transport, version, self.scratch)
+            self.scratch_version = version  # the engine may load it too on a restart
+        elif isinstance(trainer, MirroredTrainer):
+            trainer.pull_slices(transport, transport.plan.core, version)
+        else:
+            pull_slice(trainer, transport, transport.plan.core, version)
 
     def load_pulled(self, version: int) -> Pushed:
         """The core's snapshot ``version`` into this rank's engine part."""

@@ -47,7 +47,7 @@ from gyre_hpc.scheduler.policy import Role
 from gyre_hpc.step.claims import Claims, work_once
 from gyre_hpc.trainer import checkpoint
 from gyre_hpc.trainer.base import ApplyStats
-from gyre_hpc.trainer.data_parallel import apply_on_core, pull_snapshot
+from gyre_hpc.trainer.data_parallel import apply_on_core
 
 log = logging.getLogger(__name__)
 
@@ -266,8 +266,7 @@ class Leader(CellHost):
         if self.trainer.version != msg.version:
             if self.is_core:
                 raise ProtocolError(f"core holds version {self.trainer.version}, asked for {msg.version}")
-            pull_snapshot(self.trainer, self.setup.transport, msg.version, self.scratch)
-            self.scratch_version = msg.version
+            self.pull_weights(msg.version)
         self.trainer.zero_grad()
         self.trained_step = msg.step
         return StepTraining(msg.step, Claims.of(msg.queue, msg.closed), time.monotonic())
@@ -292,9 +291,9 @@ class Leader(CellHost):
         if msg.num_runs == 0:  # nothing to learn from this step: same version, still checkpointed
             stats = ApplyStats(self.trainer.version, 0.0)
         else:
-            stats = apply_on_core(
-                self.trainer, self.setup.transport, msg.contributors, msg.num_runs, self.scratch
-            )
+            add = self.trainer.add_gradients if isinstance(self.trainer, MirroredTrainer) else None
+            stats = apply_on_core(self.trainer, self.setup.transport, msg.contributors, msg.num_runs, add)
+            self.publish_slices()
         faults.reach("publish")
         saved = ""
         if msg.checkpoint:

@@ -105,7 +105,7 @@ class Member(CellHost):
         self.in_cell.send(Loaded(cell=self.unit, version=msg.version, seconds=seconds, pushed=pushed), 0)
 
     def on_mirror(self, msg: Mirror) -> None:
-        mirror(self.mirrored, msg, self.world.cell_comm)
+        mirror(self.mirrored, msg, self.world.cell_comm, self.setup.transport)
 
     def _member_trainer(self):  # noqa: ANN202 - a MegatronTrainer
         """This member's part of the replica, built with the leader's (its construction is collective)."""
@@ -116,6 +116,7 @@ class Member(CellHost):
             self.setup.model_dir,
             self.trainer_cfg,
             core=self.is_core,
+            grad_buffer=self.exposed_gradient(),
             world=self.megatron,
             packing=self.setup.packing,
         )

@@ -29,7 +29,7 @@ from gyre_hpc.observability.cell_time import CellHours
 from gyre_hpc.observability.events import EventLog
 from gyre_hpc.observability.tracking import TensorBoard, Trackers, WandB, Writer
 from gyre_hpc.plan.ranks import CONTROLLER, RankLayout
-from gyre_hpc.recipe.schema import Recipe
+from gyre_hpc.recipe.schema import Recipe, TrainerConfig
 from gyre_hpc.rundir import RunDir
 from gyre_hpc.runtime import resume
 from gyre_hpc.runtime.world import World
@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         kind = "controller" if world.is_controller else "cell"
         run_dir.write_rank(rank, pid=os.getpid(), host=env.node_name, kind=kind, cell=world.unit)
         model_dir = resolve_model(recipe.run.model)  # built by the launcher: a cache hit here
-        transport = make_transport(comm, transport_plan(world.layout, model_dir), recipe.transport)
+        plan = transport_plan(world.layout, model_dir, recipe.trainer)
+        transport = make_transport(comm, plan, recipe.transport)
         if world.is_controller:
             controller(world, recipe, run_dir, events, model_dir, transport, checkpoint_now).run()
         else:  # a cell never imports the controller's clients, nor the controller a cell's engines
@@ -138,11 +139,29 @@ def best_effort(fn: Callable[..., object], *args: object, **kwargs: object) -> N
         pass
 
 
-def transport_plan(layout: RankLayout, model_dir: Path) -> TransportPlan:
-    """Same on every rank: sizes come from the model's config, without building the model."""
-    params = FlatLayout.of(Qwen3Config.load(model_dir)).numel
-    satellites = tuple(layout.leader(c) for c in range(1, layout.cells))
-    return TransportPlan(params, core=layout.leader(0), counter=CONTROLLER, grad_ranks=satellites)
+def transport_plan(layout: RankLayout, model_dir: Path, trainer: TrainerConfig) -> TransportPlan:
+    """Same on every rank: sizes come from the model's config and the trainer's layout, without
+    building the model. Every rank of a satellite cell that holds a slice of its replica exposes
+    that slice's gradient: a megatron rank its slice in megatron's cut (the same in every cell),
+    a torch replica's one rank the whole flat buffer. With megatron each of the core's ranks also
+    exposes its weight slice, for its counterparts to pull."""
+    config = Qwen3Config.load(model_dir)
+    flat = FlatLayout.of(config)
+    if trainer.backend != "megatron":
+        grads = {layout.leader(cell): flat.numel for cell in range(1, layout.cells)}
+        return TransportPlan(flat.numel, core=layout.leader(0), counter=CONTROLLER, grads=grads)
+    from gyre_hpc.trainer.megatron_weights import MegatronLayout, slice_numel
+
+    cut = MegatronLayout(config, tp=trainer.tp_size, pp=trainer.pp_size)
+    shapes = {name: shape for name, (_, shape) in flat.slots.items()}
+    size = layout.ranks_per_cell
+    places = [cut.place(i, size) for i in range(size)]
+    values = [slice_numel(cut, shapes, tp_rank, stage) for stage, tp_rank, _ in places]
+    grads = {
+        rank: values[i] for cell in range(1, layout.cells) for i, rank in enumerate(layout.ranks_of(cell))
+    }
+    slices = {rank: 4 * values[i] for i, rank in enumerate(layout.ranks_of(0))}
+    return TransportPlan(flat.numel, core=layout.leader(0), counter=CONTROLLER, grads=grads, slices=slices)
 
 
 def controller(

@@ -5,7 +5,10 @@
    replica.micro_step(seqs) ──Mirror(micro_step, seqs)──▶ trainer.micro_step(seqs)
      trainer.micro_step(seqs) ◀═══ tensor-parallel collectives (torch.distributed) ═══▶
    replica.load_snapshot(flat, v) ──Mirror──▶ trainer.load_snapshot(·, v)  (its slice, from the leader)
-   replica.apply(R) ──Mirror──▶ trainer.apply(R)  (its slice of the summed gradient; each steps its own)
+   replica.pull_slices(core, v) ──Mirror──▶ each rank pulls its weight slice from the core's rank at its place
+   replica.publish_slices() ──Mirror──▶ each of the core's ranks publishes its weight slice
+   replica.add_gradients(leaders) ──Mirror──▶ each rank pulls its counterparts' slices and sums
+   replica.apply(R) ──Mirror──▶ trainer.apply(R)  (each steps its own slice of the summed gradient)
    replica.save_weights(dir) / save_optimizer(dir) ──Mirror──▶ each rank writes its own file
                                                             ──gather──▶ names, digests
    replica.load_weights(dir, v) ──Mirror──▶ each rank reads its own slice (resharded if need be)
@@ -15,13 +18,16 @@ A megatron trainer's verbs are collective over its model-parallel group: every r
 enters each one, in the same order, with the same arguments. The leader alone talks to the
 controller and the transport, so ``MirroredTrainer`` wraps the leader's trainer and announces
 each verb to the members before running it. Small arguments (a micro-step's sequences) ride in
-the message; bulk ones (a snapshot, the summed gradient) are the trainer's to move: the leader
-holds them whole and hands each member its slice (``trainer.megatron_backend``), so no member
-holds the whole model. The replica knows nothing about roles or the schedule.
+the message; bulk ones are the trainer's or the transport's to move: the leader holds a
+snapshot whole and hands each member its slice (``trainer.megatron_backend``), and each rank
+pulls its own slice of the other cells' gradients (every cell has the same layout, so a rank's
+counterpart is the rank of the same number in that cell), so no member holds the whole model.
+The replica knows nothing about roles or the schedule.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +37,10 @@ from gyre_hpc.rundir import checkpoint_optimizer, checkpoint_optimizer_ranks
 from gyre_hpc.runtime.protocol import Channel, Mirror, ProtocolError
 from gyre_hpc.step.claims import MicroStats
 from gyre_hpc.trainer import weight_shards
-from gyre_hpc.trainer.base import ApplyStats, Trainer
+from gyre_hpc.trainer.base import ApplyStats, SlicedTrainer
+from gyre_hpc.trainer.data_parallel import add_gradients, publish_slice, pull_slice
 from gyre_hpc.trajectory.sequences import TrainSequence
+from gyre_hpc.transport.base import Transport
 
 NOTHING = np.zeros(0, dtype=np.float32)
 """What a member passes for the whole buffers it does not hold."""
@@ -41,7 +49,7 @@ NOTHING = np.zeros(0, dtype=np.float32)
 class MirroredTrainer:
     """The Trainer protocol on the leader of a cell whose members hold the rest of the replica."""
 
-    def __init__(self, local: Trainer, comm: Any, channel: Channel) -> None:
+    def __init__(self, local: SlicedTrainer, comm: Any, channel: Channel) -> None:
         self.local, self.comm, self.channel = local, comm, channel
         self.numel = local.numel
         self.members = range(1, comm.Get_size())
@@ -60,7 +68,24 @@ class MirroredTrainer:
 
     def gradient(self) -> np.ndarray:
         self._announce("gradient")  # the replica's ranks reduce what they accumulated together
-        return self.local.gradient()  # then whole on the leader: the transport reads it here
+        return self.local.gradient()  # each rank's slice, where the transport reads it
+
+    def pull_slices(self, transport: Transport, core: int, version: int) -> None:
+        """Every rank loads its weight slice of ``version`` from the core's rank at its place
+        (``core``: the core's leader, the leader's own counterpart)."""
+        self._announce("pull_slice", core, version)
+        pull_slice(self.local, transport, core, version)
+
+    def publish_slices(self, transport: Transport) -> None:
+        """Every rank of the core publishes its weight slice of the current version."""
+        self._announce("publish_slice")
+        publish_slice(self.local, transport)
+
+    def add_gradients(self, transport: Transport, leaders: Sequence[int]) -> None:
+        """Every rank adds its counterparts' slices of the other cells' gradients (``leaders``:
+        theirs; the leader's own counterpart is the leader)."""
+        self._announce("add_gradients", tuple(leaders))
+        add_gradients(self.local, transport, leaders)
 
     def load_snapshot(self, flat: np.ndarray, version: int) -> None:
         self._announce("load_snapshot", version)
@@ -113,10 +138,18 @@ class MirroredTrainer:
         self.local.load_optimizer(directory, 0)
 
 
-def mirror(trainer: Trainer, msg: Mirror, comm: Any) -> None:
+def mirror(trainer: SlicedTrainer, msg: Mirror, comm: Any, transport: Transport) -> None:
     """A member's half of ``msg``: the same verb on its part of the replica."""
     verb, args = msg.verb, msg.args
-    if verb == "load_snapshot":
+    if verb == "add_gradients":  # its counterpart in each contributor: the same cell rank
+        (leaders,) = args
+        add_gradients(trainer, transport, [leader + comm.Get_rank() for leader in leaders])
+    elif verb == "pull_slice":
+        core, version = args
+        pull_slice(trainer, transport, core + comm.Get_rank(), version)
+    elif verb == "publish_slice":
+        publish_slice(trainer, transport)
+    elif verb == "load_snapshot":
         trainer.load_snapshot(NOTHING, *args)  # its slice comes from the leader
     elif verb in ("save_weights", "save_optimizer"):
         comm.gather(getattr(trainer, verb)(*args, comm.Get_rank()), root=0)

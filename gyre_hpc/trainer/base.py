@@ -5,9 +5,10 @@
   core only:  apply(R) = grad/R → clip → optimizer → flat weights of v+1 ─▶ publish
 ```
 
-A trainer knows nothing about MPI, cells or the schedule: it owns a model replica whose
-parameters and gradients live in two flat float32 buffers in the shared layout
-(``models.flat.FlatLayout``), so snapshots and gradients move as one contiguous block.
+A trainer knows nothing about MPI, cells or the schedule: it owns a model replica (or, with
+megatron, a rank's slice of one) whose weights it hands out as one flat float32 buffer in the
+shared layout (``models.flat.FlatLayout``), and whose gradient is one contiguous block a rank:
+the whole flat gradient where one rank holds the replica, else that rank's slice.
 """
 
 from __future__ import annotations
@@ -61,8 +62,14 @@ class Trainer(Protocol):
         until ``gradient`` is asked)."""
 
     def gradient(self) -> np.ndarray:
-        """The flat gradient buffer (a view) holding every micro-step since ``zero_grad``; a
-        collective on a replica of several ranks, asked of all of them."""
+        """This rank's gradient buffer (a view) holding every micro-step since ``zero_grad``: the
+        whole flat gradient where one rank holds the replica, else this rank's slice in the
+        backend's own cut (what the transport moves and the core sums); a collective on a
+        replica of several ranks, asked of all of them."""
+
+    def hf_gradient(self) -> np.ndarray:
+        """The replica's whole gradient in the shared layout (``models.flat``), on its first
+        rank: for inspecting and comparing backends, never on the training path."""
 
     def apply(self, num_runs: int) -> ApplyStats:
         """Core only: the summed gradient is in ``gradient()``; one optimizer step."""
@@ -90,6 +97,16 @@ class Trainer(Protocol):
 
     def resume_memory(self) -> None:
         """Take the GPU back before the cell trains."""
+
+
+class SlicedTrainer(Trainer, Protocol):
+    """A trainer whose ranks each hold a slice (megatron): its weights also move slice by slice."""
+
+    def weight_slice(self) -> np.ndarray:
+        """This rank's weights as bytes, as it keeps them (the training dtype)."""
+
+    def load_slice(self, data: np.ndarray, version: int) -> None:
+        """This rank's weights from a counterpart's ``weight_slice``."""
 
 
 def policy_micro_step(

@@ -4,24 +4,29 @@
  HF flat snapshot (transport) ──load_snapshot──▶ Megatron params (fused QKV, [gate|up] fc1)
  micro_step: GPTModel forward (explicit causal mask per path, or one packed tree: its mask,
            rope at the tokens' depths) → the torch backend's loss → backward
-           └─▶ Megatron grads ──to HF layout──▶ the flat gradient buffer the transport exposes
- core: apply(R): summed HF gradient ──▶ Megatron grads → /R → clip → AdamW → weights() in HF layout
+           └─▶ Megatron grads (reduced) ──▶ this rank's gradient slice, the buffer the transport exposes
+ core: apply(R): each rank's summed slice → /R → clip (the norm all-reduced) → AdamW → weights() in HF layout
 ```
 
-The flat buffers keep the layout every other part uses (``models.flat``):
-engines load snapshots unchanged, cells of either backend sum their gradients alike, and
-checkpoints stay Hugging Face directories. Conversion happens at those boundaries, tensor by
-tensor (``megatron_weights``): a rank loads its own shards of its own stage; shards are gathered
-over the tensor-parallel group, and each stage's tensors are broadcast over the pipeline group,
-wherever a whole tensor is needed. Only the replica's first rank (the cell's leader, which
-talks to the transport) holds the whole flat buffers; every other rank holds its slice alone,
-its parameters (and on the core its fp32 masters and Adam's moments), and the leader hands
-each rank its slice of a snapshot or a summed gradient, tensor by tensor:
+Snapshots keep the layout every other part uses (``models.flat``): engines load them
+unchanged and checkpoints stay Hugging Face directories. Conversion happens at those
+boundaries, tensor by tensor (``megatron_weights``): a rank loads its own shards of its own
+stage; shards are gathered over the tensor-parallel group, and each stage's tensors are sent
+to the replica's first rank, wherever a whole tensor is needed. Only that rank (the cell's
+leader, which talks to the transport) holds the whole flat weights; every other rank holds its
+slice alone, its parameters (and on the core its fp32 masters and Adam's moments), and the
+leader hands each rank its slice of a snapshot, tensor by tensor:
 
 ```
- leader: flat ──hf_to_megatron(rank r, stage s)──▶ send ─▶ rank (r, s): its parameters / .grad
+ leader: flat ──hf_to_megatron(rank r, stage s)──▶ send ─▶ rank (r, s): its parameters
  leader: flat ◀── its stage's tensors ◀── recv ◀── stage s, TP rank 0: megatron_to_hf (TP gathered)
 ```
+
+Gradients never leave their rank whole: each rank keeps its slice in megatron's layout, fp32,
+its parameters in ``slice_shapes`` order (``grad_slices``), with every reduction inside the
+replica done (tied copies, q/k norms, data-parallel replicas). Cells of one layout sum slices
+rank by rank (``trainer.data_parallel``), and the clipping norm is one all-reduce of each slice's
+squares, each replicated tensor counted once (``counted``).
 
 Ranks beyond tp × pp are data-parallel replicas: they split each micro-step's sequences and sum
 gradients.
@@ -369,18 +374,29 @@ class MegatronTrainer:
         self.shapes = {name: shape for name, (_, shape) in self.slots.items()}
         dist = torch.distributed
         self.lead = dist.get_rank() == 0
-        """The replica's first rank: it alone holds the whole flat buffers (the cell's leader)."""
+        """The replica's first rank: it alone holds the whole flat weights (the cell's leader)."""
         self.places: list[tuple[int, int, int]] = [(0, 0, 0)] * dist.get_world_size()
         """Each rank's (stage, TP rank, DP rank): where the leader sends slices, whence it gathers."""
         dist.all_gather_object(self.places, (self.stage, self.tp_rank, self.dp_rank))
+        expected = [self.layout.place(r, len(self.places)) for r in range(len(self.places))]
+        if self.places != expected:  # the transport pairs ranks of two cells by this order
+            raise RuntimeError(f"megatron placed ranks at {self.places}, not {expected}")
         whole = self.numel if self.lead else 0
         # Snapshots leave through host memory: pinned, so a GPU copies at full speed into it.
         self.flat = torch.zeros(whole, pin_memory=torch.cuda.is_available() and self.lead).numpy()
+        mine = slice_shapes(self.layout, self.shapes, self.tp_rank, self.stage)
+        if {n: p.shape for n, p in self.params.items()} != dict(mine):
+            raise RuntimeError("the model's parameters are not the slice megatron_weights cuts")
+        size = sum(shape.numel() for shape in mine.values())
         if grad_buffer is None:
-            grad_buffer = np.zeros(whole, dtype=np.float32)
-        if grad_buffer.shape != (whole,) or grad_buffer.dtype != np.float32:
-            raise ValueError(f"gradient buffer must be float32[{whole}] on this rank")
+            grad_buffer = np.zeros(size, dtype=np.float32)
+        if grad_buffer.shape != (size,) or grad_buffer.dtype != np.float32:
+            raise ValueError(f"gradient buffer must be float32[{size}] on this rank (its slice)")
         self.grad = grad_buffer
+        """This rank's gradient slice (``grad_slices``): the transport reads it."""
+        self.grad_slices = _views(torch.from_numpy(self.grad), mine)
+        self.counted = self._counted()
+        """The parameters whose gradient this rank adds to the norm: each replicated one once."""
         # Each backward's gradient is added, in fp32 on the trainer's device, to ``main_grad``
         # and dropped; reduced and copied into ``grad`` once, when ``gradient()`` is asked.
         self.main_grad: dict[str, torch.Tensor] = {}
@@ -440,9 +456,9 @@ class MegatronTrainer:
             yield from moments(self.optimizer, {id(p): n for n, p in (self.master or self.params).items()})
 
     def gradient(self) -> np.ndarray:
-        """The flat gradient, with every micro-step since ``zero_grad`` in it: the fp32 sums on
-        the device are reduced (tied copies, q/k norms, replicas) and copied to the host here,
-        once, by every rank of the replica together."""
+        """This rank's gradient slice, with every micro-step since ``zero_grad`` in it: the fp32
+        sums on the device are reduced (tied copies, q/k norms, replicas) and added to the host
+        slice here, once, by every rank of the replica together."""
         if self.pending:  # every rank of the replica trained the same micro-steps: all flush
             for n, p in self.params.items():  # what this rank did not forward adds nothing
                 self.main_grad.setdefault(n, torch.zeros_like(p, dtype=torch.float32))
@@ -451,9 +467,20 @@ class MegatronTrainer:
             if self.dp > 1:  # in the parameters' order: the order backward filled it is a replica's own
                 for n in self.params:
                     torch.distributed.all_reduce(self.main_grad[n], group=self.dp_group)
-            self._to_leader(self.grad, self._whole_grad, add=True)
+            with torch.no_grad():
+                for n, g in self.grad_slices.items():
+                    g.add_(self._whole_grad(n).cpu())
             self.main_grad, self.pending = {}, False
         return self.grad
+
+    def hf_gradient(self) -> np.ndarray:
+        """The replica's whole gradient in the shared layout (``models.flat``), on the first rank
+        (empty elsewhere): for inspecting and comparing backends; training never gathers it.
+        Collective over the replica."""
+        self.gradient()
+        whole = np.zeros(self.numel if self.lead else 0, dtype=np.float32)
+        self._to_leader(whole, self.grad_slices.__getitem__)
+        return whole
 
     def load_snapshot(self, flat: np.ndarray, version: int) -> None:
         """The leader's ``flat``, each rank its slice of it (``flat`` is read on the leader only)."""
@@ -461,11 +488,63 @@ class MegatronTrainer:
         self.version = version
         self.fresh = False
 
+    def weight_slice(self) -> np.ndarray:
+        """This rank's parameters as bytes, in ``slice_shapes`` order and the dtype each is kept
+        in (bf16 where the recipe trains in bf16; the fp32 masters stay here): what a
+        counterpart in another cell loads with ``load_slice``. Not collective."""
+        out = np.empty(self._slice_offsets()[-1], np.uint8)
+        for name, view in self._byte_views(out):
+            view.copy_(self.params[name].detach())
+        return out
+
+    def load_slice(self, data: np.ndarray, version: int) -> None:
+        """Parameters from a counterpart's ``weight_slice`` (the same layout and dtypes).
+        Not collective: each rank loads its own."""
+        self._load(self._byte_views(data.reshape(-1).view(np.uint8)))
+        self.version = version
+        self.fresh = False
+
+    def _slice_offsets(self) -> list[int]:
+        """Where each parameter's bytes start in a weight slice (each at a multiple of its
+        element size, so it can be viewed in place), and the slice's length last."""
+        offsets, at = [], 0
+        for name in self.grad_slices:
+            p = self.params[name]
+            at = -(-at // p.element_size()) * p.element_size()
+            offsets.append(at)
+            at += p.numel() * p.element_size()
+        return [*offsets, at]
+
+    def _byte_views(self, data: np.ndarray) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each parameter's bytes in ``data``, viewed as the parameter (in ``slice_shapes`` order)."""
+        offsets = self._slice_offsets()
+        if data.size != offsets[-1]:
+            raise ValueError(f"a weight slice of {data.size} bytes; this rank's is {offsets[-1]}")
+        raw = torch.from_numpy(data)
+        for name, at in zip(self.grad_slices, offsets, strict=False):
+            p = self.params[name]
+            yield name, raw[at : at + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+
     def zero_grad(self) -> None:
         for p in self.params.values():
             p.grad = None
         self.main_grad, self.pending = {}, False
         self.grad[:] = 0.0
+
+    def _counted(self) -> list[str]:
+        """The parameters this rank adds to the gradient's norm: those of the first replica,
+        tensor-parallel duplicates (norms) on TP rank 0 only, and not the last stage's copy of
+        a tied embedding (the first stage's holds the same sum)."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        if self.dp_rank != 0:
+            return []
+        tied_copy = self.model_config.tie_word_embeddings and self.layout.pp > 1
+        return [
+            n
+            for n, p in self.params.items()
+            if param_is_not_tensor_parallel_duplicate(p) and not (tied_copy and n == "output_layer.weight")
+        ]
 
     def _accumulator(self, name: str) -> Callable[[torch.Tensor], None]:
         def add(p: torch.Tensor) -> None:
@@ -651,17 +730,18 @@ class MegatronTrainer:
     def apply(self, num_runs: int) -> ApplyStats:
         if self.optimizer is None:
             raise RuntimeError("only the core owns an optimizer")
-        # The whole gradient is the leader's: it finds the norm, each rank gets its slice.
-        norm_scale = torch.zeros(2, dtype=torch.float64, device=self.device)
-        if self.lead:
-            norm = float(np.linalg.norm(self.grad))
-            norm_scale[:] = torch.tensor(mean_gradient_scale(norm, num_runs, self.config.grad_clip))
-        torch.distributed.broadcast(norm_scale, 0)
-        norm, scale = norm_scale.tolist()
+        # Each rank holds its slice of the summed gradient: the norm is one all-reduce of squares.
+        self.gradient()
+        squares = torch.zeros(1, dtype=torch.float64)
+        for n in self.counted:
+            squares += torch.linalg.vector_norm(self.grad_slices[n], dtype=torch.float64) ** 2
+        squares = squares.to(self.device)  # NCCL reduces device tensors
+        torch.distributed.all_reduce(squares)
+        norm, scale = mean_gradient_scale(float(squares[0]) ** 0.5, num_runs, self.config.grad_clip)
         stepped = self.master or self.params
         with torch.no_grad():
-            for name, t in self._slices(self.grad):
-                # A copy: ``t`` may be a view of the gradient buffer the transport exposes.
+            for name, t in self.grad_slices.items():
+                # A copy: ``t`` is a view of the gradient buffer the transport exposes.
                 stepped[name].grad = t.to(stepped[name].device, torch.float32, copy=True).mul_(scale)
         self.optimizer.step()
         for t in stepped.values():  # a model's worth of fp32 the GPU would keep while it samples
@@ -801,6 +881,15 @@ class MegatronTrainer:
             t = torch.empty(shape, dtype=torch.float32, device=self.device)
             torch.distributed.recv(t, src)
             yield name, t
+
+
+def _views(flat: torch.Tensor, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """``flat`` cut into one view a tensor, in ``shapes``' order."""
+    views, at = {}, 0
+    for name, shape in shapes.items():
+        views[name] = flat[at : at + shape.numel()].view(shape)
+        at += shape.numel()
+    return views
 
 
 def _reader(model_dir: Path):  # noqa: ANN202 - a reader callback

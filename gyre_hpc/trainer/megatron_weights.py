@@ -69,6 +69,16 @@ class MegatronLayout:
         per = self.config.num_hidden_layers // self.pp
         return range(stage * per, (stage + 1) * per)
 
+    def place(self, rank: int, size: int) -> tuple[int, int, int]:
+        """Rank ``rank``'s (stage, TP rank, DP rank) in a replica of ``size`` ranks, in
+        megatron-core's default order (tensor-parallel ranks adjacent, then data-parallel
+        replicas, then stages): the same on every cell, so a rank's counterpart in another cell
+        of the same layout has its number."""
+        if size % (self.tp * self.pp):
+            raise ValueError(f"{size} ranks are not a multiple of tp {self.tp} × pp {self.pp}")
+        dp = size // (self.tp * self.pp)
+        return rank // (self.tp * dp), rank % self.tp, rank // self.tp % dp
+
     def stage_of(self, hf_name: str) -> int:
         """The PP stage that holds a Hugging Face tensor (a tied embedding: the first)."""
         if hf_name.startswith("model.layers."):
@@ -149,6 +159,11 @@ def slice_shapes(
     learns what it will receive without holding any of it."""
     meta = lambda name: torch.empty(shapes[name], device="meta")  # noqa: E731
     return {name: t.shape for name, t in hf_to_megatron(meta, layout, rank, stage)}
+
+
+def slice_numel(layout: MegatronLayout, shapes: dict[str, torch.Size], rank: int, stage: int) -> int:
+    """Values in TP rank ``rank``'s slice of stage ``stage`` (``slice_shapes``, summed)."""
+    return sum(s.numel() for s in slice_shapes(layout, shapes, rank, stage).values())
 
 
 def stage_shapes(layout: MegatronLayout, shapes: dict[str, torch.Size], stage: int) -> dict[str, torch.Size]:

@@ -83,6 +83,10 @@ class TorchTrainer:
             self.host_grad.copy_(self.grad)
         return self.host_grad.numpy()
 
+    def hf_gradient(self) -> np.ndarray:
+        """The whole gradient in the shared layout: its gradient, one rank holding it all."""
+        return self.gradient()
+
     def load_snapshot(self, flat: np.ndarray, version: int) -> None:
         self.flat.copy_(torch.from_numpy(flat))
         self.version = version

@@ -21,6 +21,7 @@ from gyre_hpc.recipe.schema import TransportConfig
 from gyre_hpc.transport.base import TransportPlan
 
 HEADER = 8
+SLICE_HEADER = 16  # version and byte count before a weight slice
 MAX_READ = 1 << 30  # bytes per work request (the HCA's max message size is 2 GiB)
 
 
@@ -53,13 +54,20 @@ class VerbsTransport:
         self._snap = np.zeros(HEADER + 4 * n if self.rank == plan.core else 8, dtype=np.uint8)
         if self.rank == plan.core:
             self._snap[:HEADER].view(np.int64)[0] = -1
-        self._grad = np.zeros(n if self.rank in plan.grad_ranks else 2, dtype=np.float32)
+        self._grad = np.zeros(plan.grads.get(self.rank, 0) or 2, dtype=np.float32)
         self._counter = np.zeros(1, dtype=np.int64)
-        self._landing = np.zeros(8, dtype=np.uint8)  # version words and fetch-and-add results
+        self._slice = np.zeros(SLICE_HEADER + plan.slices.get(self.rank, 0), dtype=np.uint8)
+        self._slice[:8].view(np.int64)[0] = -1  # nothing published yet
+        self._landing = np.zeros(SLICE_HEADER, dtype=np.uint8)  # headers and fetch-and-add results
         access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_ATOMIC
         self.mrs = {
             name: self._register(buf, access)
-            for name, buf in (("snap", self._snap), ("grad", self._grad), ("counter", self._counter))
+            for name, buf in (
+                ("snap", self._snap),
+                ("slice", self._slice),
+                ("grad", self._grad),
+                ("counter", self._counter),
+            )
         }
         self.mrs["landing"] = self._register(self._landing, e.IBV_ACCESS_LOCAL_WRITE)
         self._scratch: dict[int, Any] = {}  # destination buffers registered on first use
@@ -125,13 +133,34 @@ class VerbsTransport:
     def pull_snapshot(self, into: np.ndarray) -> int:
         addr, rkey = self.remotes[self.plan.core].regions["snap"]
         self._read(self.plan.core, into.reshape(-1).view(np.uint8), addr + HEADER, rkey)
-        self._read(self.plan.core, self._landing, addr, rkey)
+        self._read(self.plan.core, self._landing[:HEADER], addr, rkey)
         return int(self._landing.view(np.int64)[0])
+
+    def publish_slice(self, data: np.ndarray, version: int) -> None:
+        data = data.reshape(-1).view(np.uint8)
+        if data.size > self._slice.size - SLICE_HEADER:
+            raise ValueError(f"a slice of {data.size} bytes, rank {self.rank} exposes {self._slice.size}")
+        self._slice[SLICE_HEADER : SLICE_HEADER + data.size] = data
+        self._slice[:SLICE_HEADER].view(np.int64)[:] = (version, data.size)
+
+    def pull_slice(self, rank: int, into: np.ndarray) -> tuple[int, int]:
+        addr, rkey = self.remotes[rank].regions["slice"]
+        self._read(rank, self._landing, addr, rkey)
+        version, nbytes = (int(v) for v in self._landing.view(np.int64)[:2])
+        dest = into.reshape(-1).view(np.uint8)
+        if nbytes > dest.size:
+            raise ValueError(f"rank {rank}'s slice has {nbytes} bytes, the buffer {dest.size}")
+        if nbytes > 0:
+            self._read(rank, dest[:nbytes], addr + SLICE_HEADER, rkey)
+        return version, nbytes
 
     def gradient_buffer(self) -> np.ndarray:
         return self._grad
 
     def pull_gradient(self, rank: int, into: np.ndarray) -> None:
+        exposed = self.plan.grads.get(rank, 0)
+        if into.size != exposed:
+            raise ValueError(f"buffer of {into.size} values, rank {rank} exposes {exposed}")
         addr, rkey = self.remotes[rank].regions["grad"]
         self._read(rank, into.reshape(-1).view(np.uint8), addr, rkey)
 

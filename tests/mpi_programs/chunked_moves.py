@@ -21,7 +21,7 @@ n = 680_000  # float32: 2.72 MB, three 1 MiB parts
 part = 1 << 20
 want = np.random.default_rng(0).standard_normal(n).astype(np.float32)
 
-transport = MpiTransport(comm, TransportPlan(n, core=1, counter=0, grad_ranks=(2,)), part_bytes=part)
+transport = MpiTransport(comm, TransportPlan(n, core=1, counter=0, grads={2: n}), part_bytes=part)
 if rank == 1:
     transport.publish(want, 7)
 comm.Barrier()

@@ -53,7 +53,7 @@ probe = TorchTrainer(model_dir, config, core=False)
 numel, vocab = probe.numel, probe.model.config.vocab_size
 queue = batch(7, vocab)
 runs = 5
-plan = TransportPlan(numel, core=1, counter=0, grad_ranks=(1, 2, 3))
+plan = TransportPlan(numel, core=1, counter=0, grads=dict.fromkeys((1, 2, 3), numel))
 transport = MpiTransport(comm, plan)
 
 reference = None
@@ -94,7 +94,7 @@ if rank == 1:
     for r in (2, 3):
         transport.pull_gradient(r, scratch)
         summed += scratch
-    stats = apply_on_core(trainer, transport, (2, 3), runs, scratch)
+    stats = apply_on_core(trainer, transport, (2, 3), runs)
     grad_err = float(np.abs(summed / runs - reference_grad).max() / np.abs(reference_grad).max())
     weight_err = float(np.abs(trainer.weights() - reference).max())
     comm.send((grad_err, weight_err, stats.version), dest=0)

@@ -47,8 +47,8 @@ trainer = MegatronTrainer(
 before = trainer.weights().copy()
 vocab = Qwen3Config.load(model_dir).vocab_size
 stats = trainer.micro_step(forked_sequences(vocab) if packing == "tree" else sequences(vocab, count))
-grad = trainer.gradient().copy()
-trainer.apply(3)
+grad = trainer.hf_gradient().copy()
+norm = trainer.apply(3).grad_norm
 after = trainer.weights().copy()
 params = sum(p.numel() for p in trainer.params.values())
 state = sum(t.numel() for s in trainer.optimizer.state.values() for t in s.values() if t.dim())
@@ -63,7 +63,7 @@ reloaded = trainer.weights().copy()
 held = (trainer.stage, trainer.tp_rank, trainer.dp_rank, trainer.flat.size, trainer.grad.size, params, state)
 held = comm.gather(held, root=0)
 if rank == 0:
-    np.savez(out, before=before, grad=grad, after=after, loss=stats.loss_sum, clipped=stats.clipped,
-             tokens=stats.tokens, held=np.array(held), reloaded=reloaded,
+    np.savez(out, before=before, grad=grad, norm=norm, after=after, loss=stats.loss_sum,
+             clipped=stats.clipped, tokens=stats.tokens, held=np.array(held), reloaded=reloaded,
              digests=json.dumps({k: v for d in digests for k, v in d.items()}))  # fmt: skip
 comm.Barrier()

@@ -199,6 +199,18 @@ def test_two_cells_sum_their_gradients_and_move_their_weights_slice_by_slice(
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     got, satellite = np.load(out), np.load(out.with_suffix(".satellite.npz"))
+    # What each rank registered with the transport: its slice (weights on the core's ranks,
+    # gradient on the satellite's), and the whole snapshot on the core's leader alone (engines').
+    config = Qwen3Config.load(model_dir)
+    layout, flat = MegatronLayout(config, tp, pp), FlatLayout.of(config)
+    shapes = {name: shape for name, (_, shape) in flat.slots.items()}
+    registered = np.load(out.with_suffix(".registered.npy")).tolist()
+    for rank, (snapshot, weights, gradient) in enumerate(registered):
+        unit, i = (None, 0) if rank == 0 else divmod(rank - 1, ranks)
+        stage, tp_rank, _ = layout.place(i, ranks)
+        mine = 4 * sum(s.numel() for s in slice_shapes(layout, shapes, tp_rank, stage).values())
+        assert snapshot == (8 + 4 * flat.numel if rank == 1 else 0), rank
+        assert weights == (16 + mine if unit == 0 else 0) and gradient == (mine if unit == 1 else 0), rank
     if dtype == "bfloat16":  # the satellite holds the core's bf16 weights: the masters rounded
         assert np.abs(satellite["weights"] - got["after"]).max() <= 2**-8 * np.abs(got["after"]).max()
         for held, capacity in satellite["sizes"]:  # bf16 values, fp32 norms: about half of fp32

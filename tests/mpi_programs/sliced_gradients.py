@@ -72,5 +72,8 @@ if unit == 1:
     sizes = cell.gather((mine.size, plan.slices[counterpart]), root=0)
     if cell.Get_rank() == 0:
         np.savez(Path(out).with_suffix(".satellite.npz"), weights=loaded, sizes=np.array(sizes))
+registered = comm.gather((transport._snap.nbytes, transport._slice.nbytes, transport._grad.nbytes), root=0)
+if rank == 0:
+    np.save(Path(out).with_suffix(".registered.npy"), np.array(registered))
 comm.Barrier()
 transport.close()

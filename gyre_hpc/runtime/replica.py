@@ -77,9 +77,11 @@ class MirroredTrainer:
         pull_slice(self.local, transport, core, version)
 
     def publish_slices(self, transport: Transport) -> None:
-        """Every rank of the core publishes its weight slice of the current version."""
+        """Every rank of the core publishes its weight slice of the current version; returns once
+        all have (a satellite may pull any of them as soon as the step is reported applied)."""
         self._announce("publish_slice")
         publish_slice(self.local, transport)
+        self.comm.gather(None, root=0)
 
     def add_gradients(self, transport: Transport, leaders: Sequence[int]) -> None:
         """Every rank adds its counterparts' slices of the other cells' gradients (``leaders``:
@@ -149,6 +151,7 @@ def mirror(trainer: SlicedTrainer, msg: Mirror, comm: Any, transport: Transport)
         pull_slice(trainer, transport, core + comm.Get_rank(), version)
     elif verb == "publish_slice":
         publish_slice(trainer, transport)
+        comm.gather(None, root=0)
     elif verb == "load_snapshot":
         trainer.load_snapshot(NOTHING, *args)  # its slice comes from the leader
     elif verb in ("save_weights", "save_optimizer"):

@@ -74,6 +74,7 @@ class MpiTransport:
         win = self._slice_win
         win.Lock(rank, self.MPI.LOCK_SHARED)
         win.Get(head.view(np.uint8), rank, (0, SLICE_HEADER, self.MPI.BYTE))
+        win.Flush(rank)  # a Get completes with its epoch or a flush: the header is read now
         version, nbytes = (int(v) for v in head)
         dest = into.reshape(-1).view(np.uint8)
         if nbytes > dest.size:

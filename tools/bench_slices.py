@@ -40,15 +40,6 @@ import numpy as np
 HERE = Path(__file__).resolve().parents[1]
 
 
-def best_of(n: int, fn) -> float:  # type: ignore[no-untyped-def]
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
 def worker(model_dir: Path, tp: int, pp: int, repeat: int) -> None:
     from mpi4py import MPI
 
@@ -58,6 +49,7 @@ def worker(model_dir: Path, tp: int, pp: int, repeat: int) -> None:
     from gyre_hpc.runtime.protocol import wait_barrier
     from gyre_hpc.trainer.data_parallel import add_into
     from gyre_hpc.transport import TransportPlan, make_transport
+    from tools.bench_transport import best_of
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()

@@ -241,6 +241,7 @@ def test_the_gpus_change_hands_in_an_order_that_never_needs_both_at_once() -> No
 
     cell = Leader.__new__(Leader)  # the switch alone: no world, no ranks
     cell.unit, cell.session, cell.role, cell.cells = 0, None, Role.IDLE, CellsConfig()
+    cell.setup = None  # a whole snapshot: the core's leader gathers it before it lets go
     cell.engine, cell.trainer = Recorder("engine", calls), Recorder("trainer", calls)
     cell._forward = lambda msg: calls.append(f"members told {msg.role}")
     cell._await_members = lambda seq: calls.append("members acknowledged")

@@ -15,7 +15,10 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +42,7 @@ from gyre_hpc.engines.sglang import (
     server_env,
     sglang_command,
 )
+from gyre_hpc.engines.staging import flat_tensors
 from gyre_hpc.errors import LaunchError
 from gyre_hpc.models.architecture import Qwen3Config
 from gyre_hpc.models.catalog import model_shape
@@ -346,14 +350,58 @@ def test_a_version_travels_as_the_elements_that_changed_and_the_server_checks_wh
     assert push(delta, v25, 25).sent >= base.nbytes  # refused as stale: whole
 
     v26 = sparse_step(v25)
-    moved = np.flatnonzero(v26[: delta.held[0].numel()] != v25[: delta.held[0].numel()])[:16]
+    kept = next(iter(delta.held.values()))  # the first bucket, as this side keeps it
+    moved = np.flatnonzero(v26[: kept.numel()] != v25[: kept.numel()])[:16]
     assert moved.size
-    delta.held[0].view(-1)[moved] = torch.from_numpy(v26[moved])  # this side's copy wrong there
+    kept.view(-1)[moved] = torch.from_numpy(v26[moved])  # this side's copy wrong there
     assert push(delta, v26, 26).sent >= base.nbytes  # the checksum disagreed: whole
     assert push(delta, ulp_step(v26), 27).sent < 0.25 * base.nbytes  # and deltas again
 
     layout.load(model, base)
     push(other, base, 0)  # as it was, for the tests that follow
+
+
+@pytest.mark.sglang
+@pytest.mark.mpi
+@pytest.mark.megatron
+def test_a_tensor_parallel_cell_streams_whole_tensors_from_its_slices_a_bucket_at_a_time(
+    served: tuple[str, Path], tmp_path: Path
+) -> None:
+    """A megatron cell of TP 2 holds its weights only as slices: the server gets them as whole
+    tensors gathered one at a time on the cell's ranks, staged a bucket at a time (by reference,
+    then as deltas), and serves exactly those weights; no rank ever makes a whole-model buffer,
+    and the staging never exceeds a bucket (or the one tensor larger than a bucket)."""
+    url, model_dir = served
+    bucket = 1 << 20
+    out = tmp_path / "streamed.npz"
+    program = REPO / "tests" / "mpi_programs" / "streamed_load.py"
+    proc = subprocess.run(
+        ["mpirun", "--oversubscribe", "-n", "2", sys.executable, str(program), str(model_dir), str(out),
+         "2", "1", url, str(bucket)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, **ROOT_OK},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    got = np.load(out)
+    layout = FlatLayout.of(Qwen3Config.load(model_dir))
+    assert list(got["whole"]) == [0, 0]  # no rank made a whole-model buffer to push from
+    assert 0 < int(got["peak"]) <= max(bucket, int(got["largest"]))
+    by_reference, whole, sparse = got["pushed"].tolist()
+    assert by_reference[3] == whole[3] == sparse[3] == layout.numel  # every tensor, each once
+    assert abs(sparse[2] / sparse[3] - 0.01) < 2e-3 and sparse[0] < 0.06 * sparse[1], sparse
+    model = Qwen3ForCausalLM.from_pretrained(model_dir)
+    layout.load(model, got["served"])
+    for prompt in PROMPTS:
+        reply = greedy(url, prompt)
+        assert reply["meta_info"]["weight_version"] == "3"
+        theirs = [lp for lp, _, _ in reply["meta_info"]["output_token_logprobs"]]
+        assert (
+            np.abs(np.array(theirs) - np.array(recomputed(model, prompt, reply["output_ids"]))).max() <= 1e-4
+        )
+    base = flat_of(Qwen3ForCausalLM.from_pretrained(model_dir)).numpy()
+    restore = TensorPush(url, layout, 1, "cpu", "float32", bucket_bytes=bucket)
+    call(url, lambda c: c.begin_weight_update())
+    restore.push(base, 0)  # as it was, for the tests that follow
+    call(url, lambda c: c.end_weight_update())
 
 
 @pytest.mark.sglang
@@ -422,7 +470,9 @@ def test_a_server_killed_while_each_verb_is_in_flight_comes_back_as_the_verbs_as
     """A cell's server killed the moment a request of each verb reaches it — its first health
     check (it dies while it starts), a pause, a load by reference, a resume: each verb returns, the
     server is started again on its port, and it comes back in the state and at the version the
-    verbs asked for (the load's own weights: its log-probs are theirs), each restart recorded."""
+    verbs asked for (the load's own weights: its log-probs are theirs), each restart recorded;
+    where the cell streams its weights (no copy to restart from), it comes back paused until the
+    cell streams them again."""
     model_dir = init_tiny(tmp_path / "tiny", seed=0)
     model = Qwen3ForCausalLM.from_pretrained(model_dir)
     base = flat_of(model).numpy().copy()
@@ -467,14 +517,44 @@ def test_a_server_killed_while_each_verb_is_in_flight_comes_back_as_the_verbs_as
         theirs = [lp for lp, _, _ in reply["meta_info"]["output_token_logprobs"]]
         ours = recomputed(model, PROMPTS[1], reply["output_ids"])
         assert np.abs(np.array(theirs) - np.array(ours)).max() <= 1e-4
+        # A cell that streams its weights from its slices keeps no copy: killed while a stream
+        # arrives, the server comes back paused (SGLang's /ready says 503), waiting for that
+        # version, and serves again only once the cell has streamed it (Leader.catch_up).
+        newest = base + np.random.RandomState(2).randn(base.size).astype(np.float32) * 0.02
+        layout = FlatLayout.of(Qwen3Config.load(model_dir))
+        held["weights"] = (None, 2)
+        armed.add("/update_weights_from_tensor")
+        host.load(flat_tensors(layout, newest), 2)
+        back()
+        assert (host.wants, host.state, host.can_load, armed) == (2, State.SERVING, True, set())
+        assert not ready(server.url)
+        host.load(flat_tensors(layout, newest), 2)
+        assert host.wants is None and ready(server.url)
+        layout.load(model, newest)
+        reply = greedy(server.url, PROMPTS[2])
+        assert reply["meta_info"]["weight_version"] == "2"
+        theirs = np.array([lp for lp, _, _ in reply["meta_info"]["output_token_logprobs"]])
+        assert np.abs(theirs - np.array(recomputed(model, PROMPTS[2], reply["output_ids"]))).max() <= 1e-4
         assert [(r.cause, r.attempts, r.version) for r in host.restarts] == [
             ("died while it started", 2, 0),
             ("died during pause", 1, 0),
             ("died during load", 1, 1),
             ("died during resume", 1, 1),
+            ("died during load", 1, 2),
         ]
     finally:
         host.stop()
+
+
+def ready(url: str) -> bool:
+    """SGLang's /ready: healthy and not paused."""
+    try:
+        with urllib.request.urlopen(url + "/ready", timeout=30) as r:  # noqa: S310 - a local server
+            return r.status == 200
+    except urllib.error.HTTPError as err:
+        if err.code != 503:
+            raise
+        return False
 
 
 def test_a_server_that_never_comes_up_fails_its_cell_after_its_attempts_naming_why(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -270,6 +270,24 @@ class Engine:
                 raise BadRequest(f"{model_path} does not fit this model")
             self.cache.clear()
             self.weight_version = version
+
+    def load_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]], version: str) -> int:
+        """Weights as whole Hugging Face tensors, copied in as they arrive (generation waits
+        meanwhile); the elements loaded. Every tensor of the model must come."""
+        params = dict(self.model.named_parameters())
+        loaded, elements = set(), 0
+        with self.lock, torch.no_grad():
+            for name, t in tensors:
+                if name not in params or params[name].shape != t.shape:
+                    raise BadRequest(f"{name} {tuple(t.shape)} does not fit this model")
+                params[name].copy_(t)
+                loaded.add(name)
+                elements += t.numel()
+            if missing := set(self.flat_layout.slots) - loaded:
+                raise BadRequest(f"a load without {sorted(missing)[:3]}")
+            self.cache.clear()
+            self.weight_version = version
+        return elements
 
     def load_flat(self, buffer: torch.Tensor, version: str) -> None:
         """Weights from one flat buffer in the shared layout (``models.flat``)."""

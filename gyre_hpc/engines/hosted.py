@@ -4,7 +4,8 @@
  cell leader ─ start() → URL        before the cell's Hello: the proxy's endpoint for this cell
              ─ pause() / resume()   around training (the proxy has drained it first); an SGLang
                                     server's memory follows ``engines.colocation``
-             ─ load(flat, v)        a new version, from the core's flat snapshot
+             ─ load(weights, v)     a new version: the core's flat snapshot, or whole tensors
+                                    streamed from the cell's slices (``engines.staging``)
              ─ supervise()          between messages: a dead server is restarted in the background,
                                     at the newest version the cell holds (``restarting`` meanwhile)
              ─ stop()
@@ -31,12 +32,12 @@ import numpy as np
 import torch
 from aiohttp import web
 
-from gyre_hpc.engines.colocation import LOAD, START, State, step
+from gyre_hpc.engines.colocation import CONTINUE, LOAD, PAUSE, START, State, step
 from gyre_hpc.engines.embedded import Engine
 from gyre_hpc.engines.emulated import EmulatedEngine
 from gyre_hpc.engines.pushed import Pushed
 from gyre_hpc.engines.server import make_app
-from gyre_hpc.engines.sglang import SGLangServer, Span
+from gyre_hpc.engines.sglang import SGLangServer, Span, Tensors
 from gyre_hpc.errors import LaunchError
 from gyre_hpc.models.architecture import Qwen3Config
 from gyre_hpc.plan.memory import Shape
@@ -44,8 +45,9 @@ from gyre_hpc.recipe.schema import EngineConfig
 
 log = logging.getLogger(__name__)
 
-Current = Callable[[], tuple[np.ndarray, int]]
-"""The newest weights a cell holds, and their version: what a restarted server loads."""
+Current = Callable[[], tuple[np.ndarray | None, int]]
+"""The newest weights a cell holds, and their version: what a restarted server loads (None: the
+cell pushes them from its slices once the server is back, ``SGLangHost.wants``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,11 +181,13 @@ class EmbeddedHost:
     def resume(self) -> None:
         self.engine.resume()
 
-    def load(self, flat: np.ndarray, version: int) -> Pushed:
-        self.engine.load_flat(torch.from_numpy(flat), str(version))
-        return Pushed(
-            sent=flat.nbytes, whole=flat.nbytes, changed=None, elements=flat.size
-        )  # copied in this process
+    def load(self, weights: np.ndarray | Tensors, version: int) -> Pushed:
+        """A flat snapshot, or a stream of whole tensors (copied in as they arrive)."""
+        if isinstance(weights, np.ndarray):
+            self.engine.load_flat(torch.from_numpy(weights), str(version))
+            return Pushed(sent=weights.nbytes, whole=weights.nbytes, changed=None, elements=weights.size)
+        elements = self.engine.load_tensors(weights, str(version))
+        return Pushed(sent=4 * elements, whole=4 * elements, changed=None, elements=elements)
 
     def supervise(self) -> None:
         """It lives in this process: it cannot die alone."""
@@ -255,6 +259,10 @@ class SGLangHost:
         self._failed: Exception | None = None
         self._down_cause = ""
         """Why it is DOWN: the restart it gets when its cell samples is reported with it."""
+        self.wants: int | None = None
+        """Restarted where its cell pushes the weights (``Current`` gave None): the version it
+        waits for, paused (a continue meanwhile is held back until they are in)."""
+        self._held_back = False
 
     def start(self) -> int:
         started = time.monotonic()
@@ -278,8 +286,13 @@ class SGLangHost:
         the proxy admits calls again), then serve."""
         self._go("sample")
 
-    def load(self, flat: np.ndarray, version: int) -> Pushed:
-        return self._go("load", flat, version)
+    def load(self, weights: np.ndarray | Tensors, version: int) -> Pushed:
+        return self._go("load", weights, version)
+
+    @property
+    def can_load(self) -> bool:
+        """Its state takes a load (a released or down server holds no weights to overwrite)."""
+        return not self.restarting and self.state in (State.SERVING, State.PAUSED)
 
     def _go(self, verb: str, *weights: object) -> Pushed:
         with self._lock:
@@ -303,14 +316,24 @@ class SGLangHost:
             self.state = state  # the restarted server is taken there
             if verb == "load":
                 flat, version = weights
-                self._pending = (np.array(flat, copy=True), int(version))  # type: ignore[arg-type]
+                if isinstance(flat, np.ndarray):
+                    self._pending = (np.array(flat, copy=True), int(version))  # type: ignore[arg-type]
+                else:  # a stream, read by the cell to its end: pushed again once it is back
+                    self._pending = (None, int(version))  # type: ignore[arg-type]
             return Pushed()
 
     def _send(self, verbs: tuple[str, ...], weights: tuple[object, ...]) -> Pushed:
         pushed = Pushed()
         for name in verbs:
-            if name == LOAD:
+            if name == LOAD and weights[0] is None:
+                self.wants = int(weights[1])  # type: ignore[call-overload]
+            elif name == LOAD:
                 pushed = self.server.load(*weights)  # type: ignore[arg-type]
+                if self._held_back:  # the weights it waited for are in: it generates again
+                    self.server.send(CONTINUE)
+                self.wants, self._held_back = None, False
+            elif name == CONTINUE and self.wants is not None:
+                self._held_back = True
             else:
                 self.server.send(name)
         return pushed
@@ -369,7 +392,11 @@ class SGLangHost:
         def come_back() -> None:  # under the lock: verbs wait, then find it back
             weights = self._pending or held["weights"]
             self.state, verbs = step(self.state, "restarted", self.releases_memory)
+            self.wants, self._held_back = None, False
             self._send(verbs, weights)
+            if self.wants is not None and self.state == State.SERVING:  # no weights yet: not serving
+                self.server.send(PAUSE)
+                self._held_back = True
             held["weights"], self._pending, self.restarting = weights, None, False
 
         try:

@@ -23,18 +23,20 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import functools
 import io
 import json
 import logging
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import types
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -51,6 +53,9 @@ from gyre_hpc.launch.ports import free_port
 from gyre_hpc.models.architecture import Qwen3Config
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.recipe.schema import EngineConfig
+
+Tensors = Iterable[tuple[str, Any]]
+"""A version's named Hugging Face tensors, arriving one at a time (``engines.staging.Tensors``)."""
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -202,8 +207,9 @@ def unflushed_ok(url: str, version: int, send: Callable[[], dict[str, Any]]) -> 
 
 class WeightGroup:
     """The cell leader's side of a process group it forms with its server: rank 0 broadcasts
-    the flat snapshot bucket by bucket, cast to the served dtype, and the server's TP ranks
-    (1 … tp) receive each as a flattened bucket — one bucket staged at a time on either side."""
+    a version's tensors bucket by bucket (``engines.staging``), cast to the served dtype, and the
+    server's TP ranks (1 … tp) receive each as a flattened bucket — one bucket staged at a time
+    on either side."""
 
     def __init__(
         self,
@@ -220,6 +226,8 @@ class WeightGroup:
         self.sent = sent
         self.name = f"gyre-weights-{uuid.uuid4().hex[:8]}"  # group names are unique per process
         self.buckets = buckets(layout, _itemsize(dtype), bucket_bytes)
+        """How a snapshot in the shared layout's order is cut (a stream cuts itself the same way)."""
+        self.bucket_bytes = bucket_bytes
         self.peak_bytes = 0
         """The largest bucket staged so far (what a push adds on the sending device)."""
         port = free_port(host)
@@ -235,29 +243,30 @@ class WeightGroup:
         if not reply.get("success"):
             raise LaunchError(f"{url}: init_weights_update_group failed: {reply.get('message')}")
 
-    def push(self, flat: np.ndarray, version: int) -> Pushed:
+    def push(self, weights: np.ndarray | Tensors, version: int) -> Pushed:
+        """A flat snapshot, or a stream of its tensors (``engines.staging``)."""
         import torch
 
-        source = torch.from_numpy(flat)
+        from gyre_hpc.engines.staging import Stager, flat_tensors
+
+        tensors = flat_tensors(self.layout, weights) if isinstance(weights, np.ndarray) else weights
         dtype = getattr(torch, self.dtype)
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        stager = Stager(dtype, self.bucket_bytes, lambda n: torch.empty(n, dtype=dtype, device=device))
         sent = 0
-        for i, b in enumerate(self.buckets):
-            staged = source[b.start : b.end].to(dtype)  # cast on the host: one bucket at a time
-            if self.backend == "nccl":
-                staged = staged.cuda()
-            self.peak_bytes = max(self.peak_bytes, staged.numel() * staged.element_size())
-            sent += staged.numel() * staged.element_size()
-            self._send(b, staged.view(torch.uint8), str(version), flush=i == len(self.buckets) - 1)
-            del staged  # before the next one is staged
-        return Pushed(sent=sent, whole=sent, changed=None, elements=source.numel())
+        for bucket in stager.stage(tensors):
+            sent += bucket.data.numel() * bucket.data.element_size()
+            self._send(bucket.names, bucket.shapes, bucket.data.view(torch.uint8), str(version), bucket.last)
+        self.peak_bytes = max(self.peak_bytes, stager.peak_bytes)
+        return Pushed(sent=sent, whole=sent, changed=None, elements=stager.elements)
 
-    def _send(self, bucket: Bucket, data: Any, version: str, flush: bool) -> None:
+    def _send(self, names: list[str], shapes: list[list[int]], data: Any, version: str, flush: bool) -> None:
         import torch
 
-        dtypes = [self.dtype] * len(bucket.names)
+        dtypes = [self.dtype] * len(names)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             update = lambda c: c.update_weights_from_distributed(  # noqa: E731
-                bucket.names, dtypes, bucket.shapes, self.name, version, flush_cache=flush
+                names, dtypes, shapes, self.name, version, flush_cache=flush
             )
             received = pool.submit(call, self.url, update, sent=self.sent)
             torch.distributed.broadcast(data, src=0, group=self.group)
@@ -275,11 +284,12 @@ class TensorPush:
     """Weights into a server on this rank's node by reference: each bucket is staged once, cast to
     the served dtype (on this rank's GPU, or in a shared-memory file on the CPU), and every TP
     rank of the server reads it there (CUDA IPC, or the file) through SGLang's tensor verb. No
-    process group: no GPU twice in a communicator, and one bucket staged at a time.
+    process group: no GPU twice in a communicator, and one bucket staged at a time
+    (``engines.staging``).
 
     With ``delta`` (``engine.weight_sync = "delta"``) a bucket goes as the elements that changed
     since the version the server holds (``engines.weight_delta``): this side keeps every bucket
-    it last pushed, in the served dtype, on the host."""
+    it last pushed, in the served dtype, on the host, by the names it holds."""
 
     def __init__(
         self,
@@ -293,103 +303,137 @@ class TensorPush:
         sent: Sent | None = None,
     ) -> None:
         """``device``: where a bucket is staged — ``cpu``, or ``cuda:N``, the server's first GPU."""
-        self.url, self.tp_size, self.device, self.dtype = url, tp_size, device, dtype
+        self.url, self.layout, self.tp_size, self.device, self.dtype = url, layout, tp_size, device, dtype
         self.sent = sent
         self.buckets = buckets(layout, _itemsize(dtype), bucket_bytes)
+        """How a snapshot in the shared layout's order is cut (a stream cuts itself the same way)."""
+        self.bucket_bytes = bucket_bytes
         self.delta = delta
         self.peak_bytes = 0
-        self.held: list[Any] = [None] * len(self.buckets)
-        """Delta: each bucket as last pushed (served dtype, host), and the version it holds."""
+        self.held: dict[tuple[str, ...], Any] = {}
+        """Delta: each bucket as last pushed (served dtype, host), by its tensors' names."""
         self.held_version: int | None = None
 
     def forget(self) -> None:
         """The server's weights are no longer the last ones pushed (released memory holds no
         weights): the next version goes whole."""
-        self.held, self.held_version = [None] * len(self.buckets), None
+        self.held, self.held_version = {}, None
 
-    def push(self, flat: np.ndarray, version: int, flush: bool = True) -> Pushed:
-        """``flush``: drop the server's prefix cache with the last bucket (False keeps it, as
-        SGLang does anyway while calls run)."""
+    def push(self, weights: np.ndarray | Tensors, version: int, flush: bool = True) -> Pushed:
+        """A flat snapshot, or a stream of its tensors (``engines.staging``). ``flush``: drop the
+        server's prefix cache with the last bucket (False keeps it, as SGLang does anyway while
+        calls run)."""
         import torch
 
         if self.device == "cpu":
             # A file the server opens by name: the default (a descriptor handed over a socket)
             # needs the receiver to be a child of this process.
             torch.multiprocessing.set_sharing_strategy("file_system")
+            _start_shm_manager()
         if self.device != "cpu":
             # GPUs named by UUID, not index, as SGLang's own senders do: its ranks may number
             # the node's GPUs differently.
             from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
             monkey_patch_torch_reductions()
-        source, dtype = torch.from_numpy(flat), getattr(torch, self.dtype)
+        from gyre_hpc.engines.staging import flat_tensors
+
+        tensors = flat_tensors(self.layout, weights) if isinstance(weights, np.ndarray) else weights
+        dtype = getattr(torch, self.dtype)
         if not self.delta:
-            return self._whole(source, dtype, version, flush)
-        pushed = self._deltas(source, dtype, version, flush, whole=self.held_version is None)
-        if pushed is None:  # the server did not hold what this side kept: all of it, whole
-            log.warning("%s: version %d: delta refused by the server; pushing it whole", self.url, version)
-            pushed = self._deltas(source, dtype, version, flush, whole=True)
-            if pushed is None:
-                raise EngineError(f"{self.url}: version {version} pushed whole: the checksums disagree")
+            return self._whole(tensors, dtype, version, flush)
+        pushed = self._deltas(tensors, dtype, version, flush)
         self.held_version = version
         return pushed
 
-    def _whole(self, source: Any, dtype: Any, version: int, flush: bool) -> Pushed:
+    def _stager(self, dtype: Any) -> Any:
         import torch
 
-        sent = 0
-        for i, b in enumerate(self.buckets):
-            staged = self._stage(source[b.start : b.end].to(dtype))
-            sent += staged.numel() * staged.element_size()
-            payload = {"flattened_tensor": staged.view(torch.uint8), "metadata": _metadata(b, dtype)}
-            self._update(payload, version, flush and i == len(self.buckets) - 1, "flattened_bucket")
-            del staged, payload  # the server copied the bucket into its weights
-        return Pushed(sent=sent, whole=sent, changed=None, elements=source.numel())
+        from gyre_hpc.engines.staging import Stager
 
-    def _deltas(self, source: Any, dtype: Any, version: int, flush: bool, whole: bool) -> Pushed | None:
-        """Every bucket as a delta over the kept one (or whole); None if the server refused one."""
+        def allocate(n: int) -> Any:
+            if self.device == "cpu":
+                return torch.empty(n, dtype=dtype).share_memory_()
+            return torch.empty(n, dtype=dtype, device=self.device)
+
+        return Stager(dtype, self.bucket_bytes, allocate)
+
+    def _whole(self, tensors: Tensors, dtype: Any, version: int, flush: bool) -> Pushed:
         import torch
 
+        sent, stager = 0, self._stager(dtype)
+        for b in stager.stage(tensors):
+            sent += b.data.numel() * b.data.element_size()
+            metadata = _metadata(b.names, b.shapes, dtype)
+            payload = {"flattened_tensor": b.data.view(torch.uint8), "metadata": metadata}
+            self._update(payload, version, flush and b.last, "flattened_bucket")
+            del payload  # the server copied the bucket into its weights
+        self.peak_bytes = max(self.peak_bytes, stager.peak_bytes)
+        return Pushed(sent=sent, whole=sent, changed=None, elements=stager.elements)
+
+    def _deltas(self, tensors: Tensors, dtype: Any, version: int, flush: bool) -> Pushed:
+        """Every bucket as a delta over the kept one. A bucket the server refuses (it holds
+        another base, or the checksum disagrees) goes again whole, and so does every bucket
+        after it: the stream is read once (a cell's other ranks may be sending it)."""
         sent = changed = 0
-        for i, b in enumerate(self.buckets):
-            new = source[b.start : b.end].to(dtype, copy=True)
-            old = None if whole else self.held[i]
+        whole = self.held_version is None
+        stager = self._stager(dtype)
+        for i, b in enumerate(stager.stage(tensors)):
+            key = tuple(b.names)
+            new = b.data.clone()  # kept: the base of the next version's delta
+            old = None if whole else self.held.get(key)
             mask = None if old is None else wd.changed(new, old)
             n = new.numel() if mask is None else int(mask.sum())
-            changed += n
-            # Few changed: their positions and values. Many: their XOR with the kept bucket,
-            # packed, where that is smaller (listing half a bucket's positions costs more).
-            listed = None if mask is None else n * (4 + new.element_size())
-            xor = positions = None
-            if listed is not None and listed >= new.numel() * new.element_size() / 8:
-                xor = wd.xor_packed(new, old)
-                if xor.numel() >= min(listed, 0.9 * new.numel() * new.element_size()):
-                    xor = None
-            if xor is None and listed is not None and wd.worth_sending(n, len(new), new.element_size()):
-                positions = wd.positions_of(mask)
-            base = -1 if positions is None and xor is None else self.held_version
-            entries = {
-                wd.HEADER: wd.header(i, version, base, wd.checksum([new]), b.names, b.shapes),
-                wd.VERDICT: torch.zeros(1, dtype=torch.int32),
-            }
-            if xor is not None:
-                entries[wd.XOR] = xor
-            elif positions is None:
-                entries[wd.WHOLE] = new
-            else:
-                entries[wd.POSITIONS], entries[wd.VALUES] = positions, new[positions.long()]
-            staged = {name: self._stage(t) for name, t in entries.items()}
-            sent += sum(t.numel() * t.element_size() for t in staged.values())
-            self._update(list(staged.items()), version, flush and i == len(self.buckets) - 1, LOADER)
-            verdict = int(staged[wd.VERDICT].item())
+            verdict, bytes_ = self._bucket(i, b, new, old, mask, version, flush)
+            sent += bytes_
+            if verdict != wd.OK and old is not None:
+                log.warning("%s: bucket %d of version %d: verdict %d; the rest goes whole",
+                            self.url, i, version, verdict)  # fmt: skip
+                whole, n = True, new.numel()
+                verdict, bytes_ = self._bucket(i, b, new, None, None, version, flush)
+                sent += bytes_
             if verdict != wd.OK:
-                log.info("%s: bucket %d of version %d: verdict %d", self.url, i, version, verdict)
                 self.forget()
-                return None
-            self.held[i] = new
-            del staged, entries
+                raise EngineError(
+                    f"{self.url}: bucket {i} of version {version} pushed whole: verdict {verdict}"
+                )
+            changed += n
+            self.held[key] = new
+        self.peak_bytes = max(self.peak_bytes, stager.peak_bytes)
         itemsize = _itemsize(self.dtype)
-        return Pushed(sent=sent, whole=source.numel() * itemsize, changed=changed, elements=source.numel())
+        return Pushed(sent=sent, whole=stager.elements * itemsize, changed=changed, elements=stager.elements)
+
+    def _bucket(
+        self, i: int, b: Any, new: Any, old: Any, mask: Any, version: int, flush: bool
+    ) -> tuple[int, int]:
+        """One bucket, as a delta over ``old`` (None: whole): the server's verdict, bytes sent."""
+        import torch
+
+        n = new.numel() if mask is None else int(mask.sum())
+        # Few changed: their positions and values. Many: their XOR with the kept bucket,
+        # packed, where that is smaller (listing half a bucket's positions costs more).
+        listed = None if mask is None else n * (4 + new.element_size())
+        xor = positions = None
+        if listed is not None and listed >= new.numel() * new.element_size() / 8:
+            xor = wd.xor_packed(new, old)
+            if xor.numel() >= min(listed, 0.9 * new.numel() * new.element_size()):
+                xor = None
+        if xor is None and listed is not None and wd.worth_sending(n, len(new), new.element_size()):
+            positions = wd.positions_of(mask)
+        base = -1 if positions is None and xor is None else self.held_version
+        entries = {
+            wd.HEADER: wd.header(i, version, base, wd.checksum([new]), b.names, b.shapes),
+            wd.VERDICT: torch.zeros(1, dtype=torch.int32),
+        }
+        if xor is not None:
+            entries[wd.XOR] = xor
+        elif positions is None:
+            entries[wd.WHOLE] = new
+        else:
+            entries[wd.POSITIONS], entries[wd.VALUES] = positions, new[positions.long()]
+        staged = {name: self._stage(t) for name, t in entries.items()}
+        self._update(list(staged.items()), version, flush and b.last, LOADER)
+        return int(staged[wd.VERDICT].item()), sum(t.numel() * t.element_size() for t in staged.values())
 
     def _stage(self, t: Any) -> Any:
         """Where the server's ranks read it: a shared-memory file, or this rank's GPU."""
@@ -409,12 +453,33 @@ class TensorPush:
         """Nothing is held between pushes but the kept buckets (this object's)."""
 
 
-def _metadata(bucket: Bucket, dtype: Any) -> list[types.SimpleNamespace]:
+@functools.cache  # once a process, as torch starts it
+def _start_shm_manager() -> None:
+    """Start torch's shared-memory manager (a daemon, made by the first tensor shared by file)
+    with its output on /dev/null: it lives as long as the server holds a bucket of ours, and with
+    this process's stdout it would keep a launcher that waits for that to close (mpirun) from
+    ever seeing this process end."""
+    import torch
+
+    saved = [os.dup(1), os.dup(2)]
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        torch.empty(1).share_memory_()
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, null):
+            os.close(fd)
+
+
+def _metadata(names: list[str], shapes: list[list[int]], dtype: Any) -> list[types.SimpleNamespace]:
     """What SGLang's flattened bucket needs of each tensor: its name, shape, dtype and byte range
     (a SimpleNamespace, which its unpickler accepts)."""
     out, at = [], 0
     size = dtype.itemsize
-    for name, shape in zip(bucket.names, bucket.shapes, strict=True):
+    for name, shape in zip(names, shapes, strict=True):
         n = math.prod(shape) * size
         out.append(
             types.SimpleNamespace(name=name, shape=shape, dtype=dtype, start_idx=at, end_idx=at + n, numel=n)
@@ -548,18 +613,27 @@ class SGLangServer:
         if verb == "release_memory_occupation" and isinstance(self.group, TensorPush):
             self.group.forget()  # released memory keeps no weights to apply a delta to
 
-    def load(self, flat: np.ndarray, version: int) -> Pushed:
-        """Serve ``flat`` as ``version`` from now on; what it moved."""
+    def load(self, weights: np.ndarray | Tensors, version: int) -> Pushed:
+        """Serve ``weights`` as ``version`` from now on (a flat snapshot, or a stream of its
+        tensors: ``engines.staging``); what it moved."""
+        from gyre_hpc.engines.staging import flat_tensors
+        from gyre_hpc.models.hf_files import copy_model_files, write_buckets
+
+        tensors = flat_tensors(self.layout, weights) if isinstance(weights, np.ndarray) else weights
         if self.group is None:  # engine.weight_sync = "disk"
-            path = self.layout.save(flat, self.model_dir, self.work_dir / "weights")
-            update = lambda c: c.update_weights_from_disk(str(path), str(version))  # noqa: E731
+            out = self.work_dir / "weights"
+            shutil.rmtree(out, ignore_errors=True)  # the last version's files, cut another way
+            copy_model_files(self.model_dir, out)
+            counted = _Counted(tensors)
+            write_buckets(counted, out, self.engine.weight_bucket_mb << 20)
+            update = lambda c: c.update_weights_from_disk(str(out), str(version))  # noqa: E731
             reply = call(self.url, update, sent=self.sent)
             if not reply.get("success"):
                 raise EngineError(f"{self.url}: update_weights_from_disk failed: {reply.get('message')}")
-            return Pushed(sent=flat.nbytes, whole=flat.nbytes, changed=None, elements=flat.size)
+            return Pushed(sent=counted.bytes, whole=counted.bytes, changed=None, elements=counted.elements)
         call(self.url, lambda c: c.begin_weight_update(), sent=self.sent)
         try:
-            return self.group.push(flat, version)
+            return self.group.push(tensors, version)
         finally:
             call(self.url, lambda c: c.end_weight_update(), sent=self.sent)
 
@@ -578,6 +652,19 @@ class SGLangServer:
         if self.group is not None:
             self.group.close()
             self.group = None
+
+
+class _Counted:
+    """A stream of tensors that counts what passed."""
+
+    def __init__(self, tensors: Tensors) -> None:
+        self.tensors, self.bytes, self.elements = tensors, 0, 0
+
+    def __iter__(self) -> Any:
+        for name, t in self.tensors:
+            self.bytes += t.numel() * t.element_size()
+            self.elements += t.numel()
+            yield name, t
 
 
 def _signal(pgid: int, signum: int) -> None:

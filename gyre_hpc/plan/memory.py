@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 
 from gyre_hpc.errors import RecipeError
 from gyre_hpc.models.architecture import Qwen3Config
+from gyre_hpc.plan.placement import engine_plan
 from gyre_hpc.recipe.schema import AgentConfig, CellsConfig, EngineConfig, TrainerConfig
 
 GIB = 1 << 30
@@ -89,8 +90,10 @@ class MemoryPlan:
     context_tokens: int
     """Tokens one execution's context may reach (agent.context_limit_tokens + one reply)."""
     host_leader: int
-    """Host memory of the core's leader: the whole flat weights and the published snapshot (the
-    transport's), its released trainer slice and that slice's gradient, its engine's copy."""
+    """Host memory of the core's leader: its released trainer slice and that slice's gradient,
+    its engine's copy, and either a bucket staged with the largest tensor (a cell that streams
+    its engine's weights from its slices) or the whole flat weights and the published snapshot
+    (the transport's)."""
     host_member: int = 0
     """Host memory of a member: its released trainer slice and that slice's gradient."""
     host_engine_member: int = 0
@@ -291,11 +294,18 @@ def plan(
     training = max(stages, key=lambda p: p.total)
     start_up = max(starts, key=lambda p: p.total)
     # A rank's slice while released (the core's: weights, fp32 masters, Adam's moments) and its
-    # fp32 gradient slice. Only the leader holds whole fp32 buffers (its trainer's weights, the
-    # core's published snapshot); a member hosting an engine replica pulls a snapshot whole.
+    # fp32 gradient slice. A megatron cell whose leader alone hosts the replica taking weights
+    # streams them from its slices (``runtime.main.transport_plan``): the leader stages a bucket
+    # and the largest tensor, whole in fp32, no more. Otherwise only the leader holds whole fp32
+    # buffers (its trainer's weights, the core's published snapshot), and a member hosting an
+    # engine replica pulls a snapshot whole.
     rank_params = t.params // (tp * pp)
     state = rank_params * (train_dtype + (4 if trainer.dtype != "float32" else 0) + 8 + 4)
-    whole = 4 * s.params
+    hosts = engine_plan(cells.ranks_per_cell, nodes_per_cell, engine.tp_size).weight_hosts
+    streams = trainer.backend == "megatron" and hosts == (0,) and not cells.rollout_pool
+    largest = 4 * max(s.embedding_params, 2 * s.ffn * s.hidden)
+    whole = 0 if streams else 4 * s.params
+    staging = bucket + largest if streams else 0
     # delta: the version each side last held, in the served dtype: the sender's (a rank hosting
     # a replica), and the server rank's on this GPU (at tp > 1 nearly all of it: sharded).
     engine_copy = 2 * s.params * served if engine.weight_sync == "delta" else 0
@@ -309,7 +319,7 @@ def plan(
         micro_step_tokens=tokens,
         kv_tokens=max(0, static - engine_weights) // kv_per_token,
         context_tokens=context,
-        host_leader=state + 2 * whole + engine_copy,
+        host_leader=state + 2 * whole + staging + engine_copy,
         host_member=state,
         host_engine_member=state + whole + engine_copy,
         engine_members=max(0, heads - 1),

@@ -61,6 +61,11 @@ class EnginePlan:
     def replicas(self) -> int:
         return sum(p.head for p in self.parts)
 
+    @property
+    def weight_hosts(self) -> tuple[int, ...]:
+        """The cell ranks whose engine parts take weights: each replica's head."""
+        return tuple(sorted({p.host_rank for p in self.parts if p.head}))
+
     def hosted_by(self, rank: int) -> list[EnginePart]:
         return [p for p in self.parts if p.host_rank == rank]
 

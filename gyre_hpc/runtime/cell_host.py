@@ -230,8 +230,33 @@ class CellHost:
         if last is not None:
             info = checkpoint.restore(last, self.trainer)
             log.info("core: resumed from %s (step %s, version %s)", last, info["step"], info["version"])
-        s.transport.publish(self.trainer.weights(), self.trainer.version)
+        if not self.streams:
+            s.transport.publish(self.trainer.weights(), self.trainer.version)
         self.publish_slices()
+
+    @property
+    def streams(self) -> bool:
+        """The engine loads from this cell's own slices, whole tensors one at a time (a megatron
+        cell whose leader alone hosts the replica taking weights): no whole snapshot anywhere."""
+        return self.setup is not None and self.setup.transport.plan.params == 0
+
+    def load_streamed(self, version: int) -> Pushed:
+        """The engine loads ``version`` from the cell's slices (a satellite's pulled first):
+        every rank takes part in gathering each tensor; one bucket is staged at a time."""
+        assert self.trainer is not None and self.engine is not None
+        if self.trainer.version != version:
+            if self.is_core:
+                raise ProtocolError(f"core holds version {self.trainer.version}, asked to load {version}")
+            self.pull_weights(version)
+        tensors = iter(self.trainer.hf_tensors())
+        try:
+            pushed = self.engine.load(tensors, version)
+        finally:
+            for _ in tensors:  # whatever happened here, the members send to the end
+                pass
+        log.info("cell %d: version %d streamed from the cell's slices into its engine (%d elements)",
+                 self.unit, version, pushed.elements)  # fmt: skip
+        return pushed
 
     def publish_slices(self) -> None:
         """The core: with megatron, each rank's weight slice of the trainer's version as well."""
@@ -273,9 +298,12 @@ class CellHost:
                                     seconds=round(r.seconds, 3), version=r.version)  # fmt: skip
             self.to_controller.send(restart, CONTROLLER)
 
-    def newest_weights(self) -> tuple[np.ndarray, int]:
+    def newest_weights(self) -> tuple[np.ndarray | None, int]:
         """What a restarted engine loads: the newest weights this cell holds (a copy, taken when
-        the engine was found dead)."""
+        the engine was found dead), or None where the engine loads from the cell's slices (the
+        leader pushes them again once it is back: ``Leader.catch_up``)."""
+        if self.streams:
+            return None, self.trainer.version if self.trainer is not None else 0
         if self.trainer is not None and self.is_core:
             return self.trainer.weights().copy(), self.trainer.version
         return self.scratch.copy(), self.scratch_version

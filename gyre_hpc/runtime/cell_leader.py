@@ -135,6 +135,7 @@ class Leader(CellHost):
                 next_beat = now + self.cells.heartbeat_s
             self.engine.supervise()
             self.report_restarts()
+            self.catch_up()
             if deferred and not self.engine.restarting:
                 got: tuple[int, Message] | None = (CONTROLLER, deferred.pop(0))
             else:
@@ -155,6 +156,14 @@ class Leader(CellHost):
             if handler is None:
                 raise ProtocolError(f"cell {self.unit}: unexpected {msg!r}")
             self.working(handler, msg, time.monotonic())
+
+    def catch_up(self) -> None:
+        """A restarted engine that loads from the cell's slices waits, not generating, for the
+        version the cell holds: pushed here, between messages, with every member taking part."""
+        wants = getattr(self.engine, "wants", None)
+        if wants is not None and self.streams and not self.engine.restarting and self.engine.can_load:
+            log.info("cell %d: the restarted engine loads version %d", self.unit, self.trainer.version)
+            self.working(self.load_streamed, self.trainer.version)
 
     def heartbeat(self) -> None:
         self.to_controller.send(Heartbeat(cell=self.unit, role=self.role, sent=time.time()), CONTROLLER)
@@ -214,7 +223,7 @@ class Leader(CellHost):
             raise ProtocolError(f"cell {self.unit}: role switch while training step {self.session.step}")
         if msg.role == Role.TRAINING:
             self._engines("pause", msg.seq)  # the proxy drained them first: nothing is left in flight
-        elif msg.role == Role.SAMPLING and self.trainer is not None and self.is_core:
+        elif msg.role == Role.SAMPLING and self.trainer is not None and self.is_core and not self.streams:
             self.trainer.weights()  # gathered while resident: the engine loads them once released
         self._forward(msg)
         self._await_members(msg.seq)
@@ -243,7 +252,9 @@ class Leader(CellHost):
         hosts = self._hosting_members()
         for rank in hosts:
             self.in_cell.send(LoadWeights(cell=self.unit, version=version), rank)
-        if self.trainer is not None and self.is_core:
+        if self.streams:
+            pushed = self.load_streamed(version)
+        elif self.trainer is not None and self.is_core:
             pushed = self.engine.load(self.trainer.weights(), version)
         else:
             pushed = self.load_pulled(version)

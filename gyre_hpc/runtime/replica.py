@@ -12,6 +12,8 @@
    replica.save_weights(dir) / save_optimizer(dir) ──Mirror──▶ each rank writes its own file
                                                             ──gather──▶ names, digests
    replica.load_weights(dir, v) ──Mirror──▶ each rank reads its own slice (resharded if need be)
+   replica.hf_tensors() ──Mirror──▶ trainer.hf_tensors(), read to its end  (whole tensors, one at
+                                      a time, on the leader: what its engine loads)
 ```
 
 A megatron trainer's verbs are collective over its model-parallel group: every rank of the cell
@@ -27,11 +29,12 @@ The replica knows nothing about roles or the schedule.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from gyre_hpc.rundir import checkpoint_optimizer, checkpoint_optimizer_ranks
 from gyre_hpc.runtime.protocol import Channel, Mirror, ProtocolError
@@ -65,6 +68,12 @@ class MirroredTrainer:
     def weights(self) -> np.ndarray:
         self._announce("weights")  # shards are gathered collectively
         return self.local.weights()
+
+    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The whole tensors of the current weights, one at a time (the members gather and send
+        them meanwhile): read it to its end."""
+        self._announce("hf_tensors")
+        yield from self.local.hf_tensors()
 
     def gradient(self) -> np.ndarray:
         self._announce("gradient")  # the replica's ranks reduce what they accumulated together
@@ -158,6 +167,9 @@ def mirror(trainer: SlicedTrainer, msg: Mirror, comm: Any, transport: Transport)
         comm.gather(getattr(trainer, verb)(*args, comm.Get_rank()), root=0)
     elif verb in ("load_weights", "load_optimizer"):
         getattr(trainer, verb)(*args, comm.Get_rank())
+    elif verb == "hf_tensors":
+        for _ in trainer.hf_tensors():  # nothing arrives here: this rank gathers and sends
+            pass
     elif verb in ("weights", "zero_grad", "micro_step", "gradient", "apply"):
         getattr(trainer, verb)(*args)
     else:

@@ -381,9 +381,9 @@ class MegatronTrainer:
         expected = [self.layout.place(r, len(self.places)) for r in range(len(self.places))]
         if self.places != expected:  # the transport pairs ranks of two cells by this order
             raise RuntimeError(f"megatron placed ranks at {self.places}, not {expected}")
-        whole = self.numel if self.lead else 0
-        # Snapshots leave through host memory: pinned, so a GPU copies at full speed into it.
-        self.flat = torch.zeros(whole, pin_memory=torch.cuda.is_available() and self.lead).numpy()
+        self.flat = np.zeros(0, dtype=np.float32)
+        """The whole weights on the leader, made by the first ``weights()``: engines that load a
+        cell's slices (``hf_tensors``) never make it."""
         mine = slice_shapes(self.layout, self.shapes, self.tp_rank, self.stage)
         if {n: p.shape for n, p in self.params.items()} != dict(mine):
             raise RuntimeError("the model's parameters are not the slice megatron_weights cuts")
@@ -428,6 +428,9 @@ class MegatronTrainer:
         if not self.fresh:  # the shards are gathered where they live (NCCL: on the GPU)
             if self.offload.released:
                 raise RuntimeError("weights() of a released trainer: take them before release_memory")
+            if self.lead and self.flat.size != self.numel:
+                # Snapshots leave through host memory: pinned, so a GPU copies at full speed into it.
+                self.flat = torch.zeros(self.numel, pin_memory=torch.cuda.is_available()).numpy()
             source = self.master or self.params
             self._to_leader(self.flat, lambda name: source[name].detach().float())
             self.fresh = True
@@ -849,9 +852,21 @@ class MegatronTrainer:
 
     def _to_leader(self, flat: np.ndarray, tensor_of, add: bool = False) -> None:  # noqa: ANN001
         """Gather each tensor (``tensor_of(name)``) into the leader's ``flat`` in the shared layout,
-        or add it: each stage's Hugging Face tensors are assembled on its ranks of the first
-        data-parallel replica (TP shards gathered), and its TP rank 0 sends them to the leader,
-        one at a time. Collective over the replica (the other replicas hold the same)."""
+        or add it (``_on_leader``). Collective over the replica."""
+        out = torch.from_numpy(flat)
+        for name, t in self._on_leader(tensor_of):
+            at, shape = self.slots[name]
+            part = out[at : at + shape.numel()]
+            if add:
+                part.add_(t.reshape(-1).cpu())
+            else:
+                part.copy_(t.reshape(-1))
+
+    def _on_leader(self, tensor_of) -> Iterator[tuple[str, torch.Tensor]]:  # noqa: ANN001
+        """Each Hugging Face tensor whole (``tensor_of(name)`` of each rank's slice), one at a
+        time, on the leader; nothing elsewhere: each stage's tensors are assembled on its ranks
+        of the first data-parallel replica (TP shards gathered) and its TP rank 0 sends them to
+        the leader. Collective over the replica (the other replicas hold the same)."""
         if self.dp_rank != 0:
             return
         dist = torch.distributed
@@ -862,17 +877,23 @@ class MegatronTrainer:
                     if self.tp_rank == 0:
                         dist.send(t.float().contiguous(), 0)
                 return
-            out = torch.from_numpy(flat)
             for stage in range(self.layout.pp):
-                tensors = mine if stage == 0 else self._received(stage)
-                for name, t in tensors:
+                for name, t in mine if stage == 0 else self._received(stage):
                     if name in self.slots:  # a tied lm_head is the embedding's slot
-                        at, shape = self.slots[name]
-                        part = out[at : at + shape.numel()]
-                        if add:
-                            part.add_(t.reshape(-1).cpu())
-                        else:
-                            part.copy_(t.reshape(-1))
+                        yield name, t
+
+    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The current weights as whole Hugging Face tensors, one at a time, on the leader (the
+        fp32 masters where kept): what an engine loads, a bucket at a time, with no whole-model
+        buffer anywhere. Each is gathered on the replica's devices (a released trainer's
+        parameter visits its device for its gather). The other ranks yield nothing and must
+        read it to its end with the leader. Collective over the replica."""
+        source = self.master or self.params
+
+        def tensor_of(name: str) -> torch.Tensor:
+            return source[name].detach().to(self.device, torch.float32)
+
+        yield from self._on_leader(tensor_of)
 
     def _received(self, stage: int) -> Iterator[tuple[str, torch.Tensor]]:
         """Stage ``stage``'s Hugging Face tensors, as its first rank sends them to the leader."""

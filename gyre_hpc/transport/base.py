@@ -36,7 +36,8 @@ class TransportPlan:
     """Which rank holds what: the same on every rank."""
 
     params: int
-    """Values in the flat weight buffer (float32)."""
+    """Values in the flat weight buffer (float32); 0 where no whole snapshot travels: megatron
+    cells whose engines load from the cell's own slices (``runtime.main.transport_plan``)."""
     core: int
     """Rank of the core's leader: owns the snapshot."""
     counter: int

@@ -129,24 +129,25 @@ def test_delta_pushes_count_the_copies_both_sides_keep_on_the_host() -> None:
 
 
 def test_a_node_whose_ranks_hold_more_host_memory_than_it_has_is_refused_in_one_line() -> None:
-    """Qwen3-32B over two nodes of 8 H200s (tp 8 × pp 2): only the leader holds the model whole on
-    the host (its trainer's weights, the published snapshot); every rank its slice and that
-    slice's gradient, and the one hosting the second engine replica of the node the snapshot it
-    pulls. 640.8 GiB fits 2 TiB (with the leader holding the gradient whole too it was 823.9;
-    with every rank holding the snapshot and gradient whole, 2380.4 at tp 8 on one node:
-    refused); 512 GiB is refused in one line."""
+    """Qwen3-32B over two nodes of 8 H200s (tp 8 × pp 2): no rank holds the model whole on the
+    host. Every rank holds its slice and that slice's gradient, and a rank hosting an engine
+    replica stages a bucket and the largest tensor as its cell streams the weights from its
+    slices. 281.5 GiB fits 2 TiB (640.8 when the leader gathered the model whole for its engine
+    and published it, and the second replica's host pulled it whole; 823.9 with the leader
+    holding the gradient whole too; 2380.4 at tp 8 on one node with every rank holding the
+    snapshot and gradient whole); 256 GiB is refused in one line."""
     sets = ["run.model=qwen3-32b", "cells.ranks_per_cell=16", "trainer.tp_size=8", "trainer.pp_size=2",
             "engine.mem_fraction_static=0.8"]  # fmt: skip
     r = load_recipe(FLAGSHIP, sets)
     shape = model_shape("qwen3-32b")
     fits = check_memory(shape, r.cells, r.engine, r.trainer, r.agent, nodes_per_cell=2)
     assert fits is not None and fits.lines()[-1] == (
-        "  host 640.8 GiB a node of 8 ranks (leader 278.4, 6 × 34.3, 1 × 156.4 hosting an engine "
+        "  host 281.5 GiB a node of 8 ranks (leader 37.7, 6 × 34.3, 1 × 37.7 hosting an engine "
         "replica), of 2048.0"
     )
-    small = replace(r.cells, host_memory_gib=512)
+    small = replace(r.cells, host_memory_gib=256)
     with pytest.raises(RecipeError) as err:
         check_memory(shape, small, r.engine, r.trainer, r.agent, nodes_per_cell=2)
     said = str(err.value)
-    assert said.startswith("memory plan: host 640.8 GiB a node of 8 ranks (leader 278.4") and "\n" not in said
-    assert "> 512.0 GiB, cells.host_memory_gib" in said
+    assert said.startswith("memory plan: host 281.5 GiB a node of 8 ranks (leader 37.7") and "\n" not in said
+    assert "> 256.0 GiB, cells.host_memory_gib" in said

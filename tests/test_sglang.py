@@ -704,18 +704,41 @@ def test_an_elastic_run_with_sglang_cells_whose_killed_server_comes_back(tmp_pat
 @pytest.mark.sglang
 @pytest.mark.timeout(1200)
 def test_a_cell_of_two_ranks_serves_with_two_sglang_replicas(tmp_path: Path) -> None:
-    """One cell of 2 ranks, engine.tp_size 1: two SGLang servers behind the router, both get
-    calls, both load each version (their calls' log-probs are the checkpoint's), and each role
-    switch drains and pauses both. Versions go by delta (at float32 and this learning rate
-    nearly every element changes: the first goes whole, later ones as their XOR with the held
-    version, packed, never more than whole), and each load reports what it moved."""
-    sets = ("cells.count=1", "cells.ranks_per_cell=2", "scheduler.mode=colocate", "run.steps=2")
-    finish(start_run(tmp_path, *sets, "tasks.prompts_per_step=2", "engine.weight_sync=delta"), 1100)
+    """One megatron cell of TP 2 over 2 ranks, engine.tp_size 1: two SGLang servers behind the
+    router, both get calls, both load each version as the cell streams it from its two slices
+    (their calls' log-probs are the checkpoint's), and each role switch drains and pauses both.
+    The member's server is killed as step 1 samples: it comes back paused, says so to its
+    leader, and serves again once the cell has streamed it the version it holds. Versions go by delta (at
+    float32 and this learning rate nearly every element changes: the first goes whole, later
+    ones as their XOR with the held version, packed, never more than whole), and each load
+    reports what it moved."""
+    sets = ("cells.count=1", "cells.ranks_per_cell=2", "scheduler.mode=colocate", "run.steps=2",
+            "trainer.backend=megatron", "trainer.tp_size=2")  # fmt: skip
+    proc = start_run(tmp_path, *sets, "tasks.prompts_per_step=2", "engine.weight_sync=delta")
+    try:
+        port, deadline = None, time.monotonic() + 900
+        while port is None and time.monotonic() < deadline:  # the member's server, once step 1 samples
+            if any(tmp_path.iterdir()):
+                _, events = events_of(tmp_path)
+                hello = next((e for e in events if isinstance(e, ev.Hello)), None)
+                if hello and any(isinstance(e, ev.Dispatched) for e in events):
+                    port = hello.addresses[1].rsplit(":", 1)[1]
+            assert proc.poll() is None, proc.communicate()[1][-4000:]
+            time.sleep(0.25)
+        assert port is not None, "step 2 never started"
+        server = next(p for p in Path("/proc").iterdir() if p.name.isdigit() and _serves(p, port))
+        os.kill(int(server.name), signal.SIGKILL)
+        finish(proc, 1100)
+    finally:
+        proc.kill()
     run, events = events_of(tmp_path)
     loads = [e for e in events if isinstance(e, ev.WeightsLoaded)]
     whole = 2 * FlatLayout.of(Qwen3Config.load(run.checkpoints / "step-000001")).numel * 4  # 2 replicas
-    assert loads and all(e.whole_bytes == whole for e in loads) and loads[0].bytes >= whole, loads
-    assert all(e.bytes <= 1.01 * whole for e in loads), loads  # headers aside, never over whole
+    assert loads and loads[0].whole_bytes == whole and loads[0].bytes >= whole, loads
+    # A load that finds the killed server restarting moves nothing there (it gets the version
+    # once it is back): one replica's worth.
+    assert all(e.whole_bytes in (whole, whole // 2) for e in loads), loads
+    assert all(e.bytes <= 1.01 * e.whole_bytes for e in loads), loads  # headers aside, never over whole
     steps = [e for e in events if isinstance(e, ev.Step)]
     assert [s.version for s in steps] == published(steps)
     # A load of a new version changed nearly every element; one of the version the engines hold
@@ -728,18 +751,31 @@ def test_a_cell_of_two_ranks_serves_with_two_sglang_replicas(tmp_path: Path) -> 
             assert e.changed == 0.0 and e.bytes < 0.01 * whole, loads
     (hello,) = [e for e in events if isinstance(e, ev.Hello)]
     assert len(hello.addresses) == 2
-    for s in steps:
-        assert set(s.engine_calls) == set(hello.addresses) and min(s.engine_calls.values()) > 0, (
-            s.engine_calls
-        )
+    last = steps[-1].engine_calls  # both served (in step 1 the member may die before its first call)
+    assert set(last) == set(hello.addresses) and min(last.values()) > 0, last
     logs = [run.engines / "unit-0" / "sglang.log", run.engines / "unit-0-replica-1" / "sglang.log"]
     for log in logs:  # the role switches (to train and back) reached both servers
         text = log.read_text()
         assert "/pause_generation" in text and "/continue_generation" in text, log
     calls, worst = served_against_checkpoint(run, 2)
-    assert {c.meta.engine for c in calls} == set(hello.addresses)
+    assert {c.meta.engine for c in calls} <= set(hello.addresses)
     assert {c.policy_version for c in calls} == {steps[0].version}
     assert worst <= 1e-4, worst
+    (restart,) = [e for e in events if isinstance(e, ev.EngineRestart)]
+    assert restart.cell == 0 and restart.cause.startswith("died"), restart
+    member = (run.logs / "rank-2.log").read_text()
+    assert "streamed from the cell's slices into its engine" in member
+    # Back, the restarted server waited paused until the cell streamed it a version whole (the
+    # next load, which waited for it, or its leader's catch-up between messages).
+    after = member[member.index("back at version") :]
+    assert re.search(r"streamed from the cell's slices into its engine \([1-9]\d* elements\)", after), after
+    # Nothing was served by the restarted server before the cell streamed it its version: each
+    # step's calls at the version the step before published.
+    trees = list(by_run(read_records(run.tito_log).records))
+    for step, version in ((1, 0), (2, steps[0].version)):
+        records = [rec for r, recs in trees if r.startswith(f"s{step:04d}")
+                   for rec in TrajectoryTree.from_encoded(recs).records()]  # fmt: skip
+        assert records and all(v == version for rec in records for _, v in rec.meta.versions()), step
 
 
 @pytest.mark.mpi
@@ -786,8 +822,11 @@ def published(steps: list[ev.Step]) -> list[int]:
 
 def served_against_checkpoint(run: RunDir, step: int) -> tuple[list, float]:
     """The calls of ``step``'s executions, and the largest gap between their behaviour log-probs
-    and a recomputation here with the checkpoint of the step before (the version they sampled)."""
-    model = Qwen3ForCausalLM.from_pretrained(run.checkpoints / f"step-{step - 1:06d}")
+    and a recomputation here with the checkpoint of the step before (the version they sampled;
+    whole or a megatron cell's shards)."""
+    path = run.checkpoints / f"step-{step - 1:06d}"
+    model = Qwen3ForCausalLM(Qwen3Config.load(path))
+    FlatLayout.of(model.config).load(model, checkpoint.read_weights(path))
     calls = [
         rec
         for r, recs in by_run(read_records(run.tito_log).records)

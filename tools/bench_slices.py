@@ -43,6 +43,8 @@ HERE = Path(__file__).resolve().parents[1]
 def worker(model_dir: Path, tp: int, pp: int, repeat: int) -> None:
     from mpi4py import MPI
 
+    from gyre_hpc.models.architecture import Qwen3Config
+    from gyre_hpc.models.flat import FlatLayout
     from gyre_hpc.plan.ranks import RankLayout
     from gyre_hpc.recipe.schema import TrainerConfig, TransportConfig
     from gyre_hpc.runtime.main import transport_plan
@@ -56,7 +58,8 @@ def worker(model_dir: Path, tp: int, pp: int, repeat: int) -> None:
     layout = RankLayout(cells=2, ranks_per_cell=tp * pp)
     sliced = transport_plan(layout, model_dir, TrainerConfig(backend="megatron", tp_size=tp, pp_size=pp))
     core, satellite = layout.ranks_of(0), layout.ranks_of(1)
-    whole = TransportPlan(sliced.params, core=core[0], counter=0, grads={satellite[0]: sliced.params})
+    numel = FlatLayout.of(Qwen3Config.load(model_dir)).numel  # a whole snapshot (sliced: none)
+    whole = TransportPlan(numel, core=core[0], counter=0, grads={satellite[0]: numel})
     results = {}
 
     def measure(name: str, nbytes: int, move) -> None:  # type: ignore[no-untyped-def]
@@ -118,8 +121,8 @@ def worker(model_dir: Path, tp: int, pp: int, repeat: int) -> None:
         wait_barrier(comm, 600)
         t.close()
     if rank == 0:
-        gb = 4 * sliced.params / 1e9
-        print(f"Qwen3-shaped, {sliced.params / 1e6:.0f}M parameters ({gb:.2f} GB fp32); two cells of "
+        gb = 4 * numel / 1e9
+        print(f"Qwen3-shaped, {numel / 1e6:.0f}M parameters ({gb:.2f} GB fp32); two cells of "
               f"tp {tp} × pp {pp}; {size} ranks; best of {repeat}")  # fmt: skip
         print(f"{'':>30} {'wall s':>7} {'GB moved':>9} {'largest GB':>11} {'a rank: GB/s':>15} "
               f"{'memcpy GB/s':>13} {'vs memcpy':>10}")  # fmt: skip

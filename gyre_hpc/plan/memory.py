@@ -33,7 +33,6 @@ from dataclasses import dataclass, replace
 
 from gyre_hpc.errors import RecipeError
 from gyre_hpc.models.architecture import Qwen3Config
-from gyre_hpc.plan.placement import engine_plan
 from gyre_hpc.recipe.schema import AgentConfig, CellsConfig, EngineConfig, TrainerConfig
 
 GIB = 1 << 30
@@ -91,14 +90,14 @@ class MemoryPlan:
     """Tokens one execution's context may reach (agent.context_limit_tokens + one reply)."""
     host_leader: int
     """Host memory of the core's leader: its released trainer slice and that slice's gradient,
-    its engine's copy, and either a bucket staged with the largest tensor (a cell that streams
-    its engine's weights from its slices) or the whole flat weights and the published snapshot
-    (the transport's)."""
+    its engine's copy, and either a bucket staged with the largest tensor (megatron cells stream
+    their engines' weights from their slices) or the whole flat weights and the published
+    snapshot (the transport's)."""
     host_member: int = 0
     """Host memory of a member: its released trainer slice and that slice's gradient."""
     host_engine_member: int = 0
-    """Host memory of a member that hosts an engine replica: its slice and gradient, the
-    snapshot it pulls whole for its engine, and its engine's copy."""
+    """Host memory of a member that hosts an engine replica: its slice and gradient, its engine's
+    copy, and a bucket staged with the largest tensor (streamed) or the snapshot it pulls whole."""
     engine_members: int = 0
     """Members of the leader's node that host an engine replica."""
     ranks_per_node: int = 1
@@ -294,15 +293,14 @@ def plan(
     training = max(stages, key=lambda p: p.total)
     start_up = max(starts, key=lambda p: p.total)
     # A rank's slice while released (the core's: weights, fp32 masters, Adam's moments) and its
-    # fp32 gradient slice. A megatron cell whose leader alone hosts the replica taking weights
-    # streams them from its slices (``runtime.main.transport_plan``): the leader stages a bucket
-    # and the largest tensor, whole in fp32, no more. Otherwise only the leader holds whole fp32
-    # buffers (its trainer's weights, the core's published snapshot), and a member hosting an
-    # engine replica pulls a snapshot whole.
+    # fp32 gradient slice. Megatron cells stream their engines' weights from their slices
+    # (``runtime.main.transport_plan``): a rank hosting a replica stages a bucket and the largest
+    # tensor, whole in fp32, no more. With torch cells, or standalone engines that need them
+    # whole, the leader holds whole fp32 buffers (its trainer's weights, the core's published
+    # snapshot), and a member hosting an engine replica pulls a snapshot whole.
     rank_params = t.params // (tp * pp)
     state = rank_params * (train_dtype + (4 if trainer.dtype != "float32" else 0) + 8 + 4)
-    hosts = engine_plan(cells.ranks_per_cell, nodes_per_cell, engine.tp_size).weight_hosts
-    streams = trainer.backend == "megatron" and hosts == (0,) and not cells.rollout_pool
+    streams = trainer.backend == "megatron" and not cells.rollout_pool
     largest = 4 * max(s.embedding_params, 2 * s.ffn * s.hidden)
     whole = 0 if streams else 4 * s.params
     staging = bucket + largest if streams else 0
@@ -321,7 +319,7 @@ def plan(
         context_tokens=context,
         host_leader=state + 2 * whole + staging + engine_copy,
         host_member=state,
-        host_engine_member=state + whole + engine_copy,
+        host_engine_member=state + whole + staging + engine_copy,
         engine_members=max(0, heads - 1),
         ranks_per_node=per_node,
         node_host_bytes=int(cells.host_memory_gib * GIB),

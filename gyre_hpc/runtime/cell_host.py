@@ -15,8 +15,10 @@ knows nothing of messages to the controller or to the other ranks (``runtime.cel
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,6 +34,8 @@ from gyre_hpc.plan.ranks import CONTROLLER
 from gyre_hpc.recipe.schema import CellsConfig, EngineConfig, TrainerConfig
 from gyre_hpc.rundir import engine_part_dir
 from gyre_hpc.runtime.protocol import (
+    POLL_INTERVAL_S,
+    STALE_TAG,
     Channel,
     ProtocolError,
 )
@@ -101,6 +105,8 @@ class CellHost:
         self.role = Role.IDLE
         self.to_controller = Channel(world.comm)
         self.in_cell = Channel(world.cell_comm)
+        self.stale = Channel(world.cell_comm, STALE_TAG)
+        """Members' restarted engines that wait for the cell to stream them its weights."""
         self.megatron = None  # a MegatronWorld: this rank's place in its replica's torch.distributed world
         self.engine: HostedEngine | None = None
         self.trainer: Trainer | None = None
@@ -236,26 +242,29 @@ class CellHost:
 
     @property
     def streams(self) -> bool:
-        """The engine loads from this cell's own slices, whole tensors one at a time (a megatron
-        cell whose leader alone hosts the replica taking weights): no whole snapshot anywhere."""
+        """The engines load from this cell's own slices, whole tensors one at a time (megatron
+        cells, no standalone engines): no whole snapshot anywhere."""
         return self.setup is not None and self.setup.transport.plan.params == 0
 
-    def load_streamed(self, version: int) -> Pushed:
-        """The engine loads ``version`` from the cell's slices (a satellite's pulled first):
-        every rank takes part in gathering each tensor; one bucket is staged at a time."""
-        assert self.trainer is not None and self.engine is not None
-        if self.trainer.version != version:
-            if self.is_core:
-                raise ProtocolError(f"core holds version {self.trainer.version}, asked to load {version}")
-            self.pull_weights(version)
-        tensors = iter(self.trainer.hf_tensors())
+    def stream_into_engine(self, trainer: Any, hosts: tuple[int, ...], version: int) -> Pushed:
+        """This rank's part of streaming the cell's weights into the engines of ``hosts``: its
+        engine loads them as ``version`` if it is a host (once back, if it is restarting), and
+        it reads the stream to its end whatever happens (the other ranks send to it)."""
+        tensors = iter(trainer.hf_tensors(hosts, version) if isinstance(trainer, MirroredTrainer)
+                       else trainer.hf_tensors(hosts))  # fmt: skip
+        pushed = Pushed()
         try:
-            pushed = self.engine.load(tensors, version)
+            if self.world.cell_comm.Get_rank() in hosts:
+                assert self.engine is not None
+                while self.engine.restarting:  # it comes back paused, and takes this version then
+                    self.engine.supervise()
+                    time.sleep(POLL_INTERVAL_S)
+                pushed = self.engine.load(tensors, version)
+                log.info("cell %d: version %d streamed from the cell's slices into its engine (%d elements)",
+                         self.unit, version, pushed.elements)  # fmt: skip
         finally:
-            for _ in tensors:  # whatever happened here, the members send to the end
+            for _ in tensors:
                 pass
-        log.info("cell %d: version %d streamed from the cell's slices into its engine (%d elements)",
-                 self.unit, version, pushed.elements)  # fmt: skip
         return pushed
 
     def publish_slices(self) -> None:
@@ -300,10 +309,11 @@ class CellHost:
 
     def newest_weights(self) -> tuple[np.ndarray | None, int]:
         """What a restarted engine loads: the newest weights this cell holds (a copy, taken when
-        the engine was found dead), or None where the engine loads from the cell's slices (the
-        leader pushes them again once it is back: ``Leader.catch_up``)."""
-        if self.streams:
-            return None, self.trainer.version if self.trainer is not None else 0
+        the engine was found dead), or None where the engines load from the cell's slices (the
+        leader streams them again once it is back: ``Leader.catch_up``)."""
+        if self.streams:  # a member's part of the replica is its ``mirrored`` trainer
+            trainer = self.trainer if self.trainer is not None else getattr(self, "mirrored", None)
+            return None, trainer.version if trainer is not None else 0
         if self.trainer is not None and self.is_core:
             return self.trainer.weights().copy(), self.trainer.version
         return self.scratch.copy(), self.scratch_version

@@ -159,11 +159,19 @@ class Leader(CellHost):
 
     def catch_up(self) -> None:
         """A restarted engine that loads from the cell's slices waits, not generating, for the
-        version the cell holds: pushed here, between messages, with every member taking part."""
-        wants = getattr(self.engine, "wants", None)
-        if wants is not None and self.streams and not self.engine.restarting and self.engine.can_load:
-            log.info("cell %d: the restarted engine loads version %d", self.unit, self.trainer.version)
-            self.working(self.load_streamed, self.trainer.version)
+        version the cell holds: streamed here, between messages, with every member taking part
+        (the leader's own, and each a member says is waiting: ``EngineStale``)."""
+        if not self.streams or self.trainer is None:
+            return
+        waiting = []
+        if getattr(self.engine, "wants", None) is not None and self.engine.can_load:
+            waiting.append(0)
+        while (got := self.stale.poll()) is not None:
+            waiting.append(got[0])
+        if waiting:
+            log.info("cell %d: restarted engines at cell ranks %s load version %d",
+                     self.unit, waiting, self.trainer.version)  # fmt: skip
+            self.working(self.load_streamed, self.trainer.version, tuple(sorted(set(waiting))))
 
     def heartbeat(self) -> None:
         self.to_controller.send(Heartbeat(cell=self.unit, role=self.role, sent=time.time()), CONTROLLER)
@@ -247,8 +255,11 @@ class Leader(CellHost):
 
     def load_weights(self, version: int) -> Pushed:
         """Every replica of the cell loads ``version``: the members hosting one at once (each
-        pulls the snapshot itself), the leader's own meanwhile; what they moved, together."""
+        pulls the snapshot itself), the leader's own meanwhile; what they moved, together.
+        Where the engines stream from the cell's slices, every rank gathers them instead."""
         self.setup.faults.reach("push")
+        if self.streams:
+            return self.load_streamed(version, self.plan.weight_hosts)
         hosts = self._hosting_members()
         for rank in hosts:
             self.in_cell.send(LoadWeights(cell=self.unit, version=version), rank)
@@ -260,6 +271,23 @@ class Leader(CellHost):
             pushed = self.load_pulled(version)
         wait = self.engine_cfg.start_timeout_s + self.cells.heartbeat_timeout_s  # a restarting replica
         for rank in hosts:
+            _, ack = self.in_cell.recv(wait, rank, f"Loaded from cell member {rank}")
+            if not (isinstance(ack, Loaded) and ack.version == version):
+                raise ProtocolError(f"cell {self.unit}: member {rank} answered {ack!r}")
+            pushed += ack.pushed
+        return pushed
+
+    def load_streamed(self, version: int, hosts: tuple[int, ...]) -> Pushed:
+        """The engines of ``hosts`` load ``version`` from the cell's slices (a satellite's pulled
+        first), every rank taking part; what they moved, together."""
+        assert self.trainer is not None
+        if self.trainer.version != version:
+            if self.is_core:
+                raise ProtocolError(f"core holds version {self.trainer.version}, asked to load {version}")
+            self.pull_weights(version)
+        pushed = self.stream_into_engine(self.trainer, hosts, version)
+        wait = self.engine_cfg.start_timeout_s + self.cells.heartbeat_timeout_s  # a restarting replica
+        for rank in (h for h in hosts if h != 0):
             _, ack = self.in_cell.recv(wait, rank, f"Loaded from cell member {rank}")
             if not (isinstance(ack, Loaded) and ack.version == version):
                 raise ProtocolError(f"cell {self.unit}: member {rank} answered {ack!r}")

@@ -21,6 +21,7 @@ from typing import Any
 from gyre_hpc.runtime.cell_host import CellHost, hand_over
 from gyre_hpc.runtime.protocol import (
     POLL_INTERVAL_S,
+    EngineStale,
     EnginesUp,
     EngineVerb,
     Goodbye,
@@ -67,6 +68,7 @@ class Member(CellHost):
                 if self.engine is not None:
                     self.engine.supervise()
                     self.report_restarts()
+                    self.say_stale()
                 time.sleep(POLL_INTERVAL_S)
                 continue
             msg = got[1]
@@ -105,7 +107,28 @@ class Member(CellHost):
         self.in_cell.send(Loaded(cell=self.unit, version=msg.version, seconds=seconds, pushed=pushed), 0)
 
     def on_mirror(self, msg: Mirror) -> None:
+        if msg.verb == "hf_tensors" and self.world.cell_comm.Get_rank() in msg.args[0]:
+            self.on_stream(*msg.args)
+            return
         mirror(self.mirrored, msg, self.world.cell_comm, self.setup.transport)
+
+    def on_stream(self, hosts: tuple[int, ...], version: int) -> None:
+        """Its engine loads ``version`` as the cell streams it from its slices; acknowledged."""
+        started = time.monotonic()
+        pushed = self.stream_into_engine(self.mirrored, hosts, version)
+        self.told_stale = False
+        seconds = time.monotonic() - started
+        self.in_cell.send(Loaded(cell=self.unit, version=version, seconds=seconds, pushed=pushed), 0)
+
+    told_stale = False
+    """This rank's restarted engine waits for the cell's weights, and the leader knows."""
+
+    def say_stale(self) -> None:
+        """A restarted engine that waits for the cell's weights: the leader is told, once."""
+        wants = getattr(self.engine, "wants", None)
+        if wants is not None and self.streams and self.engine.can_load and not self.told_stale:
+            self.stale.send(EngineStale(rank=self.world.cell_comm.Get_rank(), version=wants), 0)
+            self.told_stale = True
 
     def _member_trainer(self):  # noqa: ANN202 - a MegatronTrainer
         """This member's part of the replica, built with the leader's (its construction is collective)."""

@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -28,7 +28,6 @@ from gyre_hpc.observability import events as ev
 from gyre_hpc.observability.cell_time import CellHours
 from gyre_hpc.observability.events import EventLog
 from gyre_hpc.observability.tracking import TensorBoard, Trackers, WandB, Writer
-from gyre_hpc.plan.placement import engine_plan
 from gyre_hpc.plan.ranks import CONTROLLER, RankLayout
 from gyre_hpc.recipe.schema import Recipe, TrainerConfig
 from gyre_hpc.rundir import RunDir
@@ -92,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         kind = "controller" if world.is_controller else "cell"
         run_dir.write_rank(rank, pid=os.getpid(), host=env.node_name, kind=kind, cell=world.unit)
         model_dir = resolve_model(recipe.run.model)  # built by the launcher: a cache hit here
-        hosts = engine_plan(world.layout.ranks_per_cell, recipe.slurm.nodes_per_cell, recipe.engine.tp_size)
-        plan = transport_plan(world.layout, model_dir, recipe.trainer, hosts.weight_hosts)
+        plan = transport_plan(world.layout, model_dir, recipe.trainer)
         transport = make_transport(comm, plan, recipe.transport)
         if world.is_controller:
             controller(world, recipe, run_dir, events, model_dir, transport, checkpoint_now).run()
@@ -141,17 +139,14 @@ def best_effort(fn: Callable[..., object], *args: object, **kwargs: object) -> N
         pass
 
 
-def transport_plan(
-    layout: RankLayout, model_dir: Path, trainer: TrainerConfig, weight_hosts: Sequence[int] = (0,)
-) -> TransportPlan:
+def transport_plan(layout: RankLayout, model_dir: Path, trainer: TrainerConfig) -> TransportPlan:
     """Same on every rank: sizes come from the model's config and the trainer's layout, without
     building the model. Every rank of a satellite cell that holds a slice of its replica exposes
     that slice's gradient: a megatron rank its slice in megatron's cut (the same in every cell),
     a torch replica's one rank the whole flat buffer. With megatron each of the core's ranks also
-    exposes its weight slice, for its counterparts to pull, and where every cell's engine takes
-    its weights at its leader alone (``weight_hosts``: the cell ranks whose engine parts do, as
-    ``plan.placement.EnginePlan.weight_hosts``) and no standalone engine needs them whole, no
-    whole snapshot is exposed at all: each cell's engine loads from its own slices."""
+    exposes its weight slice, for its counterparts to pull, and unless standalone engines need
+    the weights whole, no whole snapshot is exposed at all: each cell's engines load from its
+    own slices (``MegatronTrainer.hf_tensors``)."""
     config = Qwen3Config.load(model_dir)
     flat = FlatLayout.of(config)
     if trainer.backend != "megatron":
@@ -168,8 +163,7 @@ def transport_plan(
         rank: values[i] for cell in range(1, layout.cells) for i, rank in enumerate(layout.ranks_of(cell))
     }
     slices = {rank: 4 * values[i] for i, rank in enumerate(layout.ranks_of(0))}
-    streams = tuple(weight_hosts) == (0,) and layout.pool == 0
-    params = 0 if streams else flat.numel
+    params = 0 if layout.pool == 0 else flat.numel
     return TransportPlan(params, core=layout.leader(0), counter=CONTROLLER, grads=grads, slices=slices)
 
 

@@ -38,7 +38,18 @@ from gyre_hpc.scheduler.policy import Role
 from gyre_hpc.trajectory.sequences import StepQueue
 
 CONTROL_TAG = 17
+STALE_TAG = 18
+"""A member's ``EngineStale`` to its leader: apart from the acknowledgements the leader waits for."""
 POLL_INTERVAL_S = 0.002  # between probes: ranks outnumber cores on a laptop, so never spin
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineStale:
+    """Member → leader: its engine restarted in a cell that streams weights from its slices and
+    waits, paused, for ``version``; the leader streams it in between messages."""
+
+    rank: int
+    version: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -174,6 +185,7 @@ Message = (
 MESSAGE_TYPES = (
     Hello,
     EngineRestart,
+    EngineStale,
     EnginesUp,
     EngineVerb,
     TakeRole,
@@ -199,8 +211,8 @@ class Channel:
     timeouts are honoured.
     """
 
-    def __init__(self, comm: Any) -> None:
-        self.comm = comm
+    def __init__(self, comm: Any, tag: int = CONTROL_TAG) -> None:
+        self.comm, self.tag = comm, tag
         self._sending: list[Any] = []
         self._lock = threading.Lock()
         """Sends may come from two threads (a leader's heartbeats while a handler works: MPI is
@@ -210,7 +222,7 @@ class Channel:
         """Returns at once: a large message (micro-steps) to a cell busy training would otherwise
         hold the sender until the cell next polls. MPI keeps the order of messages per peer."""
         with self._lock:
-            self._sending.append(self.comm.isend(message, dest=dest, tag=CONTROL_TAG))
+            self._sending.append(self.comm.isend(message, dest=dest, tag=self.tag))
             self._sending = [r for r in self._sending if not r.Test()]
 
     def flush(self, timeout: float) -> int:
@@ -231,9 +243,9 @@ class Channel:
 
         status = MPI.Status()
         src = MPI.ANY_SOURCE if source is None else source
-        if not self.comm.iprobe(source=src, tag=CONTROL_TAG, status=status):
+        if not self.comm.iprobe(source=src, tag=self.tag, status=status):
             return None
-        message = self.comm.recv(source=status.Get_source(), tag=CONTROL_TAG)
+        message = self.comm.recv(source=status.Get_source(), tag=self.tag)
         if not isinstance(message, MESSAGE_TYPES):
             raise ProtocolError(f"rank {status.Get_source()} sent {type(message).__name__}, not a message")
         return status.Get_source(), message

@@ -12,8 +12,8 @@
    replica.save_weights(dir) / save_optimizer(dir) ──Mirror──▶ each rank writes its own file
                                                             ──gather──▶ names, digests
    replica.load_weights(dir, v) ──Mirror──▶ each rank reads its own slice (resharded if need be)
-   replica.hf_tensors() ──Mirror──▶ trainer.hf_tensors(), read to its end  (whole tensors, one at
-                                      a time, on the leader: what its engine loads)
+   replica.hf_tensors(hosts, v) ──Mirror──▶ trainer.hf_tensors(hosts), read to its end  (whole
+                                      tensors, one at a time, on each host: what its engine loads)
 ```
 
 A megatron trainer's verbs are collective over its model-parallel group: every rank of the cell
@@ -69,11 +69,12 @@ class MirroredTrainer:
         self._announce("weights")  # shards are gathered collectively
         return self.local.weights()
 
-    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The whole tensors of the current weights, one at a time (the members gather and send
-        them meanwhile): read it to its end."""
-        self._announce("hf_tensors")
-        yield from self.local.hf_tensors()
+    def hf_tensors(self, hosts: Sequence[int] = (0,), version: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+        """The whole tensors of the current weights, one at a time, here if the leader is one of
+        ``hosts`` (the members gather and send them meanwhile; a hosting member loads its own
+        stream into its engine as ``version``): read it to its end."""
+        self._announce("hf_tensors", tuple(hosts), version)
+        yield from self.local.hf_tensors(hosts)
 
     def gradient(self) -> np.ndarray:
         self._announce("gradient")  # the replica's ranks reduce what they accumulated together
@@ -167,8 +168,9 @@ def mirror(trainer: SlicedTrainer, msg: Mirror, comm: Any, transport: Transport)
         comm.gather(getattr(trainer, verb)(*args, comm.Get_rank()), root=0)
     elif verb in ("load_weights", "load_optimizer"):
         getattr(trainer, verb)(*args, comm.Get_rank())
-    elif verb == "hf_tensors":
-        for _ in trainer.hf_tensors():  # nothing arrives here: this rank gathers and sends
+    elif verb == "hf_tensors":  # a rank among the hosts loads it (``cell_member``)
+        hosts, _ = args
+        for _ in trainer.hf_tensors(hosts):  # nothing arrives here: this rank gathers and sends
             pass
     elif verb in ("weights", "zero_grad", "micro_step", "gradient", "apply"):
         getattr(trainer, verb)(*args)

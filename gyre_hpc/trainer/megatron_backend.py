@@ -49,7 +49,7 @@ the two take the summed gradient of both uses, so they stay equal.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -852,9 +852,9 @@ class MegatronTrainer:
 
     def _to_leader(self, flat: np.ndarray, tensor_of, add: bool = False) -> None:  # noqa: ANN001
         """Gather each tensor (``tensor_of(name)``) into the leader's ``flat`` in the shared layout,
-        or add it (``_on_leader``). Collective over the replica."""
+        or add it (``_on_hosts``). Collective over the replica."""
         out = torch.from_numpy(flat)
-        for name, t in self._on_leader(tensor_of):
+        for name, t in self._on_hosts(tensor_of):
             at, shape = self.slots[name]
             part = out[at : at + shape.numel()]
             if add:
@@ -862,41 +862,46 @@ class MegatronTrainer:
             else:
                 part.copy_(t.reshape(-1))
 
-    def _on_leader(self, tensor_of) -> Iterator[tuple[str, torch.Tensor]]:  # noqa: ANN001
+    def _on_hosts(self, tensor_of, hosts: Sequence[int] = (0,)) -> Iterator[tuple[str, torch.Tensor]]:  # noqa: ANN001
         """Each Hugging Face tensor whole (``tensor_of(name)`` of each rank's slice), one at a
-        time, on the leader; nothing elsewhere: each stage's tensors are assembled on its ranks
-        of the first data-parallel replica (TP shards gathered) and its TP rank 0 sends them to
-        the leader. Collective over the replica (the other replicas hold the same)."""
-        if self.dp_rank != 0:
-            return
+        time, on each of ``hosts`` (ranks of the replica); nothing elsewhere. Stage by stage, its
+        ranks of the first data-parallel replica assemble its tensors (TP shards gathered: each
+        of them then holds every tensor whole), and its first rank sends each to every host that
+        did not assemble it. Collective over the replica."""
         dist = torch.distributed
+        me = dist.get_rank()
         with torch.no_grad():
-            mine = megatron_to_hf(lambda n: self._shards(tensor_of(n)), self.layout, self.stage)
-            if not self.lead:
-                for _, t in mine:  # every TP rank takes part in each gather; rank 0 sends
-                    if self.tp_rank == 0:
-                        dist.send(t.float().contiguous(), 0)
-                return
             for stage in range(self.layout.pp):
-                for name, t in mine if stage == 0 else self._received(stage):
-                    if name in self.slots:  # a tied lm_head is the embedding's slot
-                        yield name, t
+                first = self.places.index((stage, 0, 0))
+                away = [h for h in hosts if (self.places[h][0], self.places[h][2]) != (stage, 0)]
+                if self.stage == stage and self.dp_rank == 0:
+                    for name, t in megatron_to_hf(lambda n: self._shards(tensor_of(n)), self.layout, stage):
+                        if me == first:
+                            for host in away:
+                                dist.send(t.float().contiguous(), host)
+                        if me in hosts and name in self.slots:  # a tied lm_head is the embedding's slot
+                            yield name, t
+                elif me in hosts:
+                    for name, t in self._received(stage):
+                        if name in self.slots:
+                            yield name, t
 
-    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The current weights as whole Hugging Face tensors, one at a time, on the leader (the
-        fp32 masters where kept): what an engine loads, a bucket at a time, with no whole-model
+    def hf_tensors(self, hosts: Sequence[int] = (0,)) -> Iterator[tuple[str, torch.Tensor]]:
+        """The current weights as whole Hugging Face tensors, one at a time, on each rank of
+        ``hosts`` (the replica's ranks whose engines take weights; the leader by default), the
+        fp32 masters where kept: what an engine loads, a bucket at a time, with no whole-model
         buffer anywhere. Each is gathered on the replica's devices (a released trainer's
-        parameter visits its device for its gather). The other ranks yield nothing and must
-        read it to its end with the leader. Collective over the replica."""
+        parameter visits its device for its gather). The other ranks yield nothing; every rank
+        must read it to its end. Collective over the replica."""
         source = self.master or self.params
 
         def tensor_of(name: str) -> torch.Tensor:
             return source[name].detach().to(self.device, torch.float32)
 
-        yield from self._on_leader(tensor_of)
+        yield from self._on_hosts(tensor_of, hosts)
 
     def _received(self, stage: int) -> Iterator[tuple[str, torch.Tensor]]:
-        """Stage ``stage``'s Hugging Face tensors, as its first rank sends them to the leader."""
+        """Stage ``stage``'s Hugging Face tensors, as its first rank sends them to a host."""
         src = self.places.index((stage, 0, 0))
         for name, shape in stage_shapes(self.layout, self.shapes, stage).items():
             t = torch.empty(shape, dtype=torch.float32, device=self.device)

@@ -263,9 +263,7 @@ class Leader(CellHost):
         hosts = self._hosting_members()
         for rank in hosts:
             self.in_cell.send(LoadWeights(cell=self.unit, version=version), rank)
-        if self.streams:
-            pushed = self.load_streamed(version)
-        elif self.trainer is not None and self.is_core:
+        if self.trainer is not None and self.is_core:
             pushed = self.engine.load(self.trainer.weights(), version)
         else:
             pushed = self.load_pulled(version)

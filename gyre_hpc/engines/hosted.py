@@ -37,7 +37,8 @@ from gyre_hpc.engines.embedded import Engine
 from gyre_hpc.engines.emulated import EmulatedEngine
 from gyre_hpc.engines.pushed import Pushed
 from gyre_hpc.engines.server import make_app
-from gyre_hpc.engines.sglang import SGLangServer, Span, Tensors
+from gyre_hpc.engines.sglang import SGLangServer, Span
+from gyre_hpc.engines.staging import Tensors
 from gyre_hpc.errors import LaunchError
 from gyre_hpc.models.architecture import Qwen3Config
 from gyre_hpc.plan.memory import Shape
@@ -70,6 +71,8 @@ the server's death (a reset connection comes a moment before the exit)."""
 
 class HostedEngine(Protocol):
     restarting: bool
+    wants: int | None
+    """Restarted with no weights to load (its cell streams them): the version it waits for."""
     restarts: list[Restart]
     """Restarts not yet reported: the cell takes them from the front."""
 
@@ -156,6 +159,7 @@ class EmbeddedHost:
     """An engine of this process behind the SGLang-native HTTP API, on its own loop thread."""
 
     restarting = False
+    wants = None  # it never restarts, so never waits for weights
 
     def __init__(self, engine: Engine, host: str) -> None:
         self.engine, self.host = engine, host
@@ -204,6 +208,7 @@ class PartHost:
     alone (its replica's process group is gone with it), so its death fails the cell."""
 
     restarting = False
+    wants = None  # it never restarts, so never waits for weights
 
     def __init__(self, server: SGLangServer) -> None:
         self.server = server

@@ -36,11 +36,11 @@ import sys
 import time
 import types
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -54,8 +54,8 @@ from gyre_hpc.models.architecture import Qwen3Config
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.recipe.schema import EngineConfig
 
-Tensors = Iterable[tuple[str, Any]]
-"""A version's named Hugging Face tensors, arriving one at a time (``engines.staging.Tensors``)."""
+if TYPE_CHECKING:  # torch is imported where a push needs it
+    from gyre_hpc.engines.staging import Tensors
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

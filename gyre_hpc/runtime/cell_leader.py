@@ -164,7 +164,7 @@ class Leader(CellHost):
         if not self.streams or self.trainer is None:
             return
         waiting = []
-        if getattr(self.engine, "wants", None) is not None and self.engine.can_load:
+        if self.engine.wants is not None and self.engine.can_load:
             waiting.append(0)
         while (got := self.stale.poll()) is not None:
             waiting.append(got[0])

@@ -125,7 +125,7 @@ class Member(CellHost):
 
     def say_stale(self) -> None:
         """A restarted engine that waits for the cell's weights: the leader is told, once."""
-        wants = getattr(self.engine, "wants", None)
+        wants = self.engine.wants
         if wants is not None and self.streams and self.engine.can_load and not self.told_stale:
             self.stale.send(EngineStale(rank=self.world.cell_comm.Get_rank(), version=wants), 0)
             self.told_stale = True

@@ -59,18 +59,28 @@ def test_gpus_left_without_an_engine_are_refused_in_one_line_unless_allowed() ->
     assert check_launch(allowed).engines.idle_gpus == 2
 
 
-def test_a_replica_across_nodes_takes_its_weights_by_broadcast_or_on_gpus_from_disk() -> None:
+def test_a_replica_across_nodes_takes_its_weights_by_reference_from_each_node_but_not_as_deltas() -> None:
+    """Every part's rank stages the weights on its node (``engines.sglang.PartPush``): by
+    reference, broadcast (the CPU) or from disk; a delta would need each node to keep and check
+    its own, which is not offered."""
     sets = ["cells.ranks_per_cell=16", "slurm.nodes_per_cell=2", "engine.tp_size=16", "engine.backend=sglang"]
-    r = load_recipe(None, sets)
-    with pytest.raises(RecipeError, match='set engine.weight_sync = "broadcast" or "disk"'):
-        check_launch(r)  # the engines are the launch check's first question
+    r = load_recipe(None, sets)  # tensor, the default
+    plan = cell_engines(r.cells, r.slurm, r.engine)
+    assert (
+        plan.replicas == 1 and plan.weight_hosts() == (0,) and plan.weight_hosts(by_reference=True) == (0, 8)
+    )
+    assert [p.host_rank for p in plan.parts_of(0)] == [0, 8]
+    with pytest.raises(RecipeError, match='"delta" is not offered across nodes; set engine.weight_sync = '
+                                          '"tensor", "broadcast" or "disk"$'):  # fmt: skip
+        check_launch(load_recipe(None, [*sets, "engine.weight_sync=delta"]))
     r = load_recipe(None, [*sets, "engine.weight_sync=broadcast"])
     assert cell_engines(r.cells, r.slurm, r.engine).replicas == 1
     gpus = [*sets, "slurm.gpus_per_node=8"]
-    with pytest.raises(RecipeError, match='spans nodes: .* set engine.weight_sync = "disk"$'):
-        check_launch(load_recipe(None, gpus))
-    r = load_recipe(None, [*gpus, "engine.weight_sync=disk"])
-    assert cell_engines(r.cells, r.slurm, r.engine).replicas == 1
+    with pytest.raises(RecipeError, match='spans nodes: .* set engine.weight_sync = "tensor" or "disk"$'):
+        check_launch(load_recipe(None, [*gpus, "engine.weight_sync=delta"]))
+    for sync in ("tensor", "disk"):
+        r = load_recipe(None, [*gpus, f"engine.weight_sync={sync}"])
+        assert cell_engines(r.cells, r.slurm, r.engine).replicas == 1
 
 
 @pytest.mark.parametrize("where", ["slurm.gpus_per_node=8", "slurm.gpu_per_task=true"])

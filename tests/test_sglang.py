@@ -41,6 +41,7 @@ from gyre_hpc.engines.sglang import (
     served_dtype,
     server_env,
     sglang_command,
+    tp_entries,
 )
 from gyre_hpc.engines.staging import flat_tensors
 from gyre_hpc.errors import LaunchError
@@ -92,6 +93,21 @@ def test_a_version_goes_in_buckets_that_cover_the_layout_once_in_order() -> None
     # a bucket holds at most the limit, unless one tensor alone is larger
     assert all(size <= 256 << 10 or len(b.names) == 1 for b, size in zip(cut, sizes.values(), strict=True))
     assert len(buckets(layout, 4, 1 << 40)) == 1
+
+
+def test_each_tp_rank_of_a_replica_across_nodes_reads_its_own_node_s_reference() -> None:
+    """SGLang's tensor verb hands TP rank r entry r, and TP rank r of a replica over n nodes runs
+    on node r // (tp / n): there it must find a reference to its own node's copy (a CUDA IPC
+    handle opens only on the GPU's node; one reference per rank, as CUDA IPC counts them)."""
+    by_node = [[f"node{n}-ref{i}" for i in range(4)] for n in range(2)]
+    entries = tp_entries(by_node, 8)
+    assert entries == ["node0-ref0", "node0-ref1", "node0-ref2", "node0-ref3",
+                       "node1-ref0", "node1-ref1", "node1-ref2", "node1-ref3"]  # fmt: skip
+    assert all(entries[r].startswith(f"node{r // 4}-") for r in range(8))
+    assert tp_entries([["a"], ["b"]], 2) == ["a", "b"]
+    with pytest.raises(ValueError, match=r"\[4, 3\] references for 8 TP ranks over 2 nodes: each node gives "
+                                         "one for each of its 4"):  # fmt: skip
+        tp_entries([by_node[0], by_node[1][:3]], 8)
 
 
 def test_the_cpu_threads_of_a_part_s_tensor_parallel_ranks() -> None:
@@ -783,15 +799,18 @@ def test_a_cell_of_two_ranks_serves_with_two_sglang_replicas(tmp_path: Path) -> 
 @pytest.mark.sglang
 @pytest.mark.timeout(900)
 def test_a_cell_across_two_slurm_nodes_serves_with_one_replica_spanning_both(tmp_path: Path) -> None:
-    """One cell of 2 ranks on 2 nodes of the local Slurm, engine.tp_size 2: one SGLang replica
-    whose two parts run on the two nodes (--nnodes 2, each part's node rank, the head's address),
-    weights broadcast to both (the group holds the leader and every part's rank), and what it
-    serves is the checkpoint's (log-probs within 1e-4). A world that dies may start again once:
-    beside other MPI jobs on this host, UCX has segfaulted in a rank's MPI start-up (twice in
-    many runs), a fault that costs a restart, as any rank's death does."""
+    """One megatron cell of TP 2 over 2 ranks on 2 nodes of the local Slurm, engine.tp_size 2: one
+    SGLang replica whose two parts run on the two nodes (--nnodes 2, each part's node rank, the
+    head's address). Each version goes by reference from each node: both ranks gather every
+    tensor from the two slices, each stages every bucket on its own node, and the head's one
+    request gives each TP rank its own node's reference; what it serves is the checkpoint's
+    (log-probs within 1e-4). A world that dies may start again once: beside other MPI jobs on
+    this host, UCX has segfaulted in a rank's MPI start-up (twice in many runs), a fault that
+    costs a restart, as any rank's death does."""
     sets = ("slurm.nodes_per_cell=2", "cells.ranks_per_cell=2", "engine.tp_size=2",
-            "engine.weight_sync=broadcast", "cells.count=1", "run.steps=2", "tasks.prompts_per_step=2",
-            "scheduler.mode=colocate", "run.max_restarts=1")  # fmt: skip
+            "engine.weight_sync=tensor", "trainer.backend=megatron", "trainer.tp_size=2", "cells.count=1",
+            "run.steps=2", "tasks.prompts_per_step=2", "scheduler.mode=colocate",
+            "run.max_restarts=1")  # fmt: skip
     args = [str(SGLANG_PYTHON), "-m", "gyre_hpc", "submit", SMOKE_SGLANG, "--set", f"run.runs_dir={tmp_path}"]
     proc = subprocess.run([*args, *(a for s in sets for a in ("--set", s))], capture_output=True, text=True,
                           cwd=REPO, timeout=120)  # fmt: skip
@@ -809,6 +828,12 @@ def test_a_cell_across_two_slurm_nodes_serves_with_one_replica_spanning_both(tmp
     assert parts.keys() == {"unit-0", "unit-0-part-1"}, parts.keys()
     for rank, (name, text) in enumerate(parts.items()):
         assert f"'nnodes': 2, 'node_rank': {rank}, 'tp_size': 2" in text, name
+    assert "update_weights_from_tensor" in parts["unit-0"]
+    # Each load staged the whole version once on each node (the part's rank says so too).
+    whole = FlatLayout.of(Qwen3Config.load(run.checkpoints / "step-000001")).numel * 4
+    loads = [e for e in events[last_world:] if isinstance(e, ev.WeightsLoaded)]
+    assert loads and all(e.whole_bytes == 2 * whole for e in loads), loads
+    assert "streamed from the cell's slices into its engine" in (run.logs / "rank-2.log").read_text()
     steps = [e for e in read_events(run.events) if isinstance(e, ev.Step)]
     calls, worst = served_against_checkpoint(run, 2)
     assert calls and {c.policy_version for c in calls} == {steps[0].version} and worst <= 1e-4, worst

@@ -39,12 +39,16 @@ def test_sigusr2_checkpoints_requeues_and_the_job_completes_as_a_straight_run(
     assert (run.checkpoints / f"step-{preempted.step:06d}").is_dir()  # checkpointed off schedule
     wait_for_event_count(run, ev.RunEnd, 1, timeout=120)
     wait_for(lambda: job_state(job_id).state == "PENDING", 60, "the requeued job")
+    requeued = int(time.time())  # its last attempt's credential was revoked by now
     status = gyre("status", str(run.path), "--once")
     assert "run: requeued · attempt 1 · step 2/3" in status.stdout, status.stdout
-    # Slurm holds a requeued job ~2 minutes before it may start again; the test waits 2 s, not 2
-    # minutes: a node refuses a job whose credential is as old as (the same second as) the
-    # revocation of its last attempt's ("Job credential revoked"), and the job ends FAILED.
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+2"], check=True)
+    # Slurm holds a requeued job ~2 minutes before it may start again; the test lets it start
+    # now, in a later second than the requeue: a node refuses a job whose credential is as old as
+    # (the same second as) the revocation of its last attempt's ("Job credential revoked"), and
+    # the job ends FAILED. Now, not in a moment: a het job given a start time still to come
+    # waited 3 to 160 s more for the backfill to take it (measured); one that may start now, 1 s.
+    wait_for(lambda: int(time.time()) > requeued, 5, "the next second")
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
     wait_for_event_count(run, ev.RunEnd, 2, timeout=300)
     first, last = ends(run)
     assert first.status == "preempted" and last.status == "completed", (first, last)

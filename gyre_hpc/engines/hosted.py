@@ -37,7 +37,7 @@ from gyre_hpc.engines.embedded import Engine
 from gyre_hpc.engines.emulated import EmulatedEngine
 from gyre_hpc.engines.pushed import Pushed
 from gyre_hpc.engines.server import make_app
-from gyre_hpc.engines.sglang import SGLangServer, Span
+from gyre_hpc.engines.sglang import HeadPeers, PartPeers, PartPush, SGLangServer, Span, served_dtype
 from gyre_hpc.engines.staging import Tensors
 from gyre_hpc.errors import LaunchError
 from gyre_hpc.models.architecture import Qwen3Config
@@ -108,16 +108,18 @@ def host_engine(
     current: Current,
     span: Span | None = None,
     group_host: str = "127.0.0.1",
+    peers: HeadPeers | PartPeers | None = None,
 ) -> HostedEngine:
     """The engine ``engine.backend`` names, for one replica of a cell: ``gpu`` is the first GPU
-    it may use, ``span`` its part's place when the replica spans nodes (SGLang only)."""
+    it may use, ``span`` its part's place when the replica spans nodes (SGLang only), ``peers``
+    its other parts (its head, for a part) where weights go by reference."""
     device = resolve_device(engine.device)
     if engine.backend == "sglang":
-        server = SGLangServer(
-            engine, model_dir, work_dir, host, device, gpu, span=span, group_host=group_host
-        )
-        if span is not None and not span.head:
-            return PartHost(server)
+        head = span is None or span.head
+        server = SGLangServer(engine, model_dir, work_dir, host, device, gpu, span=span,
+                              group_host=group_host, peers=peers if head else None)  # type: ignore[arg-type]  # fmt: skip
+        if not head:
+            return PartHost(server, peers)  # type: ignore[arg-type]
         return SGLangHost(server, current, engine.restart_attempts, engine.restart_backoff_s)
     if span is not None:
         raise ValueError(f"engine.backend = {engine.backend!r} cannot span nodes; sglang can")
@@ -205,14 +207,23 @@ class EmbeddedHost:
 class PartHost:
     """A part of an SGLang replica across nodes that is not its head: it serves no HTTP and
     takes no verbs (the head's schedulers reach it); it only runs, and it cannot be restarted
-    alone (its replica's process group is gone with it), so its death fails the cell."""
+    alone (its replica's process group is gone with it), so its death fails the cell. Where
+    weights go by reference, it stages each bucket on its node for its TP ranks (``PartPush``);
+    else its head's weight group or files reach it."""
 
     restarting = False
     wants = None  # it never restarts, so never waits for weights
 
-    def __init__(self, server: SGLangServer) -> None:
+    def __init__(self, server: SGLangServer, peers: PartPeers | None = None) -> None:
         self.server = server
         self.restarts: list[Restart] = []
+        self.push: PartPush | None = None
+        if peers is not None:
+            e = server.engine
+            where = "cpu" if server.device == "cpu" else f"cuda:{server.gpu}"
+            local = e.tp_size // server.span.nnodes  # type: ignore[union-attr]
+            dtype = served_dtype(e.dtype, server.model_dir)
+            self.push = PartPush(server.layout, local, where, dtype, e.weight_bucket_mb << 20, peers)
 
     def start(self) -> int:
         return self.server.start()
@@ -221,8 +232,8 @@ class PartHost:
 
     def resume(self) -> None: ...
 
-    def load(self, flat: np.ndarray, version: int) -> Pushed:
-        return Pushed()  # its head's weight group reaches it
+    def load(self, weights: np.ndarray | Tensors, version: int) -> Pushed:
+        return Pushed() if self.push is None else self.push.push(weights, version)
 
     def supervise(self) -> None:
         if not self.server.alive():

@@ -40,7 +40,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -289,7 +289,12 @@ class TensorPush:
 
     With ``delta`` (``engine.weight_sync = "delta"``) a bucket goes as the elements that changed
     since the version the server holds (``engines.weight_delta``): this side keeps every bucket
-    it last pushed, in the served dtype, on the host, by the names it holds."""
+    it last pushed, in the served dtype, on the host, by the names it holds.
+
+    With ``peers`` (the head of a replica across nodes) each bucket is staged on every node of
+    the replica: the other parts' ranks stage it on theirs (``PartPush``) and hand their
+    references here, and one request carries every TP rank its own node's reference
+    (``tp_entries``). Delta is not offered across nodes."""
 
     def __init__(
         self,
@@ -301,10 +306,13 @@ class TensorPush:
         bucket_bytes: int,
         delta: bool = False,
         sent: Sent | None = None,
+        peers: HeadPeers | None = None,
+        nnodes: int = 1,
     ) -> None:
         """``device``: where a bucket is staged — ``cpu``, or ``cuda:N``, the server's first GPU."""
         self.url, self.layout, self.tp_size, self.device, self.dtype = url, layout, tp_size, device, dtype
-        self.sent = sent
+        self.sent, self.peers, self.local = sent, peers, tp_size // nnodes
+        assert peers is None or not delta, "a replica across nodes takes whole buckets"
         self.buckets = buckets(layout, _itemsize(dtype), bucket_bytes)
         """How a snapshot in the shared layout's order is cut (a stream cuts itself the same way)."""
         self.bucket_bytes = bucket_bytes
@@ -325,17 +333,7 @@ class TensorPush:
         calls run)."""
         import torch
 
-        if self.device == "cpu":
-            # A file the server opens by name: the default (a descriptor handed over a socket)
-            # needs the receiver to be a child of this process.
-            torch.multiprocessing.set_sharing_strategy("file_system")
-            _start_shm_manager()
-        if self.device != "cpu":
-            # GPUs named by UUID, not index, as SGLang's own senders do: its ranks may number
-            # the node's GPUs differently.
-            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-
-            monkey_patch_torch_reductions()
+        _share_from(self.device)
         from gyre_hpc.engines.staging import flat_tensors
 
         tensors = flat_tensors(self.layout, weights) if isinstance(weights, np.ndarray) else weights
@@ -347,27 +345,19 @@ class TensorPush:
         return pushed
 
     def _stager(self, dtype: Any) -> Any:
-        import torch
-
-        from gyre_hpc.engines.staging import Stager
-
-        def allocate(n: int) -> Any:
-            if self.device == "cpu":
-                return torch.empty(n, dtype=dtype).share_memory_()
-            return torch.empty(n, dtype=dtype, device=self.device)
-
-        return Stager(dtype, self.bucket_bytes, allocate)
+        return _stager(self.device, dtype, self.bucket_bytes)
 
     def _whole(self, tensors: Tensors, dtype: Any, version: int, flush: bool) -> Pushed:
-        import torch
-
         sent, stager = 0, self._stager(dtype)
-        for b in stager.stage(tensors):
+        for i, b in enumerate(stager.stage(tensors)):
             sent += b.data.numel() * b.data.element_size()
-            metadata = _metadata(b.names, b.shapes, dtype)
-            payload = {"flattened_tensor": b.data.view(torch.uint8), "metadata": metadata}
-            self._update(payload, version, flush and b.last, "flattened_bucket")
-            del payload  # the server copied the bucket into its weights
+            refs = [_reference(_flattened(b, dtype)) for _ in range(self.local)]
+            if self.peers is not None:  # every other node's references to its own copy
+                refs = tp_entries([refs, *self.peers.references(version, i)], self.tp_size)
+            self._post(refs, version, flush and b.last, "flattened_bucket")
+            if self.peers is not None:
+                self.peers.read(version, i)  # their copies may go: the server holds the bucket
+            del refs  # the server copied the bucket into its weights
         self.peak_bytes = max(self.peak_bytes, stager.peak_bytes)
         return Pushed(sent=sent, whole=sent, changed=None, elements=stager.elements)
 
@@ -443,7 +433,10 @@ class TensorPush:
 
     def _update(self, payload: Any, version: int, flush: bool, load_format: str) -> None:
         # One reference per TP rank: each rank opens its own (CUDA IPC counts references).
-        refs = [_reference(payload) for _ in range(self.tp_size)]
+        self._post([_reference(payload) for _ in range(self.tp_size)], version, flush, load_format)
+
+    def _post(self, refs: list[str], version: int, flush: bool, load_format: str) -> None:
+        """One tensor verb: TP rank r reads ``refs[r]``."""
         update = lambda c: c.update_weights_from_tensor(refs, str(version), flush, load_format)  # noqa: E731
         reply = unflushed_ok(self.url, version, lambda: call(self.url, update, sent=self.sent))
         if not reply.get("success"):
@@ -451,6 +444,139 @@ class TensorPush:
 
     def close(self) -> None:
         """Nothing is held between pushes but the kept buckets (this object's)."""
+
+
+class HeadPeers(Protocol):
+    """What the head of a replica across nodes asks of its other parts, bucket by bucket (the
+    cell's ranks carry it: ``runtime.span``)."""
+
+    def references(self, version: int, bucket: int) -> list[list[str]]:
+        """Each other part, in node order, staged ``bucket``: its references to its copy."""
+        ...
+
+    def read(self, version: int, bucket: int) -> None:
+        """The server holds ``bucket``: the other parts may stage the next one over it."""
+        ...
+
+
+class PartPeers(Protocol):
+    """What a part of a replica across nodes (not its head) hears from its head and answers."""
+
+    def word(self, version: int) -> tuple[str, int]:
+        """The head's next word: ("ask", bucket), ("read", bucket) or ("end", -1), its load
+        over (whatever became of it)."""
+        ...
+
+    def offer(self, version: int, bucket: int, references: list[str]) -> None:
+        """This part's references to its copy of ``bucket``."""
+        ...
+
+
+def tp_entries(by_node: list[list[str]], tp_size: int) -> list[str]:
+    """SGLang's tensor verb takes one serialized entry per TP rank, and TP rank r of a replica
+    across n nodes runs on node r // (tp_size / n): each node's references, in node order."""
+    local = tp_size // len(by_node)
+    if local * len(by_node) != tp_size or any(len(refs) != local for refs in by_node):
+        raise ValueError(f"{[len(r) for r in by_node]} references for {tp_size} TP ranks over "
+                         f"{len(by_node)} nodes: each node gives one for each of its {local}")  # fmt: skip
+    return [ref for refs in by_node for ref in refs]
+
+
+class PartPush:
+    """A part of a replica across nodes that is not its head, when weights go by reference: it
+    stages each bucket of the stream on its own node (its GPU, or a shared-memory file), cut
+    as its head cuts it, and hands its head references for its node's TP ranks when asked.
+
+    ```
+     head (node 0)                             this part (node k)
+       stages bucket i                           stages bucket i  (both have read the same tensors)
+       ── ask i ───────────────────────────────▶
+       ◀─────────────────────────── its node's references to bucket i
+       one request: tp_entries(every node's)
+       ── read i ──────────────────────────────▶ (it may stage bucket i + 1 over it)
+       ...
+       ── end ─────────────────────────────────▶ (after the head's load, whatever became of it)
+    ```
+
+    Each side waits for the other only at a bucket's end, where both have read the same
+    tensors: the ranks that send them (``MegatronTrainer.hf_tensors``) never wait on a part
+    that waits on its head."""
+
+    def __init__(
+        self, layout: FlatLayout, local: int, device: str, dtype: str, bucket_bytes: int, peers: PartPeers
+    ) -> None:
+        self.layout, self.local, self.device, self.dtype = layout, local, device, dtype
+        self.bucket_bytes, self.peers = bucket_bytes, peers
+        self.peak_bytes = 0
+
+    def push(self, weights: np.ndarray | Tensors, version: int) -> Pushed:
+        """What this node staged (the caller reads the rest of a stream its head ended early)."""
+        import torch
+
+        from gyre_hpc.engines.staging import flat_tensors
+
+        _share_from(self.device)
+        tensors = flat_tensors(self.layout, weights) if isinstance(weights, np.ndarray) else weights
+        dtype = getattr(torch, self.dtype)
+        stager, sent, elements, word = _stager(self.device, dtype, self.bucket_bytes), 0, 0, None
+        for i, b in enumerate(stager.stage(tensors)):
+            word = self.peers.word(version)  # only now, with this bucket's tensors read
+            if word[0] == "end":
+                break
+            if word != ("ask", i):
+                raise EngineError(f"the head of this replica asked {word}, expected bucket {i}")
+            self.peers.offer(version, i, [_reference(_flattened(b, dtype)) for _ in range(self.local)])
+            word = self.peers.word(version)
+            if word[0] == "end":
+                break
+            if word != ("read", i):
+                raise EngineError(f"the head of this replica said {word}, expected bucket {i} read")
+            sent += b.data.numel() * b.data.element_size()
+            elements, word = elements + b.data.numel(), None
+        while word is None or word[0] != "end":
+            word = self.peers.word(version)
+            if word[0] != "end":
+                raise EngineError(f"the head of this replica asked {word} past this part's last bucket")
+        self.peak_bytes = max(self.peak_bytes, stager.peak_bytes)
+        return Pushed(sent=sent, whole=sent, changed=None, elements=elements)
+
+
+def _flattened(b: Any, dtype: Any) -> dict[str, Any]:
+    """A staged bucket as SGLang's ``flattened_bucket`` payload."""
+    import torch
+
+    return {"flattened_tensor": b.data.view(torch.uint8), "metadata": _metadata(b.names, b.shapes, dtype)}
+
+
+def _stager(device: str, dtype: Any, bucket_bytes: int) -> Any:
+    """Buckets staged where a server's ranks read them: a shared-memory file, or ``device``."""
+    import torch
+
+    from gyre_hpc.engines.staging import Stager
+
+    def allocate(n: int) -> Any:
+        if device == "cpu":
+            return torch.empty(n, dtype=dtype).share_memory_()
+        return torch.empty(n, dtype=dtype, device=device)
+
+    return Stager(dtype, bucket_bytes, allocate)
+
+
+def _share_from(device: str) -> None:
+    """How tensors staged on ``device`` are referred to from another process."""
+    import torch
+
+    if device == "cpu":
+        # A file the server opens by name: the default (a descriptor handed over a socket)
+        # needs the receiver to be a child of this process.
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        _start_shm_manager()
+    else:
+        # GPUs named by UUID, not index, as SGLang's own senders do: its ranks may number the
+        # node's GPUs differently.
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        monkey_patch_torch_reductions()
 
 
 @functools.cache  # once a process, as torch starts it
@@ -541,11 +667,13 @@ class SGLangServer:
         port: int = 0,
         span: Span | None = None,
         group_host: str = "127.0.0.1",
+        peers: HeadPeers | None = None,
     ) -> None:
         """``group_host``: where this rank's end of the weight group listens (its node's name
-        when the replica spans nodes, so their ranks reach it)."""
+        when the replica spans nodes, so their ranks reach it); ``peers``: the other parts of
+        a replica across nodes that takes its weights by reference (``PartPush``)."""
         self.engine, self.model_dir, self.work_dir, self.device = engine, model_dir, work_dir, device
-        self.gpu, self.span, self.group_host = gpu, span, group_host
+        self.gpu, self.span, self.group_host, self.peers = gpu, span, group_host, peers
         self.port = port or free_port(host)
         self.url = f"http://127.0.0.1:{self.port}"  # the cell and its server share a node
         self.cmd = sglang_command(engine, str(model_dir), self.port, host, python, device, gpu, span)
@@ -586,9 +714,9 @@ class SGLangServer:
         if self.engine.weight_sync in ("tensor", "delta"):
             where = "cpu" if self.device == "cpu" else f"cuda:{self.gpu}"
             delta = self.engine.weight_sync == "delta"
-            self.group = TensorPush(
-                self.url, self.layout, self.engine.tp_size, where, dtype, bucket, delta, sent=self.sent
-            )
+            nnodes = self.span.nnodes if self.span is not None else 1
+            self.group = TensorPush(self.url, self.layout, self.engine.tp_size, where, dtype, bucket, delta,
+                                    sent=self.sent, peers=self.peers, nnodes=nnodes)  # fmt: skip
         elif self.engine.weight_sync == "broadcast":
             backend = "gloo" if self.device == "cpu" else "nccl"
             self.group = WeightGroup(

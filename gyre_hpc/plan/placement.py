@@ -11,7 +11,8 @@
 One rank per GPU. A replica within a node (``tp_size`` ≤ GPUs a node) is hosted by the rank at
 its first GPU; a replica larger than a node spans ``tp_size / GPUs a node`` whole nodes, one part
 per node, each part hosted by its node's first rank of the replica with ``--nnodes``,
-``--node-rank`` and the head part's address. Only a head part serves HTTP and takes the weights.
+``--node-rank`` and the head part's address. Only a head part serves HTTP and takes the weights;
+where they go by reference, every part stages them on its own node for the head's request.
 SGLang's ``--dp-size`` is no substitute: its weight-update verbs assert ``dp_size == 1``.
 
 Pure: it knows nothing of processes, ports or hosts (``engines.sglang`` adds those). A recipe's
@@ -61,10 +62,14 @@ class EnginePlan:
     def replicas(self) -> int:
         return sum(p.head for p in self.parts)
 
-    @property
-    def weight_hosts(self) -> tuple[int, ...]:
-        """The cell ranks whose engine parts take weights: each replica's head."""
-        return tuple(sorted({p.host_rank for p in self.parts if p.head}))
+    def weight_hosts(self, by_reference: bool = False) -> tuple[int, ...]:
+        """The cell ranks whose engine parts take weights: each replica's head, and with
+        ``by_reference`` every part (each stages them on its node)."""
+        return tuple(sorted({p.host_rank for p in self.parts if p.head or by_reference}))
+
+    def parts_of(self, replica: int) -> list[EnginePart]:
+        """A replica's parts, in node order."""
+        return sorted((p for p in self.parts if p.replica == replica), key=lambda p: p.node_rank)
 
     def hosted_by(self, rank: int) -> list[EnginePart]:
         return [p for p in self.parts if p.host_rank == rank]
@@ -127,10 +132,11 @@ def check_engine_plan(plan: EnginePlan, allow_idle_gpus: bool) -> None:
 
 def cell_engines(cells: CellsConfig, slurm: SlurmConfig, engine: EngineConfig) -> EnginePlan:
     """A recipe's cell, placed: every replica fits its GPUs, none idle unless the recipe allows
-    it, and its weights go by a path its devices accept. A replica that spans nodes cannot take
-    them by reference (that shares memory within a node); on GPUs, none takes them by broadcast,
-    whose group holds the cell leader's GPU twice (the leader, and the server's first rank on
-    the same GPU), which NCCL refuses: there a spanning replica loads them from disk."""
+    it, and its weights go by a path its devices accept. A replica that spans nodes takes them
+    by reference with each part's rank staging them on its node (``engines.sglang.PartPush``),
+    but not as deltas (each node would keep and check its own); on GPUs, none takes them by
+    broadcast, whose group holds the cell leader's GPU twice (the leader, and the server's
+    first rank on the same GPU), which NCCL refuses."""
     plan = engine_plan(cells.ranks_per_cell, slurm.nodes_per_cell, engine.tp_size)
     check_engine_plan(plan, engine.allow_idle_gpus)
     on_gpus = slurm.gpus_per_node > 0 or slurm.gpu_per_task
@@ -140,11 +146,10 @@ def cell_engines(cells: CellsConfig, slurm: SlurmConfig, engine: EngineConfig) -
             "leader's GPU twice (the leader and the server's first rank share it), which NCCL "
             'refuses; set engine.weight_sync = "tensor" (a replica within a node) or "disk"'
         )
-    if any(p.nnodes > 1 for p in plan.parts) and engine.weight_sync in ("tensor", "delta"):
-        other = '"disk"' if on_gpus else '"broadcast" or "disk"'
+    if any(p.nnodes > 1 for p in plan.parts) and engine.weight_sync == "delta":
+        other = '"tensor" or "disk"' if on_gpus else '"tensor", "broadcast" or "disk"'
         raise RecipeError(
-            f"engine.tp_size = {engine.tp_size} spans nodes: its weights cannot go by "
-            f'reference (engine.weight_sync = "{engine.weight_sync}" shares memory within '
-            f"a node); set engine.weight_sync = {other}"
+            f'engine.tp_size = {engine.tp_size} spans nodes: engine.weight_sync = "delta" is not '
+            f"offered across nodes; set engine.weight_sync = {other}"
         )
     return plan

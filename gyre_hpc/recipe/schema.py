@@ -176,7 +176,8 @@ class EngineConfig:
         "version the server holds, checksummed, whole when it holds another; both sides keep a "
         "host copy in the served dtype), broadcast (over a process group the leader forms with "
         "the server, gloo: CPU only, since on GPUs the group would hold the leader's GPU twice), "
-        "or a checkpoint on disk (what a replica across nodes of GPUs takes).",
+        "or a checkpoint on disk. A replica across nodes takes tensor (each node's part stages "
+        "every bucket on its own GPU), broadcast (CPU) or disk, not delta.",
     )
     weight_bucket_mb: int = knob(
         512,

@@ -26,6 +26,7 @@ import torch
 from gyre_hpc.engines.hosted import HostedEngine, host_engine, resolve_device
 from gyre_hpc.engines.pushed import Pushed
 from gyre_hpc.engines.sglang import Span
+from gyre_hpc.engines.staging import Tensors
 from gyre_hpc.faults.points import FaultPoints
 from gyre_hpc.launch.ports import free_port
 from gyre_hpc.observability.events import EngineRestart
@@ -40,6 +41,7 @@ from gyre_hpc.runtime.protocol import (
     ProtocolError,
 )
 from gyre_hpc.runtime.replica import MirroredTrainer
+from gyre_hpc.runtime.span import HeadSpan, PartSpan
 from gyre_hpc.runtime.world import World
 from gyre_hpc.scheduler.policy import Role
 from gyre_hpc.trainer import checkpoint
@@ -168,6 +170,8 @@ class CellHost:
         if part is None:
             return None
         slurm = env.launcher == "slurm"
+        peers = self._span_peers(part)
+        self.span_head = peers if isinstance(peers, HeadSpan) else None
         self.engine = host_engine(
             self.engine_cfg,
             s.model_dir,
@@ -178,11 +182,40 @@ class CellHost:
             self.newest_weights,
             self.span,
             env.hostname if self.span is not None else "127.0.0.1",
+            peers,
         )
         port = self.engine.start()
         if self.span is not None and not self.span.head:
             return None
         return f"http://{env.hostname if slurm else '127.0.0.1'}:{port}"
+
+    span_head: HeadSpan | None = None
+    """This rank heads a replica across nodes whose other parts stage its weights too."""
+
+    def _span_peers(self, part: EnginePart) -> HeadSpan | PartSpan | None:
+        """Where a replica across nodes takes its weights by reference, the other parts this
+        rank's part meets for each bucket (``runtime.span``)."""
+        if self.span is None or self.engine_cfg.weight_sync != "tensor":
+            return None
+        comm, ranks = self.world.cell_comm, [p.host_rank for p in self.plan.parts_of(part.replica)]
+        wait = self.engine_cfg.start_timeout_s + self.cells.heartbeat_timeout_s  # a head may be restarting
+        return HeadSpan(comm, ranks[1:], wait) if self.span.head else PartSpan(comm, ranks[0], wait)
+
+    @property
+    def weight_hosts(self) -> tuple[int, ...]:
+        """The cell ranks whose engine parts load each version (every part of a replica across
+        nodes, where they go by reference)."""
+        return self.plan.weight_hosts(by_reference=self.engine_cfg.weight_sync == "tensor")
+
+    def load_engine(self, weights: np.ndarray | Tensors, version: int) -> Pushed:
+        """This rank's engine part loads ``weights`` as ``version``; the head of a replica across
+        nodes then tells its other parts the load is over, whatever became of it."""
+        assert self.engine is not None
+        try:
+            return self.engine.load(weights, version)
+        finally:
+            if self.span_head is not None:
+                self.span_head.end(version)
 
     def _torch_device(self) -> str:
         """Where a torch trainer computes: ``trainer.device``, auto being this rank's GPU if any."""
@@ -259,7 +292,7 @@ class CellHost:
                 while self.engine.restarting:  # it comes back paused, and takes this version then
                     self.engine.supervise()
                     time.sleep(POLL_INTERVAL_S)
-                pushed = self.engine.load(tensors, version)
+                pushed = self.load_engine(tensors, version)
                 log.info("cell %d: version %d streamed from the cell's slices into its engine (%d elements)",
                          self.unit, version, pushed.elements)  # fmt: skip
         finally:
@@ -295,7 +328,7 @@ class CellHost:
         if got != version:
             raise ProtocolError(f"cell {self.unit}: snapshot holds version {got}, expected {version}")
         self.scratch_version = got
-        return self.engine.load(self.scratch, version)
+        return self.load_engine(self.scratch, version)
 
     def report_restarts(self) -> None:
         """Each restart of this rank's engine since the last call, an ``engine_restart`` to the

@@ -259,12 +259,12 @@ class Leader(CellHost):
         Where the engines stream from the cell's slices, every rank gathers them instead."""
         self.setup.faults.reach("push")
         if self.streams:
-            return self.load_streamed(version, self.plan.weight_hosts)
-        hosts = self._hosting_members()
+            return self.load_streamed(version, self.weight_hosts)
+        hosts = [r for r in self.weight_hosts if r != 0]
         for rank in hosts:
             self.in_cell.send(LoadWeights(cell=self.unit, version=version), rank)
         if self.trainer is not None and self.is_core:
-            pushed = self.engine.load(self.trainer.weights(), version)
+            pushed = self.load_engine(self.trainer.weights(), version)
         else:
             pushed = self.load_pulled(version)
         wait = self.engine_cfg.start_timeout_s + self.cells.heartbeat_timeout_s  # a restarting replica
@@ -293,8 +293,7 @@ class Leader(CellHost):
         return pushed
 
     def _hosting_members(self) -> list[int]:
-        """The members that host an engine part taking weights (heads: a part across nodes gets
-        them from its head's weight group)."""
+        """The members that host a replica's head (its URL, its verbs)."""
         return sorted({p.host_rank for p in self.plan.parts if p.head and p.host_rank != 0})
 
     def open_session(self, msg: TrainStep) -> StepTraining:

@@ -40,6 +40,8 @@ from gyre_hpc.trajectory.sequences import StepQueue
 CONTROL_TAG = 17
 STALE_TAG = 18
 """A member's ``EngineStale`` to its leader: apart from the acknowledgements the leader waits for."""
+SPAN_TAG = 19
+"""The parts of an engine replica across nodes, a push by reference bucket by bucket (``runtime.span``)."""
 POLL_INTERVAL_S = 0.002  # between probes: ranks outnumber cores on a laptop, so never spin
 
 
@@ -114,6 +116,25 @@ class Loaded:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SpanWord:
+    """The head of an engine replica across nodes → its other parts: ``ask`` for their
+    references to ``bucket``, the server ``read`` it, or the load's ``end``."""
+
+    version: int
+    word: str
+    bucket: int = -1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpanRefs:
+    """A part → its head: its node's references to its copy of ``bucket``, one per TP rank."""
+
+    version: int
+    bucket: int
+    references: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TrainStep:
     """Train on the step's micro-steps, claimed from the shared counter, from snapshot ``version``.
 
@@ -165,6 +186,8 @@ class Mirror:
 
 Message = (
     Hello
+    | SpanWord
+    | SpanRefs
     | EngineRestart
     | EnginesUp
     | EngineVerb
@@ -184,6 +207,8 @@ Message = (
 )
 MESSAGE_TYPES = (
     Hello,
+    SpanWord,
+    SpanRefs,
     EngineRestart,
     EngineStale,
     EnginesUp,

@@ -425,14 +425,13 @@ class MegatronTrainer:
     def weights(self) -> np.ndarray:
         """The whole flat weights on the replica's first rank (an empty buffer on the others,
         which take part in gathering them)."""
-        if not self.fresh:  # the shards are gathered where they live (NCCL: on the GPU)
-            if self.offload.released:
-                raise RuntimeError("weights() of a released trainer: take them before release_memory")
+        if not self.fresh:  # the shards are gathered on the device (NCCL: the GPU)
             if self.lead and self.flat.size != self.numel:
                 # Snapshots leave through host memory: pinned, so a GPU copies at full speed into it.
                 self.flat = torch.zeros(self.numel, pin_memory=torch.cuda.is_available()).numpy()
             source = self.master or self.params
-            self._to_leader(self.flat, lambda name: source[name].detach().float())
+            # A released trainer's parameter visits its device for its own gather, as in hf_tensors.
+            self._to_leader(self.flat, lambda name: source[name].detach().to(self.device, torch.float32))
             self.fresh = True
         return self.flat
 
@@ -764,11 +763,10 @@ class MegatronTrainer:
     def load_optimizer_state(self, state: dict) -> None:
         """On a GPU the state lands in host memory, with the rest of the trainer released: a
         core restores while its engine holds the GPU, and takes it all back on its first switch
-        to training. The weights are gathered before (a released trainer gathers nothing).
-        Collective over the replica."""
+        to training. Nothing is gathered: whoever needs the weights next gathers them from the
+        released slices (``weights``, ``hf_tensors``)."""
         assert self.optimizer is not None
         if self.device.type == "cuda":
-            self.weights()
             self.release_memory()
         self.optimizer.load_state_dict(state)  # onto its parameters' device: the host, released
 

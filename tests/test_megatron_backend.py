@@ -3,6 +3,7 @@ backend's loss and gradients, and one optimizer step the same weights."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -289,8 +290,13 @@ def test_the_runtime_trains_with_megatron_cells_of_one_rank_or_of_several(tmp_pa
         "--set",
         "engine.tp_size=2",
     )  # one replica a cell, at the leader: it streams from the slices
-    one = smoke_run(tmp_path / "tp1", *one_cell)
-    pp2 = smoke_run(tmp_path / "pp2", *one_cell, *pp)
+    # Side by side: each waits on its engines and ranks part of the time.
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = (
+            pool.submit(smoke_run, tmp_path / "tp1", *one_cell),
+            pool.submit(smoke_run, tmp_path / "pp2", *one_cell, *pp),
+        )
+        one, pp2 = (r.result() for r in runs)
     assert [s.version for s in step_events(pp2)] == [1, 2]
     assert all(s.micro_steps > 0 for s in step_events(pp2))
     # Each cell's replica spans both of its ranks (its leader alone cannot compute a step), and

@@ -37,7 +37,7 @@ from gyre_hpc.engines.embedded import Engine
 from gyre_hpc.engines.emulated import EmulatedEngine
 from gyre_hpc.engines.pushed import Pushed
 from gyre_hpc.engines.server import make_app
-from gyre_hpc.engines.sglang import HeadPeers, PartPeers, PartPush, SGLangServer, Span, served_dtype
+from gyre_hpc.engines.sglang import HeadPeers, PartPeers, PartPush, SGLangServer, Span
 from gyre_hpc.engines.staging import Tensors
 from gyre_hpc.errors import LaunchError
 from gyre_hpc.models.architecture import Qwen3Config
@@ -217,13 +217,7 @@ class PartHost:
     def __init__(self, server: SGLangServer, peers: PartPeers | None = None) -> None:
         self.server = server
         self.restarts: list[Restart] = []
-        self.push: PartPush | None = None
-        if peers is not None:
-            e = server.engine
-            where = "cpu" if server.device == "cpu" else f"cuda:{server.gpu}"
-            local = e.tp_size // server.span.nnodes  # type: ignore[union-attr]
-            dtype = served_dtype(e.dtype, server.model_dir)
-            self.push = PartPush(server.layout, local, where, dtype, e.weight_bucket_mb << 20, peers)
+        self.push: PartPush | None = None if peers is None else server.part_push(peers)
 
     def start(self) -> int:
         return self.server.start()

@@ -507,7 +507,6 @@ class PartPush:
     ) -> None:
         self.layout, self.local, self.device, self.dtype = layout, local, device, dtype
         self.bucket_bytes, self.peers = bucket_bytes, peers
-        self.peak_bytes = 0
 
     def push(self, weights: np.ndarray | Tensors, version: int) -> Pushed:
         """What this node staged (the caller reads the rest of a stream its head ended early)."""
@@ -537,7 +536,6 @@ class PartPush:
             word = self.peers.word(version)
             if word[0] != "end":
                 raise EngineError(f"the head of this replica asked {word} past this part's last bucket")
-        self.peak_bytes = max(self.peak_bytes, stager.peak_bytes)
         return Pushed(sent=sent, whole=sent, changed=None, elements=elements)
 
 
@@ -712,17 +710,28 @@ class SGLangServer:
             time.sleep(0.5)
         dtype, bucket = served_dtype(self.engine.dtype, self.model_dir), self.engine.weight_bucket_mb << 20
         if self.engine.weight_sync in ("tensor", "delta"):
-            where = "cpu" if self.device == "cpu" else f"cuda:{self.gpu}"
             delta = self.engine.weight_sync == "delta"
             nnodes = self.span.nnodes if self.span is not None else 1
-            self.group = TensorPush(self.url, self.layout, self.engine.tp_size, where, dtype, bucket, delta,
-                                    sent=self.sent, peers=self.peers, nnodes=nnodes)  # fmt: skip
+            self.group = TensorPush(self.url, self.layout, self.engine.tp_size, self.staged_on, dtype, bucket,
+                                    delta, sent=self.sent, peers=self.peers, nnodes=nnodes)  # fmt: skip
         elif self.engine.weight_sync == "broadcast":
             backend = "gloo" if self.device == "cpu" else "nccl"
             self.group = WeightGroup(
                 self.url, self.layout, self.group_host, self.engine.tp_size, backend, dtype, bucket, self.sent
             )
         return self.port
+
+    @property
+    def staged_on(self) -> str:
+        """Where a bucket pushed by reference is staged: ``cpu``, or this server's first GPU."""
+        return "cpu" if self.device == "cpu" else f"cuda:{self.gpu}"
+
+    def part_push(self, peers: PartPeers) -> PartPush:
+        """This part's pusher, when it is not its replica's head and weights go by reference."""
+        assert self.span is not None and not self.span.head
+        dtype = served_dtype(self.engine.dtype, self.model_dir)
+        local = self.engine.tp_size // self.span.nnodes
+        return PartPush(self.layout, local, self.staged_on, dtype, self.engine.weight_bucket_mb << 20, peers)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

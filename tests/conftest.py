@@ -148,7 +148,7 @@ def assert_golden(name: str, text: str) -> None:
 
 
 def recomputed(model: torch.nn.Module, prompt: list[int], output: list[int]) -> list[float]:
-    """Log-probs of ``output`` after ``prompt`` under ``model`` (a Qwen3ForCausalLM), computed here."""
+    """Log-probs of ``output`` after ``prompt`` under ``model`` (a CausalLM), computed here."""
     ids = torch.tensor([prompt + output])
     with torch.no_grad():
         logp = torch.log_softmax(model(ids)[0][0].float(), -1)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
+from gyre_hpc.models.causal_lm import CausalLM
 from gyre_hpc.models.tiny import init_tiny, save_weights
 from gyre_hpc.models.tokenizer import ChatTokenizer
 from gyre_hpc.proxy.loopback import LoopbackServing
@@ -75,7 +75,7 @@ def tool_calling_model(path: Path, seed: int = 0, steps: int = 200, turns: int =
             "<|im_start|>assistant\n"
         )
         ids, mask = ids + call + response, mask + [True] * len(call) + [False] * len(response)
-    model = Qwen3ForCausalLM.from_pretrained(path).train()
+    model = CausalLM.from_pretrained(path).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, target = torch.tensor([ids[:-1]]), torch.tensor(ids[1:])
     weight = torch.tensor(mask[1:], dtype=torch.float32)

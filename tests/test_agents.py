@@ -17,13 +17,16 @@ from gyre_hpc.agents.tools import MAIN_TOOLS, execute, parse_call
 from gyre_hpc.agents.workspace import ToolError, Workspace
 from gyre_hpc.errors import GyreError
 from gyre_hpc.models.tiny import init_tiny
+from gyre_hpc.models.tokenizer import ChatTokenizer
 from gyre_hpc.recipe.schema import AgentConfig, ScoringConfig
 from gyre_hpc.sandbox.confine import FILE_SIZE_BYTES, Sandbox
 from gyre_hpc.sandbox.limits import Groups, Limits
-from gyre_hpc.scoring import ScoringRunner, load_scorer
+from gyre_hpc.scoring import RunArtifacts, ScoringRunner, load_scorer
+from gyre_hpc.scoring.builtin import ReplyScorer
+from gyre_hpc.scoring.runner import ScoringRunners
 from gyre_hpc.tasks.jsonl import load_jsonl, write_jsonl
 from gyre_hpc.tasks.suites import load_suite, repo_mini
-from gyre_hpc.tasks.task import Task
+from gyre_hpc.tasks.task import Task, task_from_json
 from gyre_hpc.trajectory.codec import read_records
 
 
@@ -182,6 +185,63 @@ def test_a_call_made_while_the_proxy_is_down_is_made_again_once_it_is_back(
     ex, tried = asyncio.run(go())
     assert tried >= 3 and ex.status == "finished" and ex.calls == 2, ex.error
     assert len(read_records(tmp_path / "run" / "tito.bin").records) == 2
+
+
+def test_a_question_is_one_reply_without_tools_scored_on_its_last_words(tiny: Path, tmp_path: Path) -> None:
+    """A task with ``answers`` is asked once, with no tools and no system prompt of ours (the
+    model's template brings its own); the reply is scored by the reply scorer."""
+    task = load_suite("plural", 1)[0]
+    assert task.scorer == "reply" and task.answers
+
+    async def go():  # noqa: ANN202
+        async with Stack(tiny, tmp_path / "run") as stack:
+            harness = Harness(
+                stack.url + "/v1", stack.key, AgentConfig(max_calls=4, timeout_s=60), {"max_tokens": 8}
+            )
+            runners = ScoringRunners(ScoringConfig(scorer="milestones"))  # the recipe's, as the runtime's
+            dispatcher = Dispatcher(
+                harness, lambda t: runners.get(t.scorer), tmp_path / "ws", tmp_path / "tasks", 1
+            )
+            return await dispatcher.run_all([("question-1", task)])
+
+    (outcome,) = asyncio.run(go())
+    ex = outcome.execution
+    assert (ex.status, ex.calls, ex.tool_calls) == ("finished", 1, 0)
+    (record,) = read_records(tmp_path / "run" / "tito.bin").records
+    prompt = ChatTokenizer(tiny).decode(record.new_ids.tolist())  # the first record shares nothing
+    assert task.spec in prompt and "<tools>" not in prompt and "software agent" not in prompt
+    reply = ReplyScorer(ScoringConfig()).score(artifacts(ex, task, tmp_path / "tasks"))
+    # the task's own scorer, not the recipe's (which would fail it: no milestones)
+    assert (outcome.score.kind, outcome.score.reward) == ("scored", reply)
+
+
+@pytest.mark.parametrize(
+    ("reply", "reward"),
+    [
+        ("Geese", 1.0),
+        ("The plural of goose is geese.", 1.0),
+        ('The answer is "GEESE"!', 1.0),
+        ("geese, not gooses", 1 / 3),  # the answer, but not as its last word
+        ("gooses", 0.0),
+        ("", 0.0),
+        ("geese " + "goose " * 100_000, 0.0),  # past what is read: the answer among too many words
+        ("mice sheep oxen cacti children", 0.0),  # listing candidates: only the last counts in full
+    ],
+)
+def test_the_reply_scorer_counts_the_answer_in_full_only_as_the_last_words(reply: str, reward: float) -> None:
+    task = {"answers": ["geese"]}
+    got = ReplyScorer(ScoringConfig()).score(
+        RunArtifacts("r", Path("/nonexistent"), "finished", task, reply=reply)
+    )
+    assert got == pytest.approx(reward, abs=1e-4)
+
+
+def test_answers_must_be_non_empty_strings_and_choose_the_reply_scorer(tmp_path: Path) -> None:
+    task = task_from_json({"id": "q", "spec": "One goose, two what?", "answers": ["geese"]}, tmp_path, "t:1")
+    assert (task.scorer, task.answers, task.to_json()["answers"]) == ("reply", ["geese"], ["geese"])
+    for bad in ("geese", [""], [3]):
+        with pytest.raises(GyreError, match="t:1: answers must be a list of non-empty strings"):
+            task_from_json({"id": "q", "spec": "?", "answers": bad}, tmp_path, "t:1")
 
 
 def test_an_infrastructure_failure_yields_a_placeholder(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from gyre_hpc.engines.colocation import (
 )
 from gyre_hpc.engines.hosted import SGLangHost
 from gyre_hpc.engines.sglang import SGLangServer
-from gyre_hpc.models.architecture import Qwen3Config
+from gyre_hpc.models.architecture import ModelConfig
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.recipe.schema import EngineConfig
@@ -79,7 +79,7 @@ def host(tmp_path: Path):  # noqa: ANN201
     server = SGLangServer(engine, model, tmp_path / "work", device="cuda")
     log = tmp_path / "verbs.log"
     server.cmd = [sys.executable, str(FAKE), str(log), str(server.port)]
-    flat = np.zeros(FlatLayout.of(Qwen3Config.load(model)).numel, dtype=np.float32)
+    flat = np.zeros(FlatLayout.of(ModelConfig.load(model)).numel, dtype=np.float32)
     h = SGLangHost(server, lambda: (flat, 3))
     h.start()
     yield h, log, flat

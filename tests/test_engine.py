@@ -18,7 +18,7 @@ from conftest import REPO, flat_of
 from gyre_hpc.engines.client import EngineClient, EngineError
 from gyre_hpc.engines.embedded import Engine
 from gyre_hpc.engines.server import make_app
-from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
+from gyre_hpc.models.causal_lm import CausalLM
 from gyre_hpc.models.tiny import init_tiny
 
 
@@ -78,7 +78,7 @@ def test_concurrent_requests_decode_together(tiny: Path) -> None:
 def test_batched_log_probs_hold_when_sequences_finish_at_different_steps(tiny: Path) -> None:
     """A sequence leaving the batch mid-step must not shift its neighbours' keys/values."""
     from gyre_hpc.loss.policy_loss import token_logprobs
-    from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
+    from gyre_hpc.models.causal_lm import CausalLM
 
     prompts = [prompt(tiny, "word " * (3 + 5 * i)) for i in range(6)]
 
@@ -92,7 +92,7 @@ def test_batched_log_probs_hold_when_sequences_finish_at_different_steps(tiny: P
             )
 
     outs = run(go())
-    model = Qwen3ForCausalLM.from_pretrained(tiny)
+    model = CausalLM.from_pretrained(tiny)
     for i, (p, out) in enumerate(zip(prompts, outs, strict=True)):
         assert len(out["output_ids"]) == 4 + 3 * i
         ids = torch.tensor([p + out["output_ids"]])
@@ -136,7 +136,7 @@ def test_logprobs_are_those_of_the_sampled_distribution(tiny: Path) -> None:
             return await client.generate(prompt(tiny, "hello"), params)
 
     out = run(go())
-    model = Qwen3ForCausalLM.from_pretrained(tiny)
+    model = CausalLM.from_pretrained(tiny)
     ids = prompt(tiny, "hello") + out["output_ids"]
     with torch.no_grad():
         logits = model(torch.tensor([ids]))[0][0]
@@ -200,7 +200,7 @@ def test_weights_from_disk_and_from_a_flat_buffer(tiny: Path, tmp_path: Path) ->
             reply = await client.update_weights_from_disk(str(other), "v1")
             assert reply["success"]
             after = await client.generate(ids, greedy)
-            served.engine.load_flat(flat_of(Qwen3ForCausalLM.from_pretrained(tiny)), "v2")
+            served.engine.load_flat(flat_of(CausalLM.from_pretrained(tiny)), "v2")
             again = logprobs(await client.generate(ids, greedy))
             return before, logprobs(after), after["meta_info"]["weight_version"], again
 

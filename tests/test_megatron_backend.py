@@ -18,10 +18,10 @@ from conftest import flat_of, gyre
 from safetensors import safe_open
 
 from gyre_hpc.builtin_models.resolve import resolve_model
-from gyre_hpc.models.architecture import Qwen3Config
+from gyre_hpc.models.architecture import ModelConfig
+from gyre_hpc.models.causal_lm import CausalLM
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.hf_files import copy_model_files
-from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 from gyre_hpc.models.tiny import init_tiny, save_weights
 from gyre_hpc.observability.events import read_events
 from gyre_hpc.recipe.schema import AgentConfig, CellsConfig, EngineConfig, TrainerConfig
@@ -39,12 +39,12 @@ HERE = Path(__file__).parent
 
 def untied(tmp_path: Path) -> Path:
     """A small untied model (the tiny one ties its embeddings): lm_head goes to output_layer."""
-    tiny = Qwen3Config.load(init_tiny(tmp_path / "tiny"))
+    tiny = ModelConfig.load(init_tiny(tmp_path / "tiny"))
     c = replace(tiny, tie_word_embeddings=False, num_key_value_heads=1)
     model_dir = tmp_path / "untied"
     model_dir.mkdir()
     torch.manual_seed(1)
-    model = Qwen3ForCausalLM(c)
+    model = CausalLM(c)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.1)
@@ -82,7 +82,7 @@ def test_megatron_micro_step_and_update_match_the_torch_backend(tmp_path: Path, 
     assert mega.numel == ours.numel
     assert np.array_equal(mega.weights(), ours.weights())  # the same snapshot, converted both ways
 
-    seqs = sequences(Qwen3Config.load(model_dir).vocab_size)
+    seqs = sequences(ModelConfig.load(model_dir).vocab_size)
     a, b = ours.micro_step(seqs), mega.micro_step(seqs)
     assert (a.tokens, a.loss_tokens, a.clipped) == (b.tokens, b.loss_tokens, b.clipped)
     assert b.loss_sum == pytest.approx(a.loss_sum, rel=1e-5)
@@ -122,7 +122,7 @@ def test_a_data_tensor_or_pipeline_parallel_trainer_matches_one_rank(
     got = np.load(out)
     one = megatron_backend.MegatronTrainer(model_dir, CFG, core=True)
     assert np.array_equal(got["before"], one.weights())  # shards and stages gathered back exactly
-    stats = one.micro_step(sequences(Qwen3Config.load(model_dir).vocab_size, count))
+    stats = one.micro_step(sequences(ModelConfig.load(model_dir).vocab_size, count))
     assert float(got["loss"]) == pytest.approx(stats.loss_sum, rel=1e-5) and got["clipped"] == stats.clipped
     g1 = one.hf_gradient()
     assert np.abs(got["grad"] - g1).max() <= 1e-5 * np.abs(g1).max()
@@ -133,7 +133,7 @@ def test_a_data_tensor_or_pipeline_parallel_trainer_matches_one_rank(
     # each holds its slice, its gradient and Adam's two moments of it, alone: its share of the
     # model, and at most one embedding's shard more (a tied embedding's copy on the last stage,
     # rows padded to a multiple of 128 × tp).
-    config = Qwen3Config.load(model_dir)
+    config = ModelConfig.load(model_dir)
     layout, flat = MegatronLayout(config, tp, pp), FlatLayout.of(config)
     shapes = {name: shape for name, (_, shape) in flat.slots.items()}
     assert len(got["held"]) == ranks
@@ -164,7 +164,7 @@ def test_a_data_tensor_or_pipeline_parallel_trainer_matches_one_rank(
     state = theirs.state_dict()
     for name, view in flat.views(got["after"]).items():
         assert torch.equal(state[name], view), name
-    assert np.array_equal(flat_of(Qwen3ForCausalLM.from_pretrained(exported)).numpy(), got["after"])
+    assert np.array_equal(flat_of(CausalLM.from_pretrained(exported)).numpy(), got["after"])
     # Another layout reshards the weights as it reads them; it would not take this one's optimizer.
     assert weight_shards.other_layout(shards, layout) is None
     said = weight_shards.other_layout(shards, MegatronLayout(config))  # tp = pp = 1
@@ -206,7 +206,7 @@ def test_two_cells_sum_their_gradients_and_move_their_weights_slice_by_slice(
     # What each rank registered with the transport: its slice (weights on the core's ranks,
     # gradient on the satellite's), and no whole snapshot: a cell whose leader alone hosts its
     # engine streams it from the slices (the snapshot's 8-byte header is all the core exposes).
-    config = Qwen3Config.load(model_dir)
+    config = ModelConfig.load(model_dir)
     layout, flat = MegatronLayout(config, tp, pp), FlatLayout.of(config)
     shapes = {name: shape for name, (_, shape) in flat.slots.items()}
     registered = np.load(out.with_suffix(".registered.npy")).tolist()
@@ -224,7 +224,7 @@ def test_two_cells_sum_their_gradients_and_move_their_weights_slice_by_slice(
     assert np.array_equal(satellite["weights"], got["after"])
     assert all(held == capacity for held, capacity in satellite["sizes"])
     one = megatron_backend.MegatronTrainer(model_dir, replace(CFG, grad_clip=1e-3), core=True)
-    seqs = sequences(Qwen3Config.load(model_dir).vocab_size, 4)
+    seqs = sequences(ModelConfig.load(model_dir).vocab_size, 4)
     one.micro_step(seqs[:2])
     one.micro_step(seqs[2:])
     stats = one.apply(3)
@@ -237,11 +237,11 @@ def test_checkpoints_are_hugging_face_directories_whatever_the_backend(tmp_path:
 
     model_dir = init_tiny(tmp_path / "tiny")
     mega = megatron_backend.MegatronTrainer(model_dir, CFG, core=True)
-    mega.micro_step(sequences(Qwen3Config.load(model_dir).vocab_size))
+    mega.micro_step(sequences(ModelConfig.load(model_dir).vocab_size))
     mega.apply(3)
     saved = checkpoint.save(tmp_path / "ckpt", 1, mega, model_dir)
     # The engines' own loader reads it, and a torch trainer resumes from it, exactly.
-    assert np.array_equal(flat_of(Qwen3ForCausalLM.from_pretrained(saved)).numpy(), mega.weights())
+    assert np.array_equal(flat_of(CausalLM.from_pretrained(saved)).numpy(), mega.weights())
     ours = TorchTrainer(model_dir, CFG, core=True)
     checkpoint.restore(saved, ours)
     assert ours.version == 1 and np.array_equal(ours.weights(), mega.weights())
@@ -326,7 +326,7 @@ def test_the_runtime_trains_with_megatron_cells_of_one_rank_or_of_several(tmp_pa
     import transformers
 
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
-    layout = FlatLayout.of(Qwen3Config.load(out))
+    layout = FlatLayout.of(ModelConfig.load(out))
     for name, view in layout.views(checkpoint.read_weights(pp2 / "checkpoints/step-000001")).items():
         assert torch.equal(theirs[name], view), name
     again = gyre("model", "export", str(pp2), str(out))
@@ -348,7 +348,7 @@ def test_bfloat16_computes_in_bf16_and_steps_fp32_master_weights(tmp_path: Path)
     assert all(p.dtype == torch.bfloat16 for n, p in bf16.params.items() if "norm" not in n)  # norms: fp32
     assert bf16.master is not None and all(m.dtype == torch.float32 for m in bf16.master.values())
     assert np.array_equal(bf16.weights(), fp32.weights())  # snapshots come from the fp32 masters
-    seqs = sequences(Qwen3Config.load(model_dir).vocab_size)
+    seqs = sequences(ModelConfig.load(model_dir).vocab_size)
     a, b = fp32.micro_step(seqs), bf16.micro_step(seqs)
     assert b.loss_sum == pytest.approx(a.loss_sum, rel=0.05) and b.loss_sum != a.loss_sum
     ga, gb = fp32.gradient(), bf16.gradient()
@@ -386,7 +386,7 @@ def test_full_recomputation_keeps_a_fraction_of_the_activations_for_the_same_gra
     from gyre_hpc.trainer import megatron_backend
 
     model_dir = init_tiny(tmp_path / "tiny")
-    seqs = sequences(Qwen3Config.load(model_dir).vocab_size)
+    seqs = sequences(ModelConfig.load(model_dir).vocab_size)
     kept, grads = {}, {}
     for mode in ("none", "full"):
         t = megatron_backend.MegatronTrainer(model_dir, replace(CFG, recompute=mode), core=True)
@@ -406,7 +406,7 @@ def test_gradients_accumulate_in_fp32_and_reach_the_host_buffer_once_asked(tmp_p
     model_dir = init_tiny(tmp_path / "tiny")
     t = megatron_backend.MegatronTrainer(model_dir, replace(CFG, dtype="bfloat16"), core=True)
     assert t.model.config.bf16  # the attention softmax is upcast
-    seqs = sequences(Qwen3Config.load(model_dir).vocab_size)
+    seqs = sequences(ModelConfig.load(model_dir).vocab_size)
     t.micro_step(seqs[:1])
     t.micro_step(seqs[1:])
     assert not t.grad.any()  # nothing copied to the host per micro-step
@@ -435,14 +435,14 @@ def test_a_released_trainer_hands_back_what_the_memory_plan_counts_and_trains_on
     model_dir = init_tiny(tmp_path / "tiny")
     cfg = replace(CFG, dtype="bfloat16", backend="megatron")
     kept, moved = (megatron_backend.MegatronTrainer(model_dir, cfg, core=True) for _ in range(2))
-    seqs = sequences(Qwen3Config.load(model_dir).vocab_size)
+    seqs = sequences(ModelConfig.load(model_dir).vocab_size)
     for t in (kept, moved):
         t.micro_step(seqs)
         t.gradient()
         t.apply(3)  # Adam's moments exist from here
     moved.weights()  # taken while resident, as the cell does
     released = moved.offload.release(moved._resident())
-    p = plan(Qwen3Config.load(model_dir), CellsConfig(gpu_memory_gib=80), EngineConfig(), cfg, AgentConfig())
+    p = plan(ModelConfig.load(model_dir), CellsConfig(gpu_memory_gib=80), EngineConfig(), cfg, AgentConfig())
     counted = {part.what: part.bytes for part in p.training.parts}
     planned = counted["weights"] + counted["fp32 master + Adam"]
     assert released == pytest.approx(planned, rel=0.002)  # the norms' weights are fp32, not bf16

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gyre_hpc.models.architecture import Qwen3Config
-from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
+from gyre_hpc.models.architecture import ModelConfig
+from gyre_hpc.models.causal_lm import CausalLM
 from gyre_hpc.trainer.megatron_weights import MegatronLayout, hf_to_megatron, megatron_to_hf
 
 
-def config(tie: bool) -> Qwen3Config:
-    return Qwen3Config(
+def config(tie: bool) -> ModelConfig:
+    return ModelConfig(
         vocab_size=300,  # not a multiple of 128 · tp: Megatron's padding is exercised
         hidden_size=32,
         intermediate_size=48,
@@ -24,9 +24,9 @@ def config(tie: bool) -> Qwen3Config:
     )
 
 
-def hf_state(c: Qwen3Config) -> dict[str, torch.Tensor]:
+def hf_state(c: ModelConfig) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(c)
+    model = CausalLM(c)
     state = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
     if c.tie_word_embeddings:
         state.pop("lm_head.weight")

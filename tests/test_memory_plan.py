@@ -43,6 +43,30 @@ def lines(recipe_path, *sets: str) -> str:  # noqa: ANN001
             ),
         ),
         ("tiny", ("cells.gpu_memory_gib=80", "engine.backend=sglang")),
+        # Other families, read from the catalog: Llama 3.1 70B over four nodes a cell (tp 8 × pp 4),
+        # Qwen3-30B-A3B (128 experts, 8 a token) over two (tp 8 × pp 2), the engines' pools at 0.8.
+        (
+            "llama-3.1-70b-tp8-pp4",
+            (
+                "run.model=llama-3.1-70b",
+                "cells.ranks_per_cell=32",
+                "slurm.nodes_per_cell=4",
+                "trainer.tp_size=8",
+                "trainer.pp_size=4",
+                "engine.mem_fraction_static=0.8",
+            ),
+        ),  # fmt: skip
+        (
+            "qwen3-30b-a3b-tp8-pp2",
+            (
+                "run.model=qwen3-30b-a3b",
+                "cells.ranks_per_cell=16",
+                "slurm.nodes_per_cell=2",
+                "trainer.tp_size=8",
+                "trainer.pp_size=2",
+                "engine.mem_fraction_static=0.8",
+            ),
+        ),  # fmt: skip
     ],
 )
 def test_the_plan_is_golden(name: str, sets: tuple[str, ...]) -> None:

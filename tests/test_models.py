@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
+from gyre_hpc.models.causal_lm import CausalLM
 from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.models.tokenizer import ChatTokenizer
 
@@ -40,7 +40,7 @@ def test_init_tiny_is_a_standard_directory_identical_for_a_seed(tiny: Path, tmp_
 def test_logits_equal_transformers_qwen3(tiny: Path) -> None:
     import transformers  # a test tool (pip install -e '.[test]')
 
-    ours = Qwen3ForCausalLM.from_pretrained(tiny)
+    ours = CausalLM.from_pretrained(tiny)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
     ids = torch.randint(0, ours.config.vocab_size, (2, 41), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -48,7 +48,7 @@ def test_logits_equal_transformers_qwen3(tiny: Path) -> None:
 
 
 def test_incremental_keys_values_equal_the_full_pass(tiny: Path) -> None:
-    model = Qwen3ForCausalLM.from_pretrained(tiny)
+    model = CausalLM.from_pretrained(tiny)
     ids = torch.randint(0, model.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full, _ = model(ids)

@@ -16,7 +16,7 @@ from loopback import TOOLS, Stack
 
 from gyre_hpc.engines.embedded import Engine
 from gyre_hpc.engines.sampling import SamplingParams
-from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
+from gyre_hpc.models.causal_lm import CausalLM
 from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.proxy.keys import KeyRing
 from gyre_hpc.proxy.tito_log import TitoLog
@@ -145,7 +145,7 @@ def test_drain_continue_moves_kv_and_keeps_logprobs_aligned(tiny: Path, tmp_path
     assert dest["cached_tokens"] >= 200 + 40 - 1  # the destination recomputed no prefix
     (record,) = records_of(tmp_path, "run-d")
     assert record.meta.rerouted and record.output_ids.tolist() == out["output_ids"]
-    model = Qwen3ForCausalLM.from_pretrained(tiny)  # log-probs still belong to their tokens
+    model = CausalLM.from_pretrained(tiny)  # log-probs still belong to their tokens
     ids = torch.tensor([list(range(5, 205)) + out["output_ids"]])
     with torch.no_grad():
         logp = torch.log_softmax(model(ids)[0][0, 199:-1], -1)

@@ -12,7 +12,7 @@ from conftest import NO_EVAL, gyre
 from safetensors.torch import load_file
 
 from gyre_hpc.builtin_models.resolve import resolve_model
-from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
+from gyre_hpc.models.causal_lm import CausalLM
 from gyre_hpc.observability.events import read_events
 from gyre_hpc.rundir import RunDir
 
@@ -63,8 +63,8 @@ def test_colocate_steps_train_on_every_cell_and_checkpoint(colocate_run: Path, p
     assert loaded == [0, *(e.version for e in done)]  # every engine serves the newest version
     # A checkpoint is a plain model directory the engines load, holding the trained weights.
     assert [p.name for p in rd.checkpoints.iterdir()] == ["step-000003"]  # trainer.checkpoint_every = 100
-    trained_model = Qwen3ForCausalLM.from_pretrained(rd.checkpoints / "step-000003")
-    before = Qwen3ForCausalLM.from_pretrained(policy)
+    trained_model = CausalLM.from_pretrained(rd.checkpoints / "step-000003")
+    before = CausalLM.from_pretrained(policy)
     delta = max(
         (a - b).abs().max().item()
         for a, b in zip(trained_model.parameters(), before.parameters(), strict=True)

@@ -109,7 +109,8 @@ def test_scorers_by_name_or_dotted_path() -> None:
         "HiddenTestsScorer"
     )
     with pytest.raises(
-        RecipeError, match="neither a built-in \\(hidden-tests, milestones, verifier, coin, harbor, swe\\)"
+        RecipeError,
+        match="neither a built-in \\(hidden-tests, milestones, verifier, coin, reply, harbor, swe\\)",
     ):
         load_scorer(ScoringConfig(scorer="exact-match"))
 

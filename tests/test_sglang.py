@@ -47,11 +47,11 @@ from gyre_hpc.engines.sglang import (
 )
 from gyre_hpc.engines.staging import flat_tensors
 from gyre_hpc.errors import LaunchError
-from gyre_hpc.models.architecture import Qwen3Config
-from gyre_hpc.models.catalog import model_shape
+from gyre_hpc.models.architecture import ModelConfig
+from gyre_hpc.models.catalog import TINY_FAMILIES, model_shape
+from gyre_hpc.models.causal_lm import CausalLM
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.hf_files import copy_model_files
-from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.observability import events as ev
 from gyre_hpc.observability.events import read_events
@@ -268,8 +268,8 @@ def test_new_weights_arrive_by_reference_by_broadcast_and_from_disk(
     time); it then serves that version, and its log-probs are those of those weights computed
     here. No push ever stages more than one bucket."""
     url, model_dir = served
-    layout = FlatLayout.of(Qwen3Config.load(model_dir))
-    model = Qwen3ForCausalLM.from_pretrained(model_dir)
+    layout = FlatLayout.of(ModelConfig.load(model_dir))
+    model = CausalLM.from_pretrained(model_dir)
     base = flat_of(model).numpy().copy()
     group = WeightGroup(url, layout, "127.0.0.1", 1, "gloo", "float32", bucket_bytes=1 << 20)
     assert len(group.buckets) > 2  # the tiny model is 3.4 MiB in float32
@@ -284,7 +284,7 @@ def test_new_weights_arrive_by_reference_by_broadcast_and_from_disk(
             assert 0 < push.peak_bytes <= 1 << 20  # never more than a bucket staged
         else:
             shards, path = tmp_path / f"v{version}-shards", tmp_path / f"v{version}"
-            cut = MegatronLayout(Qwen3Config.load(model_dir), tp=2, pp=2)
+            cut = MegatronLayout(ModelConfig.load(model_dir), tp=2, pp=2)
             for stage, rank in itertools.product(range(2), range(2)):
                 mine = dict(hf_to_megatron(layout.views(flat).__getitem__, cut, rank, stage))
                 write_shard(shards, mine, cut, stage, rank)
@@ -319,8 +319,8 @@ def test_a_version_travels_as_the_elements_that_changed_and_the_server_checks_wh
     than the sender kept (another sender loaded it), or a sender whose kept copy is wrong (the
     checksum disagrees), makes the push whole — served correctly either way."""
     url, model_dir = served
-    layout = FlatLayout.of(Qwen3Config.load(model_dir))
-    model = Qwen3ForCausalLM.from_pretrained(model_dir)
+    layout = FlatLayout.of(ModelConfig.load(model_dir))
+    model = CausalLM.from_pretrained(model_dir)
     base = flat_of(model).numpy().copy()
     delta = TensorPush(url, layout, 1, "cpu", "float32", bucket_bytes=1 << 20, delta=True)
     other = TensorPush(url, layout, 1, "cpu", "float32", bucket_bytes=1 << 20, delta=True)
@@ -400,13 +400,13 @@ def test_a_tensor_parallel_cell_streams_whole_tensors_from_its_slices_a_bucket_a
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     got = np.load(out)
-    layout = FlatLayout.of(Qwen3Config.load(model_dir))
+    layout = FlatLayout.of(ModelConfig.load(model_dir))
     assert list(got["whole"]) == [0, 0]  # no rank made a whole-model buffer to push from
     assert 0 < int(got["peak"]) <= max(bucket, int(got["largest"]))
     by_reference, whole, sparse = got["pushed"].tolist()
     assert by_reference[3] == whole[3] == sparse[3] == layout.numel  # every tensor, each once
     assert abs(sparse[2] / sparse[3] - 0.01) < 2e-3 and sparse[0] < 0.06 * sparse[1], sparse
-    model = Qwen3ForCausalLM.from_pretrained(model_dir)
+    model = CausalLM.from_pretrained(model_dir)
     layout.load(model, got["served"])
     for prompt in PROMPTS:
         reply = greedy(url, prompt)
@@ -415,7 +415,7 @@ def test_a_tensor_parallel_cell_streams_whole_tensors_from_its_slices_a_bucket_a
         assert (
             np.abs(np.array(theirs) - np.array(recomputed(model, prompt, reply["output_ids"]))).max() <= 1e-4
         )
-    base = flat_of(Qwen3ForCausalLM.from_pretrained(model_dir)).numpy()
+    base = flat_of(CausalLM.from_pretrained(model_dir)).numpy()
     restore = TensorPush(url, layout, 1, "cpu", "float32", bucket_bytes=bucket)
     call(url, lambda c: c.begin_weight_update())
     restore.push(base, 0)  # as it was, for the tests that follow
@@ -431,8 +431,8 @@ def test_a_conversation_continued_after_a_load_reuses_no_keys_and_values_of_olde
     through the router, each call's cache key is its engine's version (SGLang's extra_key), so
     the continuation's log-probs are those of the new weights computed afresh."""
     url, model_dir = served
-    layout = FlatLayout.of(Qwen3Config.load(model_dir))
-    model = Qwen3ForCausalLM.from_pretrained(model_dir)
+    layout = FlatLayout.of(ModelConfig.load(model_dir))
+    model = CausalLM.from_pretrained(model_dir)
     base = flat_of(model).numpy().copy()
     push = TensorPush(url, layout, 1, "cpu", "float32", bucket_bytes=1 << 20)
     turn = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -492,7 +492,7 @@ def test_a_server_killed_while_each_verb_is_in_flight_comes_back_as_the_verbs_as
     where the cell streams its weights (no copy to restart from), it comes back paused until the
     cell streams them again."""
     model_dir = init_tiny(tmp_path / "tiny", seed=0)
-    model = Qwen3ForCausalLM.from_pretrained(model_dir)
+    model = CausalLM.from_pretrained(model_dir)
     base = flat_of(model).numpy().copy()
     newer = base + np.random.RandomState(1).randn(base.size).astype(np.float32) * 0.02
     held = {"weights": (base, 0)}  # the cell's newest weights, as ``CellHost.newest_weights``
@@ -534,7 +534,7 @@ def test_a_server_killed_while_each_verb_is_in_flight_comes_back_as_the_verbs_as
         host.resume()
         back()
         assert host.state == State.SERVING and not armed and server.port == port
-        FlatLayout.of(Qwen3Config.load(model_dir)).load(model, newer)
+        FlatLayout.of(ModelConfig.load(model_dir)).load(model, newer)
         reply = greedy(server.url, PROMPTS[1])
         assert reply["meta_info"]["weight_version"] == "1"
         theirs = [lp for lp, _, _ in reply["meta_info"]["output_token_logprobs"]]
@@ -544,7 +544,7 @@ def test_a_server_killed_while_each_verb_is_in_flight_comes_back_as_the_verbs_as
         # arrives, the server comes back paused (SGLang's /ready says 503), waiting for that
         # version, and serves again only once the cell has streamed it (Leader.catch_up).
         newest = base + np.random.RandomState(2).randn(base.size).astype(np.float32) * 0.02
-        layout = FlatLayout.of(Qwen3Config.load(model_dir))
+        layout = FlatLayout.of(ModelConfig.load(model_dir))
         held["weights"] = (None, 2)
         armed.add("/update_weights_from_tensor")
         host.load(flat_tensors(layout, newest), 2)
@@ -614,7 +614,7 @@ def test_a_server_killed_while_a_broadcast_or_a_disk_load_reaches_it_comes_back_
 
 
 def killed_mid_load(model_dir: Path, work: Path, sync: str, verb: str) -> None:
-    model = Qwen3ForCausalLM.from_pretrained(model_dir)
+    model = CausalLM.from_pretrained(model_dir)
     newer = flat_of(model).numpy().copy()
     newer += np.random.RandomState(2).randn(newer.size).astype(np.float32) * 0.02
     held = {"weights": (flat_of(model).numpy().copy(), 0)}
@@ -638,7 +638,7 @@ def killed_mid_load(model_dir: Path, work: Path, sync: str, verb: str) -> None:
             time.sleep(0.1)
         host.supervise()
         assert not armed and host.state == State.SERVING, sync
-        FlatLayout.of(Qwen3Config.load(model_dir)).load(model, newer)
+        FlatLayout.of(ModelConfig.load(model_dir)).load(model, newer)
         reply = greedy(server.url, PROMPTS[2])
         assert reply["meta_info"]["weight_version"] == "1", sync
         theirs = [lp for lp, _, _ in reply["meta_info"]["output_token_logprobs"]]
@@ -761,7 +761,7 @@ def test_a_cell_of_two_ranks_serves_with_two_sglang_replicas(tmp_path: Path) -> 
         proc.kill()
     run, events = events_of(tmp_path)
     loads = [e for e in events if isinstance(e, ev.WeightsLoaded)]
-    whole = 2 * FlatLayout.of(Qwen3Config.load(run.checkpoints / "step-000001")).numel * 4  # 2 replicas
+    whole = 2 * FlatLayout.of(ModelConfig.load(run.checkpoints / "step-000001")).numel * 4  # 2 replicas
     assert loads and loads[0].whole_bytes == whole and loads[0].bytes >= whole, loads
     # A load that finds the killed server restarting moves nothing there (it gets the version
     # once it is back): one replica's worth.
@@ -847,7 +847,7 @@ def test_a_cell_across_two_slurm_nodes_serves_with_one_replica_spanning_both(tmp
         assert f"'nnodes': 2, 'node_rank': {rank}, 'tp_size': 2" in text, name
     assert "update_weights_from_tensor" in parts["unit-0"]
     # Each load staged the whole version once on each node (the part's rank says so too).
-    whole = FlatLayout.of(Qwen3Config.load(run.checkpoints / "step-000001")).numel * 4
+    whole = FlatLayout.of(ModelConfig.load(run.checkpoints / "step-000001")).numel * 4
     loads = [e for e in events[last_world:] if isinstance(e, ev.WeightsLoaded)]
     assert loads and all(e.whole_bytes == 2 * whole for e in loads), loads
     assert "streamed from the cell's slices into its engine" in (run.logs / "rank-2.log").read_text()
@@ -867,7 +867,7 @@ def served_against_checkpoint(run: RunDir, step: int) -> tuple[list, float]:
     and a recomputation here with the checkpoint of the step before (the version they sampled;
     whole or a megatron cell's shards)."""
     path = run.checkpoints / f"step-{step - 1:06d}"
-    model = Qwen3ForCausalLM(Qwen3Config.load(path))
+    model = CausalLM(ModelConfig.load(path))
     FlatLayout.of(model.config).load(model, checkpoint.read_weights(path))
     calls = [
         rec
@@ -890,3 +890,42 @@ def _serves(proc: Path, port: str) -> bool:
     except OSError:
         return False
     return b"sglang.launch_server" in b" ".join(cmd) and port.encode() in cmd
+
+
+@pytest.mark.sglang
+def test_each_family_serves_under_sglang_with_the_trainer_s_log_probs_after_a_push(tmp_path: Path) -> None:
+    """Every family but Qwen3 (served by every test above): a tiny random model of it starts under
+    real SGLang on this CPU, takes a pushed version by reference (experts one tensor each, as
+    SGLang loads them), and serves it with the log-probs transformers' implementation computes
+    here. Two servers at a time: a start mostly waits on imports."""
+    families = [f for f in TINY_FAMILIES if f != "qwen3"]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        worst = dict(
+            zip(families, pool.map(lambda f: served_after_a_push(tmp_path / f, f), families), strict=True)
+        )
+    assert all(w <= 1e-4 for w in worst.values()), worst
+
+
+def served_after_a_push(work: Path, family: str) -> float:
+    """The largest log-prob difference of two greedy replies after one push."""
+    model_dir = init_tiny(work / "model", seed=0, family=family)
+    engine = EngineConfig(backend="sglang", dtype="float32")
+    server = SGLangServer(engine, model_dir, work / "sglang", device="cpu", python=str(SGLANG_PYTHON))
+    server.start()
+    try:
+        layout, model = FlatLayout.of(ModelConfig.load(model_dir)), CausalLM.from_pretrained(model_dir)
+        base = flat_of(model).numpy()
+        flat = base + np.random.RandomState(1).randn(base.size).astype(np.float32) * 0.02
+        call(server.url, lambda c: c.begin_weight_update())
+        TensorPush(server.url, layout, 1, "cpu", "float32", bucket_bytes=1 << 20).push(flat, 3)
+        call(server.url, lambda c: c.end_weight_update())
+        layout.load(model, flat)
+        worst = 0.0
+        for prompt in PROMPTS[:2]:
+            reply = greedy(server.url, prompt, 12)
+            assert reply["meta_info"]["weight_version"] == "3", family
+            theirs = np.array([lp for lp, _, _ in reply["meta_info"]["output_token_logprobs"]])
+            worst = max(worst, float(np.abs(theirs - recomputed(model, prompt, reply["output_ids"])).max()))
+        return worst
+    finally:
+        server.stop()

@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gyre_hpc.models.architecture import Qwen3Config
+from gyre_hpc.models.architecture import ModelConfig
 from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.recipe.schema import TrainerConfig
 from gyre_hpc.trainer.torch_backend import TorchTrainer
@@ -186,7 +186,7 @@ def assert_same_step(paths, tree, seqs: list[TrainSequence], forwarded: int) -> 
 def test_the_torch_tree_micro_step_gives_the_paths_loss_and_gradient(
     torch_pair: tuple[TorchTrainer, TorchTrainer], tiny: Path, spec: dict
 ) -> None:
-    seqs = draw(spec, Qwen3Config.load(tiny).vocab_size)
+    seqs = draw(spec, ModelConfig.load(tiny).vocab_size)
     assert_same_step(*torch_pair, seqs, unique_tokens(seqs))  # one forest, chain by chain
 
 
@@ -209,7 +209,7 @@ def test_the_megatron_tree_micro_step_gives_the_paths_loss_and_gradient(
     tiny: Path,
     spec: dict,  # noqa: ANN001
 ) -> None:
-    seqs = draw(spec, Qwen3Config.load(tiny).vocab_size)
+    seqs = draw(spec, ModelConfig.load(tiny).vocab_size)
     assert_same_step(torch_pair[0], megatron_tree, seqs, forwarded_tokens(seqs))  # a dense tree per run
 
 
@@ -229,7 +229,7 @@ def test_padding_is_forwarded_but_not_counted_and_an_empty_share_forwards_nothin
     monkeypatch.setattr(t, "pad_trees", True)
     # One forest a micro-step, as under block masks on CUDA (here the dense mask of the same tree).
     monkeypatch.setattr(megatron_backend, "forward_trees", lambda seqs, block_sparse: [pack_tree(seqs)])
-    seqs = forked_sequences(Qwen3Config.load(tiny).vocab_size)
+    seqs = forked_sequences(ModelConfig.load(tiny).vocab_size)
     assert padded_length(unique_tokens(seqs), t.config.micro_step_tokens) > unique_tokens(seqs)
     assert_same_step(torch_pair[0], t, seqs, unique_tokens(seqs))
     empty = t._tree_unit(pack_tree([]))
@@ -270,7 +270,7 @@ def test_megatron_attention_takes_the_block_mask_as_the_dense_mask(megatron_tree
     from gyre_hpc.trainer.base import tree_inputs
     from gyre_hpc.trainer.megatron_backend import PositionedRotary, build_model
 
-    tree = pack_tree(forked_sequences(Qwen3Config.load(tiny).vocab_size))
+    tree = pack_tree(forked_sequences(ModelConfig.load(tiny).vocab_size))
     t = megatron_tree
     blocky = build_model(t.model_config, t.layout, t.dtype, block_masks=True)
     blocky.rotary_pos_emb = PositionedRotary(blocky.rotary_pos_emb)
@@ -294,7 +294,7 @@ def test_with_recomputation_the_block_mask_reaches_every_layer_beside_megatron_s
     from gyre_hpc.trainer.base import tree_inputs
     from gyre_hpc.trainer.megatron_backend import PositionedRotary, build_model
 
-    tree = pack_tree(forked_sequences(Qwen3Config.load(tiny).vocab_size))
+    tree = pack_tree(forked_sequences(ModelConfig.load(tiny).vocab_size))
     t = megatron_tree
     blocky = build_model(t.model_config, t.layout, t.dtype, block_masks=True, recompute="full")
     blocky.rotary_pos_emb = PositionedRotary(blocky.rotary_pos_emb)
@@ -314,7 +314,7 @@ def test_with_recomputation_the_block_mask_reaches_every_layer_beside_megatron_s
 @pytest.mark.megatron
 def test_a_tree_padded_to_its_bucket_gives_the_same_step(megatron_tree, tiny: Path) -> None:  # noqa: ANN001
     """What a cell on CUDA does to bound its compiled lengths (here with the dense mask)."""
-    seqs = forked_sequences(Qwen3Config.load(tiny).vocab_size)
+    seqs = forked_sequences(ModelConfig.load(tiny).vocab_size)
     t = megatron_tree
     t.zero_grad()
     plain = t.micro_step(seqs)
@@ -347,7 +347,7 @@ def test_a_megatron_tree_over_tensor_pipeline_or_data_parallel_ranks_gives_the_p
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     got = np.load(out)
-    seqs = forked_sequences(Qwen3Config.load(tiny).vocab_size)
+    seqs = forked_sequences(ModelConfig.load(tiny).vocab_size)
     paths = TorchTrainer(tiny, CFG, core=True)
     stats = paths.micro_step(seqs)
     assert float(got["loss"]) == pytest.approx(stats.loss_sum, rel=1e-5)
@@ -369,7 +369,7 @@ def test_on_cuda_a_megatron_tree_with_block_masks_gives_the_paths_step(tiny: Pat
     paths = MegatronTrainer(tiny, CFG, core=True)
     tree = MegatronTrainer(tiny, CFG, core=True, packing="tree")
     assert tree.device.type == "cuda"
-    seqs = forked_sequences(Qwen3Config.load(tiny).vocab_size)
+    seqs = forked_sequences(ModelConfig.load(tiny).vocab_size)
     a, b = paths.micro_step(seqs), tree.micro_step(seqs)
     assert b.loss_sum == pytest.approx(a.loss_sum, rel=1e-4) and b.tokens < a.tokens
     ga, gb = paths.gradient(), tree.gradient()
@@ -383,7 +383,7 @@ def test_the_torch_trainer_on_a_gpu_takes_the_cpu_s_step(tiny: Path) -> None:
     element by lr · g / (|g| + eps): where |g| is within a few eps of 0 the devices' gradients,
     equal to 1e-4, can move it by up to lr on one and not the other, so weights are compared
     only where every gradient so far is well above eps, and everywhere within lr."""
-    seqs = forked_sequences(Qwen3Config.load(tiny).vocab_size)
+    seqs = forked_sequences(ModelConfig.load(tiny).vocab_size)
     cpu, gpu = (TorchTrainer(tiny, CFG, core=True, device=d) for d in ("cpu", "cuda"))
     assert gpu.flat.is_cuda and not gpu.host_grad.is_cuda
     for t in (cpu, gpu):
@@ -416,7 +416,7 @@ def test_the_torch_trainer_on_a_gpu_takes_the_cpu_s_step(tiny: Path) -> None:
 def test_a_torch_trainer_whose_buffers_moved_trains_on_as_before(tiny: Path) -> None:
     """What ``release_memory``/``resume_memory`` do on a GPU, done by hand on the CPU: the flat
     buffers and Adam's moments move, the parameters follow them as views, the step is unchanged."""
-    seqs = forked_sequences(Qwen3Config.load(tiny).vocab_size)
+    seqs = forked_sequences(ModelConfig.load(tiny).vocab_size)
     kept, moved = TorchTrainer(tiny, CFG, core=True), TorchTrainer(tiny, CFG, core=True)
     for t in (kept, moved):
         t.micro_step(seqs)

@@ -18,8 +18,8 @@ from conftest import flat_of, recomputed
 from gyre_hpc.engines.embedded import Engine
 from gyre_hpc.engines.sampling import SamplingParams
 from gyre_hpc.engines.server import make_app
+from gyre_hpc.models.causal_lm import CausalLM
 from gyre_hpc.models.flat import FlatLayout
-from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.proxy.router import EngineSlot, Router
 from gyre_hpc.trajectory.records import CallMeta
@@ -33,9 +33,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_tiny(tmp_path_factory.mktemp("models") / "tiny", seed=0)
 
 
-def weights(tiny: Path, seed: int) -> tuple[Qwen3ForCausalLM, torch.Tensor]:
+def weights(tiny: Path, seed: int) -> tuple[CausalLM, torch.Tensor]:
     """The tiny model moved by a seeded perturbation, and its flat buffer."""
-    model = Qwen3ForCausalLM.from_pretrained(tiny)
+    model = CausalLM.from_pretrained(tiny)
     flat = flat_of(model)
     flat = flat + torch.from_numpy(np.random.RandomState(seed).randn(flat.numel()).astype(np.float32)) * 0.05
     FlatLayout.of(model.config).load(model, flat)

@@ -27,10 +27,10 @@ from safetensors.torch import save_file
 
 warnings.filterwarnings("ignore")
 
-from gyre_hpc.models.architecture import Qwen3Config  # noqa: E402
+from gyre_hpc.models.architecture import ModelConfig  # noqa: E402
 from gyre_hpc.models.catalog import tiny_config  # noqa: E402
+from gyre_hpc.models.causal_lm import CausalLM  # noqa: E402
 from gyre_hpc.models.flat import FlatLayout  # noqa: E402
-from gyre_hpc.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 from gyre_hpc.recipe.schema import TrainerConfig  # noqa: E402
 from gyre_hpc.trainer.megatron_backend import MegatronTrainer  # noqa: E402
 from gyre_hpc.trainer.megatron_weights import megatron_to_hf  # noqa: E402
@@ -38,7 +38,7 @@ from gyre_hpc.trajectory.sequences import TrainSequence  # noqa: E402
 
 SIZES = {
     # Qwen3-1.7B's shape.
-    "1.7b": Qwen3Config(
+    "1.7b": ModelConfig(
         vocab_size=151_936,
         hidden_size=2048,
         intermediate_size=6144,
@@ -53,11 +53,11 @@ SIZES = {
 }
 
 
-def write_model(c: Qwen3Config, model_dir: Path) -> Path:
+def write_model(c: ModelConfig, model_dir: Path) -> Path:
     """Random weights (std 0.02) as one bf16 safetensors file, built layer by layer on the CPU."""
     model_dir.mkdir(parents=True, exist_ok=True)
     with torch.device("meta"):
-        shapes = {n: p.shape for n, p in Qwen3ForCausalLM(c).named_parameters()}
+        shapes = {n: p.shape for n, p in CausalLM(c).named_parameters()}
     gen = torch.Generator().manual_seed(0)
     state = {n: (torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16) for n, s in shapes.items()}
     save_file(state, str(model_dir / "model.safetensors"), {"format": "pt"})
@@ -84,7 +84,7 @@ def timed(fn, repeat: int = 1) -> tuple[float, object]:  # noqa: ANN001
     return best, out
 
 
-def tree_micro_step(trainer: MegatronTrainer, c: Qwen3Config, unique: int, leaves: int, steps: int) -> dict:
+def tree_micro_step(trainer: MegatronTrainer, c: ModelConfig, unique: int, leaves: int, steps: int) -> dict:
     """One micro-step of a deep shared prefix (3/4 of ``unique``) forked into ``leaves`` paths,
     packed as a tree: its time and the device's peak memory; the paths would forward far more."""
     rng = np.random.default_rng(1)

@@ -110,12 +110,12 @@ def main() -> None:
         worker(Path(os.environ["BENCH_PUSH_MODEL"]), args.tp, args.pp, args.bucket_mb << 20)
         return
     sys.path.insert(0, str(HERE))
-    from gyre_hpc.models.architecture import Qwen3Config
+    from gyre_hpc.models.architecture import ModelConfig
     from gyre_hpc.models.flat import FlatLayout
     from tools.bench_shards import SHAPE
 
     model_dir = Path(tempfile.mkdtemp(prefix="bench-push-"))
-    config = Qwen3Config(**SHAPE)
+    config = ModelConfig(**SHAPE)
     (model_dir / "config.json").write_text(json.dumps(config.to_hf()))
     layout = FlatLayout.of(config)
     flat = np.random.default_rng(0).standard_normal(layout.numel, dtype=np.float32) * 0.02

@@ -36,9 +36,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from gyre_hpc.engines.sglang import SGLangServer, TensorPush, call  # noqa: E402
-from gyre_hpc.models.architecture import Qwen3Config  # noqa: E402
+from gyre_hpc.models.architecture import ModelConfig  # noqa: E402
+from gyre_hpc.models.causal_lm import CausalLM  # noqa: E402
 from gyre_hpc.models.flat import FlatLayout  # noqa: E402
-from gyre_hpc.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 from gyre_hpc.models.tiny import init_tiny  # noqa: E402
 from gyre_hpc.recipe.schema import EngineConfig  # noqa: E402
 from gyre_hpc.trainer.checkpoint import read_weights  # noqa: E402
@@ -76,12 +76,12 @@ def adam_versions(root: Path, lr: float, steps: int) -> tuple[Path, list[np.ndar
     import torch
 
     model_dir = init_tiny(root / "model", seed=0)  # tokenizer, template, a config to widen
-    config = replace(Qwen3Config.load(model_dir), **SIZE_1_2GB)
+    config = replace(ModelConfig.load(model_dir), **SIZE_1_2GB)
     layout = FlatLayout.of(config)
     first = np.random.default_rng(0).standard_normal(layout.numel, dtype=np.float32) * np.float32(0.02)
     (model_dir / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
     layout.save(first, model_dir, model_dir)
-    model = Qwen3ForCausalLM(config)
+    model = CausalLM(config)
     weights = torch.from_numpy(first.copy())
     layout.load(model, weights)
     layout.bind(model, weights, torch.zeros_like(weights))  # each step lands in ``weights``
@@ -130,7 +130,7 @@ def main() -> None:
             made = {lr: adam_versions(root / f"adam-{lr:g}", lr, args.steps) for lr in args.lr}
             model_dir = made[args.lr[0]][0]
             versions = {lr: flats for lr, (_, flats) in made.items()}
-        layout = FlatLayout.of(Qwen3Config.load(model_dir))
+        layout = FlatLayout.of(ModelConfig.load(model_dir))
         servers = {}
         try:
             for dtype in ("float32", "bfloat16"):

@@ -129,10 +129,10 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     sys.path.insert(0, str(HERE))
-    from gyre_hpc.models.architecture import Qwen3Config
+    from gyre_hpc.models.architecture import ModelConfig
     from tools.bench_megatron import write_model
 
-    model_dir = write_model(Qwen3Config(**SHAPE), Path(tempfile.mkdtemp(prefix="bench-shards-")) / "model")
+    model_dir = write_model(ModelConfig(**SHAPE), Path(tempfile.mkdtemp(prefix="bench-shards-")) / "model")
     figures = {"before": run(args.before.resolve(), model_dir, args.tp, args.pp),
                "after": run(HERE, model_dir, args.tp, args.pp)}  # fmt: skip
     numel = figures["after"]["numel"]

@@ -43,7 +43,7 @@ HERE = Path(__file__).resolve().parents[1]
 def worker(model_dir: Path, tp: int, pp: int, repeat: int) -> None:
     from mpi4py import MPI
 
-    from gyre_hpc.models.architecture import Qwen3Config
+    from gyre_hpc.models.architecture import ModelConfig
     from gyre_hpc.models.flat import FlatLayout
     from gyre_hpc.plan.ranks import RankLayout
     from gyre_hpc.recipe.schema import TrainerConfig, TransportConfig
@@ -58,7 +58,7 @@ def worker(model_dir: Path, tp: int, pp: int, repeat: int) -> None:
     layout = RankLayout(cells=2, ranks_per_cell=tp * pp)
     sliced = transport_plan(layout, model_dir, TrainerConfig(backend="megatron", tp_size=tp, pp_size=pp))
     core, satellite = layout.ranks_of(0), layout.ranks_of(1)
-    numel = FlatLayout.of(Qwen3Config.load(model_dir)).numel  # a whole snapshot (sliced: none)
+    numel = FlatLayout.of(ModelConfig.load(model_dir)).numel  # a whole snapshot (sliced: none)
     whole = TransportPlan(numel, core=core[0], counter=0, grads={satellite[0]: numel})
     results = {}
 
@@ -149,11 +149,11 @@ def main() -> None:
         worker(Path(os.environ["BENCH_SLICES_MODEL"]), args.tp, args.pp, args.repeat)
         return
     sys.path.insert(0, str(HERE))
-    from gyre_hpc.models.architecture import Qwen3Config
+    from gyre_hpc.models.architecture import ModelConfig
     from tools.bench_shards import SHAPE
 
     model_dir = Path(tempfile.mkdtemp(prefix="bench-slices-"))
-    (model_dir / "config.json").write_text(json.dumps(Qwen3Config(**SHAPE).to_hf()))
+    (model_dir / "config.json").write_text(json.dumps(ModelConfig(**SHAPE).to_hf()))
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
            "BENCH_SLICES_MODEL": str(model_dir), "PYTHONPATH": str(HERE)}  # fmt: skip
     if args.json:

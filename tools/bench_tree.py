@@ -44,7 +44,7 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 
-from gyre_hpc.models.architecture import Qwen3Config  # noqa: E402
+from gyre_hpc.models.architecture import ModelConfig  # noqa: E402
 from gyre_hpc.step.batch import pack  # noqa: E402
 from gyre_hpc.trajectory import TitoRecord, TrajectoryTree, select_paths  # noqa: E402
 from gyre_hpc.trajectory.codec import by_run as encoded_by_run  # noqa: E402
@@ -60,7 +60,7 @@ from gyre_hpc.trajectory.sequences import TrainSequence, build_batch  # noqa: E4
 
 JMAX = {"1": 1, "5": 5, "∞": 10**9}
 PAPER = {"5": 0.748, "1": 0.414}
-QWEN3_8B = Qwen3Config(
+QWEN3_8B = ModelConfig(
     vocab_size=151_936, hidden_size=4096, intermediate_size=12_288, num_hidden_layers=36,
     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
     max_position_embeddings=40_960,
@@ -149,13 +149,13 @@ def measure(args: argparse.Namespace) -> None:
     import torch
 
     from gyre_hpc.builtin_models.resolve import resolve_model
-    from gyre_hpc.models.architecture import Qwen3Config
+    from gyre_hpc.models.architecture import ModelConfig
     from gyre_hpc.recipe.schema import TrainerConfig
     from gyre_hpc.trainer.torch_backend import TorchTrainer
 
     torch.set_num_threads(args.threads)
     model = resolve_model("tiny-warm")
-    vocab = Qwen3Config.load(model).vocab_size
+    vocab = ModelConfig.load(model).vocab_size
     seqs = sequences(workload(args.workload, args, vocab), JMAX[args.jmax], args.seed)
     queue = pack(seqs, args.budget, args.side)
     trainer = TorchTrainer(model, TrainerConfig(grad_clip=0.0), core=True, packing=args.side)
@@ -186,7 +186,7 @@ def run_side(args: argparse.Namespace, name: str, jmax: str, side: str) -> dict:
 # ---- the report -----------------------------------------------------------------------------------
 
 
-def flops(units: list[np.ndarray], c: Qwen3Config) -> float:
+def flops(units: list[np.ndarray], c: ModelConfig) -> float:
     """Forward + backward FLOPs of forwarding each array of positions as one unit under an exact
     sparse attention: 6 per parameter per token, and per attended (query, key) pair 6 · heads ·
     head_dim per layer for QKᵀ and AV (a token at position p attends to p + 1 keys)."""
@@ -222,10 +222,10 @@ def main() -> None:
         return measure(args)
 
     from gyre_hpc.builtin_models.resolve import resolve_model
-    from gyre_hpc.models.architecture import Qwen3Config
+    from gyre_hpc.models.architecture import ModelConfig
 
     console = Console(width=140)
-    vocab = Qwen3Config.load(resolve_model("tiny-warm")).vocab_size
+    vocab = ModelConfig.load(resolve_model("tiny-warm")).vocab_size
     with tempfile.TemporaryDirectory() as tmp:
         if not args.tito:
             with console.status(f"recording {args.n} repo-mini-long executions (gyre-hpc eval)…"):

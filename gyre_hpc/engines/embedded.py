@@ -36,8 +36,8 @@ from safetensors.torch import load_file
 
 from gyre_hpc.engines import kv_transfer
 from gyre_hpc.engines.sampling import BadRequest, SamplingParams, sample
+from gyre_hpc.models.causal_lm import CausalLM
 from gyre_hpc.models.flat import FlatLayout
-from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 from gyre_hpc.models.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ class Engine:
     ) -> None:
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
-        self.model = Qwen3ForCausalLM.from_pretrained(self.model_dir, dtype).to(self.device)
+        self.model = CausalLM.from_pretrained(self.model_dir, dtype).to(self.device)
         self.dtype = dtype
         self.config = self.model.config
         self.flat_layout = FlatLayout.of(self.config)

@@ -40,7 +40,7 @@ from gyre_hpc.engines.server import make_app
 from gyre_hpc.engines.sglang import HeadPeers, PartPeers, PartPush, SGLangServer, Span
 from gyre_hpc.engines.staging import Tensors
 from gyre_hpc.errors import LaunchError
-from gyre_hpc.models.architecture import Qwen3Config
+from gyre_hpc.models.architecture import ModelConfig
 from gyre_hpc.plan.memory import Shape
 from gyre_hpc.recipe.schema import EngineConfig
 
@@ -139,7 +139,7 @@ def host_engine(
         cache = engine.max_total_tokens or CPU_CACHE_TOKENS
         if device == "cuda" and not engine.max_total_tokens:
             free, total = torch.cuda.mem_get_info(at)
-            shape = Shape.of(Qwen3Config.load(model_dir))
+            shape = Shape.of(ModelConfig.load(model_dir))
             cache = cache_tokens(free, total, engine.mem_fraction_static, shape, dtype.itemsize)
     embedded = Engine(model_dir, max_running=capacity, cache_tokens=cache, dtype=dtype, device=at)
     return EmbeddedHost(embedded, host)

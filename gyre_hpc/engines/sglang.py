@@ -50,7 +50,7 @@ from gyre_hpc.engines.pushed import Pushed
 from gyre_hpc.engines.weight_delta import LOADER
 from gyre_hpc.errors import LaunchError
 from gyre_hpc.launch.ports import free_port
-from gyre_hpc.models.architecture import Qwen3Config
+from gyre_hpc.models.architecture import ModelConfig
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.recipe.schema import EngineConfig
 
@@ -678,7 +678,7 @@ class SGLangServer:
         self.log = work_dir / "sglang.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.group: WeightGroup | TensorPush | None = None
-        self.layout = FlatLayout.of(Qwen3Config.load(model_dir))
+        self.layout = FlatLayout.of(ModelConfig.load(model_dir))
         self.sent: Sent | None = None
         """A fault point: called with the path of each request this side sends it (tests)."""
 

@@ -41,8 +41,9 @@ class Staged:
 
 
 def flat_tensors(layout: FlatLayout, flat: np.ndarray) -> Tensors:
-    """A flat snapshot's tensors, as views, in the layout's order."""
-    return layout.views(torch.from_numpy(flat)).items()
+    """A flat snapshot's tensors as a checkpoint names them, in the layout's order: views (copies
+    only of fused experts, one tensor per expert)."""
+    return layout.checkpoint_tensors(torch.from_numpy(flat)).items()
 
 
 @dataclass

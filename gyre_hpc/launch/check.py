@@ -4,7 +4,8 @@ each other). One function, ``check_launch``, so the three agree:
 
 ```
  recipe ─▶ engines placed on every cell's GPUs (plan.placement) ─▶ backends this runtime drives
-        ─▶ trackers installed ─▶ the memory plan of a cell's worst GPU fits (plan.memory) ─▶ LaunchPlan
+        ─▶ trackers installed ─▶ the model's family runs here (models.family)
+        ─▶ the memory plan of a cell's worst GPU fits (plan.memory) ─▶ LaunchPlan
 ```
 
 The first that fails is one ``RecipeError`` line naming the keys that change it. It knows nothing
@@ -18,7 +19,9 @@ import importlib.util
 from dataclasses import dataclass
 
 from gyre_hpc.errors import RecipeError
+from gyre_hpc.models.architecture import ModelConfig
 from gyre_hpc.models.catalog import model_shape
+from gyre_hpc.models.family import FAMILIES, UnsupportedFamily
 from gyre_hpc.plan.memory import MemoryPlan, check_memory
 from gyre_hpc.plan.placement import EnginePlan, cell_engines
 from gyre_hpc.recipe.schema import EngineConfig, ObservabilityConfig, Recipe, TrainerConfig
@@ -42,10 +45,57 @@ def check_launch(r: Recipe) -> LaunchPlan:
     engines = cell_engines(r.cells, r.slurm, r.engine)
     check_runnable(r.engine, r.trainer)
     check_trackers(r.observability)
-    memory = check_memory(
-        model_shape(r.run.model), r.cells, r.engine, r.trainer, r.agent, r.slurm.nodes_per_cell
+    shape = check_model(r.run.model, r.trainer, r.engine)
+    memory = check_memory(shape, r.cells, r.engine, r.trainer, r.agent, r.slurm.nodes_per_cell)
+    warnings = model_warnings(r.run.model, shape) + installed_stack_warnings(r)
+    return LaunchPlan(engines=engines, memory=memory, warnings=warnings)
+
+
+def check_model(model: str, trainer: TrainerConfig, engine: EngineConfig) -> ModelConfig | None:
+    """``run.model``'s shape where it is known here: a family gyre-hpc runs, with attention its
+    engines mask right, that the trainer converts."""
+    try:
+        shape = model_shape(model)
+    except UnsupportedFamily as err:
+        raise RecipeError(f"run.model = {model!r}: {err}") from None
+    if shape is None:
+        return None
+    if shape.sliding_window is not None:
+        raise RecipeError(
+            f"run.model = {model!r}: sliding-window attention (config.json sliding_window = "
+            f"{shape.sliding_window}) is not supported; valid: a model whose attention sees its whole "
+            "context (sliding_window = null, or use_sliding_window = false)"
+        )
+    if shape.family.experts and engine.weight_sync == "delta":
+        raise RecipeError(
+            f"run.model = {model!r}: engine.weight_sync = 'delta' cuts the model's own tensors, and a "
+            f"{shape.model_type!r} model's engines take its experts one tensor each; valid for it: "
+            '"tensor", "broadcast" or "disk"'
+        )
+    if engine.backend == "sglang" and shape.family.experts and shape.tie_word_embeddings:
+        raise RecipeError(
+            f"run.model = {model!r}: SGLang's {shape.model_type} does not tie its output head to the "
+            "embedding (config.json tie_word_embeddings = true); valid with engine.backend = 'sglang': "
+            "an untied model, as published"
+        )
+    if trainer.backend == "megatron" and not shape.family.megatron:
+        megatron = sorted(f for f, family in FAMILIES.items() if family.megatron)
+        raise RecipeError(
+            f"run.model = {model!r}: trainer.backend = 'megatron' does not convert the "
+            f"{shape.model_type!r} family yet (it converts {', '.join(megatron)}); valid for it: "
+            "trainer.backend = 'torch'"
+        )
+    return shape
+
+
+def model_warnings(model: str, shape: ModelConfig | None) -> tuple[str, ...]:
+    """What the model's family does that the proxy does not yet read."""
+    if shape is None or shape.family.tool_format is not None:
+        return ()
+    return (
+        f"warning: run.model is a {shape.model_type!r} model, whose tool-call format the proxy does "
+        "not parse yet: its tool calls reach the agent as plain text",
     )
-    return LaunchPlan(engines=engines, memory=memory, warnings=installed_stack_warnings(r))
 
 
 def installed_stack_warnings(r: Recipe) -> tuple[str, ...]:

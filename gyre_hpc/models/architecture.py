@@ -1,17 +1,26 @@
 """A model's architecture as its ``config.json`` says it, without torch: what the planners (the memory
-plan, the catalog of shapes) and the command line read, and what the torch decoder
-(``models.qwen3``) builds from."""
+plan, the catalog of shapes) and the command line read, and what ``models.causal_lm`` builds
+transformers' implementation from.
+
+Every family (``models.family``) reads into the same ``ModelConfig``: the sizes every part of
+gyre-hpc asks about are fields, and the whole ``config.json`` rides along (``hf``) for
+transformers and SGLang, which know the rest (rope scaling, sliding windows, biases).
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from gyre_hpc.models.family import Family, family_of
+
+_EXPERTS = ("num_experts", "num_local_experts")  # qwen3_moe, mixtral
+
 
 @dataclass(frozen=True)
-class Qwen3Config:
+class ModelConfig:
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -25,31 +34,69 @@ class Qwen3Config:
     max_position_embeddings: int = 40960
     eos_token_id: int | list[int] | None = None
     bos_token_id: int | None = None
+    model_type: str = "qwen3"
+    num_experts: int = 0
+    """Routed experts a layer (0: dense)."""
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    """An expert's hidden size (``intermediate_size`` where the family has no own key)."""
+    sliding_window: int | None = None
+    """Keys a query sees where attention slides (None: all before it)."""
+    hf: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    """The whole ``config.json`` it was read from (empty for a config built here)."""
+
+    def __post_init__(self) -> None:
+        family_of(self.model_type)
+
+    @property
+    def family(self) -> Family:
+        return family_of(self.model_type)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Qwen3Config:
-        known = {f.name for f in fields(cls)}
-        d = {**d}
+    def from_dict(cls, d: dict[str, Any], where: str = "config.json") -> ModelConfig:
+        family_of(d.get("model_type"), where)
+        known = {f.name for f in fields(cls)} - {"hf"}
+        hf, d = d, {**d}
         d.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
+        d.setdefault("num_key_value_heads", d["num_attention_heads"])
+        if d.get("head_dim") is None:
+            d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
         if "rope_theta" not in d and isinstance(d.get("rope_parameters"), dict):
             d["rope_theta"] = d["rope_parameters"].get("rope_theta", 1_000_000.0)
-        return cls(**{k: v for k, v in d.items() if k in known})
+        if not d.get("use_sliding_window", "sliding_window" in d):  # qwen2/3 keep a window they do not use
+            d["sliding_window"] = None
+        for key in _EXPERTS:
+            if d.get(key):
+                d["num_experts"] = d[key]
+        if d.get("num_experts"):
+            d.setdefault("moe_intermediate_size", d["intermediate_size"])
+        return cls(**{k: v for k, v in d.items() if k in known}, hf=hf)
 
     @classmethod
-    def load(cls, model_dir: str | Path) -> Qwen3Config:
-        return cls.from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+    def load(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        return cls.from_dict(json.loads(path.read_text()), str(path))
 
     def to_hf(self) -> dict[str, Any]:
-        return {
-            "architectures": ["Qwen3ForCausalLM"],
-            "model_type": "qwen3",
+        """``config.json``: the one it was read from with these fields over it, or a fresh one."""
+        mine = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "hf"}
+        experts = mine.pop("num_experts"), mine.pop("num_experts_per_tok"), mine.pop("moe_intermediate_size")
+        if experts[0]:
+            key = "num_local_experts" if self.model_type == "mixtral" else "num_experts"
+            mine |= {key: experts[0], "num_experts_per_tok": experts[1]}
+            if self.model_type != "mixtral":
+                mine["moe_intermediate_size"] = experts[2]
+        fresh = {
+            "architectures": [self.family.architecture],
             "hidden_act": "silu",
             "attention_bias": False,
             "attention_dropout": 0.0,
             "torch_dtype": "float32",
             "use_cache": True,
-            **{f.name: getattr(self, f.name) for f in fields(self)},
         }
+        merged = {**fresh, **self.hf, **mine}
+        merged["architectures"] = merged.get("architectures") or fresh["architectures"]
+        return merged
 
     @property
     def eos_ids(self) -> list[int]:

@@ -1,8 +1,9 @@
 """The flat weight layout: a model's parameters as one contiguous float32 buffer.
 
 ```
- Qwen3Config ─▶ slots: HF tensor name → (offset, shape), unique parameters in registration order
-                (a tied lm_head is the embedding's slot and is not listed)
+ ModelConfig ─▶ slots: parameter name → (offset, shape), unique parameters in registration order
+                (a tied lm_head is the embedding's slot and is not listed; the names are the
+                checkpoint's but for fused experts: checkpoint_tensors / from_checkpoint)
 
  [ embed_tokens | layers.0.input_layernorm | layers.0.self_attn.q_proj | … | norm | (lm_head) ]
    0            at₁                          at₂                            … numel
@@ -15,7 +16,7 @@ this module, so the layout is derived once. It knows nothing about where the buf
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -23,26 +24,50 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from gyre_hpc.models.architecture import Qwen3Config
+from gyre_hpc.models.architecture import ModelConfig
+from gyre_hpc.models.causal_lm import CausalLM, checkpoint_names, model_names
 from gyre_hpc.models.hf_files import WEIGHTS, copy_model_files
-from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
 
 
 @dataclass(frozen=True)
 class FlatLayout:
     slots: dict[str, tuple[int, torch.Size]]
-    """Hugging Face tensor name → (offset, shape) in the flat buffer."""
+    """The model's parameter name → (offset, shape) in the flat buffer: a checkpoint's tensor
+    names, except where transformers fuses a layer's experts into one tensor
+    (``checkpoint_tensors`` names them as checkpoints do)."""
+    config: ModelConfig | None = field(default=None, compare=False)
 
     @classmethod
-    def of(cls, config: Qwen3Config) -> FlatLayout:
+    def of(cls, config: ModelConfig) -> FlatLayout:
         """Built on the meta device: no memory, no initialisation."""
         with torch.device("meta"):
-            model = Qwen3ForCausalLM(config)
+            model = CausalLM(config)
         slots, at = {}, 0
         for name, p in model.named_parameters():  # tied parameters are listed once
             slots[name] = (at, p.shape)
             at += p.numel()
-        return cls(slots)
+        return cls(slots, config)
+
+    @cached_property
+    def _meta(self) -> CausalLM:
+        assert self.config is not None
+        with torch.device("meta"):
+            return CausalLM(self.config)
+
+    @property
+    def renames(self) -> bool:
+        """Whether a checkpoint names tensors otherwise than the model does (fused experts)."""
+        return self.config is not None and self.config.family.experts
+
+    def checkpoint_tensors(self, flat: np.ndarray | torch.Tensor) -> dict[str, torch.Tensor]:
+        """``flat`` as a checkpoint's named tensors: views, or for fused experts copies, one
+        tensor per expert (what transformers saves and SGLang loads)."""
+        views = self.views(flat)
+        return checkpoint_names(self._meta.hf, views) if self.renames else views
+
+    def from_checkpoint(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A checkpoint's named tensors under the layout's names (``checkpoint_tensors`` undone)."""
+        return model_names(self._meta.hf, state) if self.renames else state
 
     @cached_property
     def numel(self) -> int:
@@ -89,5 +114,6 @@ class FlatLayout:
     def save_weights(self, flat: np.ndarray, out: Path) -> Path:
         """``flat`` as ``out``'s one weights file (``model.safetensors``); its path."""
         path = out / WEIGHTS
-        save_file({k: v.contiguous() for k, v in self.views(flat).items()}, str(path), {"format": "pt"})
+        tensors = self.checkpoint_tensors(flat)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), {"format": "pt"})
         return path

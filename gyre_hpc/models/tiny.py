@@ -9,6 +9,7 @@ The byte-level BPE is trained on a small built-in corpus of code, prose and tool
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,8 +17,9 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from gyre_hpc.models.architecture import ModelConfig
 from gyre_hpc.models.catalog import VOCAB_SIZE, tiny_config
-from gyre_hpc.models.qwen3 import Qwen3ForCausalLM
+from gyre_hpc.models.causal_lm import CausalLM, checkpoint_names
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -72,22 +74,17 @@ def train_tokenizer(words: Sequence[str] = ()) -> Tokenizer:
     return tok
 
 
-def init_tiny(model_dir: str | Path, seed: int = 0, words: Sequence[str] = ()) -> Path:
+def init_tiny(model_dir: str | Path, seed: int = 0, words: Sequence[str] = (), family: str = "qwen3") -> Path:
     """``words``: a task suite's vocabulary the tokenizer keeps whole (the built-ins pass the
-    smoke suite's; this module knows no suite)."""
+    smoke suite's; this module knows no suite). ``family``: any of ``catalog.TINY_FAMILIES``, the
+    same tokenizer and chat template for each."""
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(words)
     tok.save(str(model_dir / "tokenizer.json"))
     eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
-    config = tiny_config(tok.get_vocab_size(), eos)
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.02)
-    save_weights(model, model_dir / "model.safetensors")
+    config = tiny_config(tok.get_vocab_size(), eos, family)
+    save_weights(random_model(config, seed), model_dir / "model.safetensors")
     (model_dir / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}, indent=2) + "\n")
     (model_dir / "chat_template.jinja").write_text(TEMPLATE)
@@ -108,8 +105,43 @@ def init_tiny(model_dir: str | Path, seed: int = 0, words: Sequence[str] = ()) -
     return model_dir
 
 
-def save_weights(model: Qwen3ForCausalLM, path: Path) -> None:
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+def random_model(config: ModelConfig, seed: int) -> CausalLM:
+    """``config``'s model with every matrix drawn from N(0, 0.02), norms one and biases zero: the
+    same weights for the same config and seed, on any machine."""
+    model = CausalLM(config, init=False)
+    torch.manual_seed(seed)
+    _advance_as_first_built(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.fill_(1.0)
+    return model
+
+
+def _advance_as_first_built(c: ModelConfig) -> None:
+    """Advance the generator as torch's default initialisation of the first tiny model's modules
+    did before its matrices were drawn, so that a seed still names the model it always named."""
+    h, q, kv, f = (
+        c.hidden_size,
+        c.num_attention_heads * c.head_dim,
+        c.num_key_value_heads * c.head_dim,
+        c.intermediate_size,
+    )
+    torch.empty(c.vocab_size, h).normal_()
+    for _ in range(c.num_hidden_layers):
+        for rows, cols in ((q, h), (kv, h), (kv, h), (h, q), (f, h), (f, h), (h, f)):
+            torch.nn.init.kaiming_uniform_(torch.empty(rows, cols), a=math.sqrt(5))
+    torch.nn.init.kaiming_uniform_(torch.empty(c.vocab_size, h), a=math.sqrt(5))
+
+
+def save_weights(model: CausalLM, path: Path) -> None:
+    """``model``'s weights as a checkpoint names them (``causal_lm.checkpoint_names``)."""
+    state = {k: v.detach() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    state = {k: v.contiguous() for k, v in checkpoint_names(model.hf, state).items()}
     save_file(state, str(path), metadata={"format": "pt"})

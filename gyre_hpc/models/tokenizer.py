@@ -1,6 +1,6 @@
 """A model directory's tokenizer and chat template, loaded without any hub access.
 
-Reads ``tokenizer.json`` (the ``tokenizers`` format every Qwen3 checkpoint ships) and the chat
+Reads ``tokenizer.json`` (the ``tokenizers`` format every supported family ships) and the chat
 template from ``chat_template.jinja`` or ``tokenizer_config.json``, and renders the template in a
 sandboxed Jinja environment, the way Hugging Face does.
 """
@@ -9,12 +9,22 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+
+
+def _token(value: Any) -> str | None:
+    """A special token as ``tokenizer_config.json`` writes it: a string, or ``{"content": …}``."""
+    return value["content"] if isinstance(value, dict) else value
+
+
+def _raise(message: str) -> None:
+    raise ValueError(f"chat template: {message}")
 
 
 class ChatTokenizer:
@@ -30,9 +40,8 @@ class ChatTokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.filters["tojson"] = lambda v, **kw: json.dumps(v, ensure_ascii=False, **kw)
         self.template = env.from_string(template)
-        self.eos_token = config.get("eos_token") or "<|im_end|>"
-        if isinstance(self.eos_token, dict):
-            self.eos_token = self.eos_token["content"]
+        self.eos_token = _token(config.get("eos_token")) or "<|im_end|>"
+        self.bos_token = _token(config.get("bos_token")) or ""
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special tokens written in it are recognised, none are added."""
@@ -53,10 +62,16 @@ class ChatTokenizer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
     ) -> str:
+        # What Hugging Face hands every template (Llama 3's use bos_token, raise_exception and
+        # strftime_now): any family's own template renders as transformers would render it.
         return self.template.render(
             messages=list(messages),
             tools=list(tools) if tools else None,
             add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            raise_exception=_raise,
+            strftime_now=lambda fmt: time.strftime(fmt),
         )
 
     @property

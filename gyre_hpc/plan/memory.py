@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from gyre_hpc.errors import RecipeError
-from gyre_hpc.models.architecture import Qwen3Config
+from gyre_hpc.models.architecture import ModelConfig
 from gyre_hpc.recipe.schema import AgentConfig, CellsConfig, EngineConfig, TrainerConfig
 
 GIB = 1 << 30
@@ -78,6 +78,8 @@ class MemoryPlan:
     """The plan of the worst GPU of a cell, and what the engine's KV cache then holds."""
 
     gpu_bytes: int
+    model: str
+    """The model's family and parameters (total, and active a token where experts are routed)."""
     sampling: Phase
     training: Phase
     start_up: Phase
@@ -123,7 +125,7 @@ class MemoryPlan:
 
     def lines(self) -> list[str]:
         return [
-            f"memory plan, the worst GPU of a cell ({gib(self.gpu_bytes)} GiB):",
+            f"memory plan, the worst GPU of a cell ({gib(self.gpu_bytes)} GiB), {self.model}:",
             f"  {self.sampling.line()}",
             f"  {self.training.line()}, a micro-step of {self.micro_step_tokens:,} tokens",
             f"  {self.start_up.line()}",
@@ -169,7 +171,7 @@ def gib(n: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Shape:
-    """The sizes the plan needs, from a Qwen3 config."""
+    """The sizes the plan needs, from any family's config (``models.architecture``)."""
 
     layers: int
     hidden: int
@@ -182,20 +184,38 @@ class Shape:
     ffn: int
     vocab: int
     tied: bool
+    experts: int = 0
+    """Routed experts a layer (0: a dense MLP of ``ffn``)."""
+    active: int = 0
+    """Experts a token is routed to."""
+    expert_ffn: int = 0
+    qk_norm: bool = True
+    """Per-head RMSNorm of queries and keys (Qwen3)."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2)."""
 
     @classmethod
-    def of(cls, c: Qwen3Config) -> Shape:
+    def of(cls, c: ModelConfig) -> Shape:
         hd = c.head_dim
         return cls(
             c.num_hidden_layers, c.hidden_size, c.num_attention_heads * hd, c.num_key_value_heads * hd,
             c.num_key_value_heads, hd, c.intermediate_size, c.vocab_size, c.tie_word_embeddings,
+            c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+            qk_norm=c.model_type in ("qwen3", "qwen3_moe"),
+            qkv_bias=c.model_type == "qwen2" or bool(c.hf.get("attention_bias")),
         )  # fmt: skip
+
+    def _layer(self, experts: int) -> int:
+        h = self.hidden
+        attention = h * (self.q + 2 * self.kv) + self.q * h
+        attention += 2 * self.head_dim if self.qk_norm else 0
+        attention += self.q + 2 * self.kv if self.qkv_bias else 0
+        mlp = experts * 3 * h * self.expert_ffn + h * self.experts if self.experts else 3 * h * self.ffn
+        return attention + mlp + 2 * h
 
     @property
     def layer_params(self) -> int:
-        h = self.hidden
-        attention = h * (self.q + 2 * self.kv) + self.q * h + 2 * self.head_dim
-        return attention + 3 * h * self.ffn + 2 * h
+        return self._layer(self.experts)
 
     @property
     def embedding_params(self) -> int:
@@ -206,6 +226,24 @@ class Shape:
         head = 0 if self.tied else self.embedding_params
         return self.layers * self.layer_params + self.embedding_params + head + self.hidden
 
+    @property
+    def active_params(self) -> int:
+        """What one token computes with: its ``active`` experts of each layer (all, where dense)."""
+        head = 0 if self.tied else self.embedding_params
+        return self.layers * self._layer(self.active) + self.embedding_params + head + self.hidden
+
+    @property
+    def mlp_tensor(self) -> int:
+        """Elements of a layer's largest tensor: its [gate | up] projection, or its experts'
+        fused [gate | up] (as transformers keeps them)."""
+        return (
+            self.experts * 2 * self.expert_ffn * self.hidden if self.experts else 2 * self.ffn * self.hidden
+        )
+
+    @property
+    def largest_tensor(self) -> int:
+        return max(self.embedding_params, self.mlp_tensor)
+
     def kv_bytes_per_token(self, itemsize: int, tp: int = 1) -> int:
         """Keys and values one token leaves in one engine rank's cache (fewer kv heads than
         ranks: each rank keeps one)."""
@@ -214,13 +252,19 @@ class Shape:
     def layer_activation_elements(self, tp: int) -> int:
         """Elements one token leaves saved for backward in one layer: the two norms' inputs and
         outputs (whole on every tensor-parallel rank), and per rank its share of q, k, v (before
-        and after their norms), the attention output, the MLP's [gate | up] and its product."""
-        split = 3 * self.q + 3 * self.kv + 3 * self.ffn
-        return 4 * self.hidden + split // tp
+        and after their norms), the attention output, the MLP's [gate | up] and its product (for
+        each expert the token is routed to, with the router's logits)."""
+        mlp = 3 * self.active * self.expert_ffn if self.experts else 3 * self.ffn
+        split = 3 * self.q + 3 * self.kv + mlp
+        return 4 * self.hidden + self.experts + split // tp
+
+    def line(self, c: ModelConfig) -> str:
+        active = f" ({self.active_params / 1e9:.2f}B active a token)" if self.experts else ""
+        return f"model {c.model_type}, {self.params / 1e9:.2f}B parameters{active}"
 
 
 def plan(
-    model: Qwen3Config,
+    model: ModelConfig,
     cells: CellsConfig,
     engine: EngineConfig,
     trainer: TrainerConfig,
@@ -284,7 +328,7 @@ def plan(
         # The trainer is built, and the core restores and publishes, while the engine already
         # holds its pool: its weights and fp32 masters, and the largest tensor gathered whole in
         # fp32 (the shards, then their concatenation). Restored optimizer state stays on the host.
-        gathered = 2 * 4 * max(t.embedding_params if first or last else 0, 2 * t.ffn * t.hidden)
+        gathered = 2 * 4 * max(t.embedding_params if first or last else 0, t.mlp_tensor)
         starts.append(Phase("start-up", (
             Part("engine static pool", static), Part("engine workspace", ENGINE_WORKSPACE),
             state, Part("fp32 master", master), Part("largest tensor gathered", gathered),
@@ -301,7 +345,7 @@ def plan(
     rank_params = t.params // (tp * pp)
     state = rank_params * (train_dtype + (4 if trainer.dtype != "float32" else 0) + 8 + 4)
     streams = trainer.backend == "megatron" and not cells.rollout_pool
-    largest = 4 * max(s.embedding_params, 2 * s.ffn * s.hidden)
+    largest = 4 * s.largest_tensor
     whole = 0 if streams else 4 * s.params
     staging = bucket + largest if streams else 0
     # delta: the version each side last held, in the served dtype: the sender's (a rank hosting
@@ -311,6 +355,7 @@ def plan(
     heads = per_node // engine.tp_size if engine.tp_size <= per_node else 1  # the leader's node
     return MemoryPlan(
         gpu_bytes=gpu,
+        model=s.line(model),
         sampling=sampling,
         training=training,
         start_up=start_up,
@@ -335,7 +380,7 @@ def engine_dtype(engine: EngineConfig) -> str:
 
 
 def check_memory(
-    model: Qwen3Config | None,
+    model: ModelConfig | None,
     cells: CellsConfig,
     engine: EngineConfig,
     trainer: TrainerConfig,

@@ -41,7 +41,7 @@ from gyre_hpc.engines.sampling import BadRequest, SamplingParams
 from gyre_hpc.engines.server import read_json_object
 from gyre_hpc.errors import GyreError
 from gyre_hpc.faults.points import FaultPoints
-from gyre_hpc.models.architecture import Qwen3Config
+from gyre_hpc.models.architecture import ModelConfig
 from gyre_hpc.models.tokenizer import ChatTokenizer
 from gyre_hpc.observability.events import open_log
 from gyre_hpc.proxy import messages as anthropic_messages
@@ -81,7 +81,7 @@ class Proxy:
         self.config = config
         self.tokenizer = ChatTokenizer(model_dir)
         self.model_name = Path(model_dir).name
-        model = Qwen3Config.load(model_dir)  # the engines serve this model
+        model = ModelConfig.load(model_dir)  # the engines serve this model
         self.context, self.vocab_size = model.max_position_embeddings, model.vocab_size
         self.max_chars = self.context * self.tokenizer.max_token_chars
         """The most text a prompt that fits the context can hold: any more is refused unread."""

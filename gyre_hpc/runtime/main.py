@@ -22,7 +22,7 @@ from gyre_hpc.builtin_models.resolve import resolve_model
 from gyre_hpc.diskspace import describe
 from gyre_hpc.faults.points import FaultPoints
 from gyre_hpc.launch.env import JobEnvironment
-from gyre_hpc.models.architecture import Qwen3Config
+from gyre_hpc.models.architecture import ModelConfig
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.observability import events as ev
 from gyre_hpc.observability.cell_time import CellHours
@@ -147,7 +147,7 @@ def transport_plan(layout: RankLayout, model_dir: Path, trainer: TrainerConfig) 
     exposes its weight slice, for its counterparts to pull, and unless standalone engines need
     the weights whole, no whole snapshot is exposed at all: each cell's engines load from its
     own slices (``MegatronTrainer.hf_tensors``)."""
-    config = Qwen3Config.load(model_dir)
+    config = ModelConfig.load(model_dir)
     flat = FlatLayout.of(config)
     if trainer.backend != "megatron":
         grads = {layout.leader(cell): flat.numel for cell in range(1, layout.cells)}

@@ -1,5 +1,5 @@
 """Built-in scorers: hidden checks and hidden tests passing, rule-based milestones, a task's own
-verifier command, and a seeded coin for emulated runs.
+verifier command, a question's reply against its answers, and a seeded coin for emulated runs.
 
 Each runs the policy's code only in a scoring sandbox of its own (``scoring.session``): on a
 pristine copy of the finished workspace, never the workspace itself, with the runner and its
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -209,6 +210,37 @@ class VerifierScorer:
         return value if value is not None and 0.0 <= value <= 1.0 else 1.0
 
 
+class ReplyScorer:
+    """A question's one reply against its right answers (``task["answers"]``), word by word,
+    case and punctuation aside: 1 where the reply ends with an answer ("Geese.", "The plural of
+    goose is geese."); where an answer stands elsewhere in it, the answer's share of its words;
+    else 0. Only the last words count in full, so listing candidates does not pay."""
+
+    READ_CHARS = 1 << 16
+    """The most of a reply read: a longer one holds the answer among too many words to score."""
+
+    def __init__(self, config: ScoringConfig) -> None:
+        del config
+
+    def score(self, artifacts: RunArtifacts) -> float:
+        said = words(artifacts.reply[: self.READ_CHARS])
+        best = 0.0
+        for answer in artifacts.task.get("answers") or []:
+            want = words(answer)
+            if not want:
+                continue
+            if said[-len(want) :] == want:
+                return 1.0
+            if any(said[i : i + len(want)] == want for i in range(len(said) - len(want) + 1)):
+                best = max(best, len(want) / len(said))
+        return best
+
+
+def words(text: str) -> list[str]:
+    """``text``'s words, lower case, without punctuation."""
+    return re.findall(r"[^\W_]+(?:['-][^\W_]+)*", text.lower())
+
+
 class CoinScorer:
     """Reward 1 or 0 by a coin seeded with the run id, whatever the run did.
 
@@ -230,4 +262,5 @@ BUILTIN: dict[str, Callable[[ScoringConfig], Scorer]] = {
     "milestones": MilestonesScorer,
     "verifier": VerifierScorer,
     "coin": CoinScorer,
+    "reply": ReplyScorer,
 }

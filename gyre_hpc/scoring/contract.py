@@ -31,6 +31,9 @@ class RunArtifacts:
     """Where the workspace's code runs when a scorer runs it (tests import it, commands execute
     it): the run's sandbox, over the scorer's copy, so that scoring does not hand the policy's code
     the run either."""
+    reply: str = ""
+    """The run's last word: its one reply to a question (a task with ``answers``), else the
+    summary it finished with."""
 
 
 class EvaluationError(Exception):

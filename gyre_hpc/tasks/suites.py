@@ -6,6 +6,8 @@
 - ``terminal-mini``: multi-step shell / configuration tasks checked on the end state, with
   milestones for partial credit.
 - ``smoke``: one-file tasks sized so the tiny CPU model can learn them.
+- ``plural``: English plurals answered in one reply, no tools: what a small pretrained chat
+  model (SmolLM2-135M, ``recipes/smollm2.toml``) partly answers.
 - ``emulated``: placeholder prompts scored by a seeded coin, for emulated-GPU runs that measure
   the schedule (the emulated engine does not read the prompt).
 
@@ -280,6 +282,38 @@ def smoke(n: int, seed: int) -> list[Task]:
     ]
 
 
+PLURALS = {
+    "apple": "apples", "river": "rivers", "stone": "stones", "cloud": "clouds", "tiger": "tigers",
+    "ocean": "oceans", "piano": "pianos", "lemon": "lemons", "robot": "robots", "candle": "candles",
+    "forest": "forests", "planet": "planets", "garden": "gardens", "window": "windows",
+    "bridge": "bridges", "castle": "castles", "box": "boxes", "bus": "buses", "church": "churches",
+    "dish": "dishes", "fox": "foxes", "glass": "glasses", "city": "cities", "baby": "babies",
+    "party": "parties", "story": "stories", "knife": "knives", "leaf": "leaves", "wolf": "wolves",
+    "life": "lives", "shelf": "shelves", "potato": "potatoes", "tomato": "tomatoes", "hero": "heroes",
+    "child": "children", "man": "men", "woman": "women", "tooth": "teeth", "foot": "feet",
+    "mouse": "mice", "goose": "geese", "person": "people", "ox": "oxen", "cactus": "cacti",
+    "sheep": "sheep", "deer": "deer", "fish": "fish", "key": "keys", "day": "days", "toy": "toys",
+}  # fmt: skip
+PLURAL_PHRASINGS = [
+    "What is the plural of {w}? Answer with one word.",
+    "Give the plural form of the word {w}. Reply with the word only.",
+    "One {w}, two what? Answer with one word.",
+]
+
+
+def plural(n: int, seed: int) -> list[Task]:
+    """English plurals asked in one reply, no tools (``answers``, the reply scorer): what a small
+    pretrained chat model (SmolLM2-135M) partly answers ("The plural of wolf is wolves." but
+    also "The plural of ocean is oaths."), irregular nouns most often wrong."""
+    rng = random.Random(seed)
+    tasks = []
+    for i in range(n):
+        word = rng.choice(sorted(PLURALS))
+        spec = rng.choice(PLURAL_PHRASINGS).format(w=word)
+        tasks.append(Task(id=f"plural-{seed}-{i}", spec=spec, scorer="reply", answers=[PLURALS[word]]))
+    return tasks
+
+
 def emulated(n: int, seed: int) -> list[Task]:
     """Prompts for emulated runs: the reply length is the emulated engine's, the reward a coin."""
     return [
@@ -294,6 +328,7 @@ SUITES: dict[str, Callable[[int, int], list[Task]]] = {
     "repo-mini-long": lambda n, seed: repo_mini(n, seed, size=(16, 20)),
     "terminal-mini": terminal_mini,
     "emulated": emulated,
+    "plural": plural,
 }
 HELDOUT_OFFSET = 1_000_003
 

@@ -12,6 +12,7 @@ One task per line::
      "hidden_test_count": 12,                                          # optional
      "visible_tests": {"files": {...}} | {"dir": ...},                 # copied into tests_visible/
      "milestones": [{"weight": 1, "file_exists": "out.txt"}, ...],    # for the milestones scorer
+     "answers": ["geese"],                    # a question answered in one reply, no tools (reply scorer)
      "setup": "git init -q && pip install -q -e .",                   # run in the workspace first
      "verifier": "$GYRE_PYTEST tests",                                # the verifier scorer's check
      "timeout_s": 1800,
@@ -89,6 +90,9 @@ class Task:
     """A Harbor task's own parts (``tasks.harbor.HarborParts`` as a dict)."""
     swe: dict[str, Any] = field(default_factory=dict)
     """A SWE-bench-style instance's own parts (``tasks.swe.SweParts`` as a dict)."""
+    answers: list[str] = field(default_factory=list)
+    """A question answered in one reply, without tools: the replies that are right (the
+    ``reply`` scorer). Empty: a task done with tools in the workspace."""
 
     @property
     def test_command(self) -> str | None:
@@ -115,6 +119,7 @@ class Task:
             "workdir": self.workdir,
             "image": self.image,
             "harbor": self.harbor,
+            "answers": self.answers,
         }
         if self.swe:
             out["swe"] = swe_repo.for_scorer(self.swe, task_dir / self.id)
@@ -139,6 +144,7 @@ class Task:
             "setup",
             "verifier",
             "workdir",
+            "answers",
         ):
             if getattr(self, key):
                 d[key] = getattr(self, key)
@@ -169,6 +175,11 @@ def task_from_json(d: Mapping[str, Any], base: Path, where: str) -> Task:
     for key in ("id", "spec"):
         if not isinstance(d.get(key), str) or not d[key]:
             raise GyreError(f"{where}: {key} must be a non-empty string")
+    answers = d.get("answers", [])
+    if not isinstance(answers, list) or not all(isinstance(a, str) and a.strip() for a in answers):
+        raise GyreError(f"{where}: answers must be a list of non-empty strings (the right replies)")
+    if answers and not d.get("scorer"):
+        d = {**d, "scorer": "reply"}
     for key in ("setup", "verifier"):
         if not isinstance(d.get(key, ""), str):
             raise GyreError(f"{where}: {key} must be a shell command (a string)")

@@ -63,7 +63,7 @@ from safetensors import safe_open
 from gyre_hpc.launch.ports import free_port
 from gyre_hpc.loss.diagnostics import entropy_from_logprobs
 from gyre_hpc.loss.token_stats import TokenStats
-from gyre_hpc.models.architecture import Qwen3Config
+from gyre_hpc.models.architecture import ModelConfig
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.hf_files import hf_weight_files
 from gyre_hpc.recipe.schema import TrainerConfig
@@ -103,7 +103,7 @@ CPU = torch.device("cpu")
 
 
 def transformer_config(
-    c: Qwen3Config,
+    c: ModelConfig,
     layout: MegatronLayout,
     dtype: torch.dtype,
     recompute: str = "none",
@@ -150,7 +150,7 @@ def transformer_config(
 
 
 def build_model(
-    c: Qwen3Config,
+    c: ModelConfig,
     layout: MegatronLayout,
     dtype: torch.dtype,
     stage: int = 0,
@@ -330,7 +330,7 @@ class MegatronTrainer:
 
         self.config = config
         self.packing = packing
-        self.model_config = Qwen3Config.load(model_dir)
+        self.model_config = ModelConfig.load(model_dir)
         self.layout = MegatronLayout(self.model_config, tp=config.tp_size, pp=config.pp_size)
         init_megatron(world or MegatronWorld.alone(), config.tp_size, config.pp_size, seed)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()

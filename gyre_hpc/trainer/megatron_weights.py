@@ -33,14 +33,14 @@ from dataclasses import dataclass
 
 import torch
 
-from gyre_hpc.models.architecture import Qwen3Config
+from gyre_hpc.models.architecture import ModelConfig
 
 
 @dataclass(frozen=True)
 class MegatronLayout:
     """How a Qwen3 model is cut for one Megatron world: ``tp`` × ``pp``."""
 
-    config: Qwen3Config
+    config: ModelConfig
     tp: int = 1
     pp: int = 1
     vocab_multiple: int = 128
@@ -187,7 +187,7 @@ def _pad_vocab(t: torch.Tensor, layout: MegatronLayout) -> torch.Tensor:
 
 
 def _fuse_qkv(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: Qwen3Config, tp: int, rank: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: ModelConfig, tp: int, rank: int
 ) -> torch.Tensor:
     """Megatron's fused QKV rows for one TP rank: per query group, its q heads, then k, then v."""
     groups, d, hidden = c.num_key_value_heads, c.head_dim, q.shape[1]
@@ -197,7 +197,7 @@ def _fuse_qkv(
     return fused.chunk(tp, dim=0)[rank].reshape(-1, hidden).clone()
 
 
-def _split_qkv(shards: list[torch.Tensor], c: Qwen3Config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _split_qkv(shards: list[torch.Tensor], c: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     groups, d = c.num_key_value_heads, c.head_dim
     per_group = c.num_attention_heads // groups
     hidden = shards[0].shape[1]

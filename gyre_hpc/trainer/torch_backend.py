@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from gyre_hpc.loss.diagnostics import entropy_from_logprobs
+from gyre_hpc.models.causal_lm import KV, CausalLM
 from gyre_hpc.models.flat import FlatLayout
-from gyre_hpc.models.qwen3 import KV, Qwen3ForCausalLM
 from gyre_hpc.recipe.schema import TrainerConfig
 from gyre_hpc.rundir import checkpoint_optimizer
 from gyre_hpc.step.claims import MicroStats, micro_stats
@@ -50,7 +50,7 @@ class TorchTrainer:
         self.packing = packing
         """``tree``: a micro-step's sequences forwarded as one packed tree (``trajectory.packing``)."""
         self.device = torch.device(device)
-        self.model = Qwen3ForCausalLM.from_pretrained(model_dir).train().to(self.device)
+        self.model = CausalLM.from_pretrained(model_dir).train().to(self.device)
         layout = self.layout = FlatLayout.of(self.model.config)
         self.numel = layout.numel
         if grad_buffer is None:

@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from gyre_hpc.models.architecture import Qwen3Config
+from gyre_hpc.models.architecture import ModelConfig
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.hf_files import hf_weight_files
 from gyre_hpc.rundir import checkpoint_shard, checkpoint_shards
@@ -54,7 +54,7 @@ def write_shard(
     return {str(path.relative_to(directory)): sha256(path)}
 
 
-def layout_of(directory: Path, config: Qwen3Config) -> MegatronLayout | None:
+def layout_of(directory: Path, config: ModelConfig) -> MegatronLayout | None:
     """The layout a checkpoint's shards were written in; None for a checkpoint written whole.
     ``ValueError`` naming what is missing when the shards do not cover a TP × PP grid."""
     shards = checkpoint_shards(directory)
@@ -97,9 +97,9 @@ def stage_tensors(directory: Path, layout: MegatronLayout, stage: int) -> Iterat
     yield from megatron_to_hf(lambda name: [h.get_tensor(name) for h in handles], layout, stage)
 
 
-def hf_tensors(directory: Path, config: Qwen3Config | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_tensors(directory: Path, config: ModelConfig | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every Hugging Face tensor of a checkpoint (shards or whole) or model directory, one at a time."""
-    config = config or Qwen3Config.load(directory)
+    config = config or ModelConfig.load(directory)
     layout = layout_of(directory, config)
     if layout is None:
         for f in hf_weight_files(directory):
@@ -113,10 +113,13 @@ def hf_tensors(directory: Path, config: Qwen3Config | None = None) -> Iterator[t
 
 def read_flat(directory: Path, layout: FlatLayout | None = None) -> np.ndarray:
     """A checkpoint's weights as one flat float32 buffer (``models.flat`` order)."""
-    layout = layout or FlatLayout.of(Qwen3Config.load(directory))
+    layout = layout or FlatLayout.of(ModelConfig.load(directory))
     flat = np.empty(layout.numel, dtype=np.float32)
     views, seen = layout.views(flat), set()
-    for name, t in hf_tensors(directory):
+    tensors = hf_tensors(directory)
+    if layout.renames:  # fused experts: the checkpoint's tensors joined first (the whole model)
+        tensors = layout.from_checkpoint(dict(tensors)).items()
+    for name, t in tensors:
         if name in views:  # a tied lm_head is the embedding's slot
             views[name].copy_(t)
             seen.add(name)

@@ -27,7 +27,7 @@ warnings.filterwarnings("ignore")
 from test_megatron_backend import CFG, sequences  # noqa: E402
 from test_tree_packing import forked_sequences  # noqa: E402
 
-from gyre_hpc.models.architecture import Qwen3Config  # noqa: E402
+from gyre_hpc.models.architecture import ModelConfig  # noqa: E402
 from gyre_hpc.trainer.megatron_backend import MegatronTrainer, MegatronWorld  # noqa: E402
 
 comm = MPI.COMM_WORLD
@@ -45,7 +45,7 @@ trainer = MegatronTrainer(
     packing=packing,
 )
 before = trainer.weights().copy()
-vocab = Qwen3Config.load(model_dir).vocab_size
+vocab = ModelConfig.load(model_dir).vocab_size
 stats = trainer.micro_step(forked_sequences(vocab) if packing == "tree" else sequences(vocab, count))
 grad = trainer.hf_gradient().copy()
 norm = trainer.apply(3).grad_norm

@@ -23,7 +23,7 @@ warnings.filterwarnings("ignore")
 from test_megatron_backend import CFG, sequences  # noqa: E402
 
 from gyre_hpc.launch.ports import free_port  # noqa: E402
-from gyre_hpc.models.architecture import Qwen3Config  # noqa: E402
+from gyre_hpc.models.architecture import ModelConfig  # noqa: E402
 from gyre_hpc.plan.ranks import RankLayout  # noqa: E402
 from gyre_hpc.runtime.main import transport_plan  # noqa: E402
 from gyre_hpc.trainer.data_parallel import add_gradients, publish_slice, pull_slice  # noqa: E402
@@ -48,7 +48,7 @@ if unit is not None:
     exposed = None if unit == 0 else transport.gradient_buffer()
     trainer = MegatronTrainer(model_dir, config, core=unit == 0, grad_buffer=exposed, world=world)
     assert trainer.grad.size == plan.grads.get(rank, trainer.grad.size)  # the plan cuts as megatron does
-    seqs = sequences(Qwen3Config.load(model_dir).vocab_size, 4)
+    seqs = sequences(ModelConfig.load(model_dir).vocab_size, 4)
     trainer.micro_step(seqs[:2] if unit == 0 else seqs[2:])
     trainer.gradient()
 comm.Barrier()  # the satellite's slices are final

@@ -24,7 +24,7 @@ warnings.filterwarnings("ignore")
 from test_megatron_backend import CFG  # noqa: E402
 
 from gyre_hpc.engines.sglang import TensorPush, call  # noqa: E402
-from gyre_hpc.models.architecture import Qwen3Config  # noqa: E402
+from gyre_hpc.models.architecture import ModelConfig  # noqa: E402
 from gyre_hpc.models.flat import FlatLayout  # noqa: E402
 from gyre_hpc.trainer.megatron_backend import MegatronTrainer, MegatronWorld  # noqa: E402
 
@@ -40,7 +40,7 @@ trainer = MegatronTrainer(
     core=False,
     world=MegatronWorld(rank, size, "127.0.0.1", port),
 )
-layout = FlatLayout.of(Qwen3Config.load(model_dir))
+layout = FlatLayout.of(ModelConfig.load(model_dir))
 
 
 def moved(seed: int, fraction: float) -> None:

@@ -86,7 +86,7 @@ def test_recipe_check_names_a_family_a_window_or_a_converter_it_does_not_run_in_
     for name, args in {
         "family": recipe_with(tmp_path, other),
         "window": recipe_with(tmp_path, windowed),
-        "megatron": recipe_with(tmp_path, family_dirs["llama"], "trainer.backend=megatron"),
+        "megatron": recipe_with(tmp_path, family_dirs["mixtral"], "trainer.backend=megatron"),
     }.items():
         r = gyre(*args)
         assert r.returncode == 2, (name, r.stdout, r.stderr)
@@ -96,7 +96,10 @@ def test_recipe_check_names_a_family_a_window_or_a_converter_it_does_not_run_in_
     supported = "supported: llama, mistral, mixtral, qwen2, qwen3, qwen3_moe"
     assert f"model_type 'gemma3' is not a supported family; {supported}" in said["family"]
     assert "sliding-window attention (config.json sliding_window = 4096) is not supported" in said["window"]
-    assert "does not convert the 'llama' family yet (it converts qwen3)" in said["megatron"]
+    assert (
+        "does not convert the 'mixtral' family yet (it converts llama, mistral, qwen2, qwen3)"
+        in said["megatron"]
+    )
     ok = gyre(*recipe_with(tmp_path, family_dirs["llama"]))
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert (

@@ -53,6 +53,16 @@ def untied(tmp_path: Path) -> Path:
     return model_dir
 
 
+def model_of(kind: str, tmp_path: Path) -> Path:
+    """The tiny model ("tied (tiny)"), the untied one, or another dense family's tiny model
+    (its name: Llama 3 untied with scaled rotary frequencies, Qwen2 with q/k/v biases)."""
+    if kind.startswith("tied"):
+        return init_tiny(tmp_path / "tiny")
+    if kind.startswith("untied"):
+        return untied(tmp_path)
+    return init_tiny(tmp_path / kind, seed=2, family=kind)
+
+
 def sequences(vocab: int, n: int = 3) -> list[TrainSequence]:
     rng = np.random.default_rng(0)
     out = []
@@ -72,11 +82,14 @@ def sequences(vocab: int, n: int = 3) -> list[TrainSequence]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["tied (tiny)", "untied, one kv head"])
+@pytest.mark.parametrize("kind", ["tied (tiny)", "untied, one kv head", "llama", "qwen2"])
 def test_megatron_micro_step_and_update_match_the_torch_backend(tmp_path: Path, kind: str) -> None:
+    """Megatron's step equals transformers' (the torch trainer's) for each dense family's
+    converter path: the loss (its log-probs), the gradient, the update (Mistral's tensors and
+    attention are Llama's)."""
     from gyre_hpc.trainer import megatron_backend  # needs megatron-core
 
-    model_dir = init_tiny(tmp_path / "tiny") if kind.startswith("tied") else untied(tmp_path)
+    model_dir = model_of(kind, tmp_path)
     ours = TorchTrainer(model_dir, CFG, core=True)
     mega = megatron_backend.MegatronTrainer(model_dir, CFG, core=True)
     assert mega.numel == ours.numel
@@ -102,14 +115,15 @@ def test_megatron_micro_step_and_update_match_the_torch_backend(tmp_path: Path, 
     ("ranks", "tp", "pp", "kind", "count"),
     [(2, 2, 1, "tied (tiny)", 3), (2, 1, 2, "tied (tiny)", 3), (2, 1, 2, "untied", 3),
      (4, 2, 2, "tied (tiny)", 3), (2, 1, 1, "tied (tiny)", 3),
-     (2, 1, 1, "tied (tiny)", 1)],  # one replica's share empty: its gradients are zeros, summed alike
+     (2, 1, 1, "tied (tiny)", 1),  # one replica's share empty: its gradients are zeros, summed alike
+     (2, 2, 1, "llama", 3), (2, 1, 2, "qwen2", 3)],  # the other dense families' paths: TP, PP
 )  # fmt: skip
 def test_a_data_tensor_or_pipeline_parallel_trainer_matches_one_rank(
     tmp_path: Path, ranks: int, tp: int, pp: int, kind: str, count: int
 ) -> None:
     from gyre_hpc.trainer import megatron_backend
 
-    model_dir = init_tiny(tmp_path / "tiny") if kind.startswith("tied") else untied(tmp_path)
+    model_dir = model_of(kind, tmp_path)
     out = tmp_path / "parallel.npz"
     program = HERE / "mpi_programs" / "megatron_parallel.py"
     proc = subprocess.run(

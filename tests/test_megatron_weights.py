@@ -1,5 +1,5 @@
-"""Qwen3 weights between the Hugging Face and Megatron layouts: exact round trips for every
-TP × PP cut, Megatron's fused orders, and one read per source tensor."""
+"""A dense model's weights between the Hugging Face and Megatron layouts: exact round trips for
+every TP × PP cut and every dense family, Megatron's fused orders, and one read per source tensor."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from gyre_hpc.models.causal_lm import CausalLM
 from gyre_hpc.trainer.megatron_weights import MegatronLayout, hf_to_megatron, megatron_to_hf
 
 
-def config(tie: bool) -> ModelConfig:
+def config(tie: bool, family: str = "qwen3") -> ModelConfig:
     return ModelConfig(
+        model_type=family,
         vocab_size=300,  # not a multiple of 128 · tp: Megatron's padding is exercised
         hidden_size=32,
         intermediate_size=48,
@@ -42,10 +43,11 @@ def to_megatron(
     }
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])  # mistral: llama's tensors
 @pytest.mark.parametrize("tie", [False, True])
 @pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2), (2, 2)])
-def test_hf_to_megatron_to_hf_is_bit_identical(tie: bool, tp: int, pp: int) -> None:
-    c = config(tie)
+def test_hf_to_megatron_to_hf_is_bit_identical(tie: bool, tp: int, pp: int, family: str) -> None:
+    c = config(tie, family)
     state = hf_state(c)
     layout = MegatronLayout(c, tp=tp, pp=pp)
     shards = to_megatron(state, layout)

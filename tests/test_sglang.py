@@ -603,14 +603,15 @@ def test_a_server_killed_while_a_broadcast_or_a_disk_load_reaches_it_comes_back_
     """The other two ways weights reach a server: killed the moment the load's request arrives
     (mid-broadcast, the cell's end of the weight group meets a dead peer), the load returns, the
     server starts again, forms its weight group anew and serves the load's version, with its
-    log-probs. The two servers side by side: each start leaves a core idle part of the time."""
-    model_dir = init_tiny(tmp_path / "tiny", seed=0)
+    log-probs. The two servers side by side (each start leaves a core idle part of the time),
+    each of another family than the Qwen3 the tests above serve: a Llama 3 (untied, scaled rotary
+    frequencies) by broadcast, a Qwen2 (biased q/k/v) from disk."""
+    ways = [(sync, verb, init_tiny(tmp_path / sync / "model", seed=0, family=family))
+            for sync, verb, family in (("broadcast", "/update_weights_from_distributed", "llama"),
+                                       ("disk", "/update_weights_from_disk", "qwen2"))]  # fmt: skip
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        ways = [pool.submit(killed_mid_load, model_dir, tmp_path / sync, sync, verb)
-                for sync, verb in (("broadcast", "/update_weights_from_distributed"),
-                                   ("disk", "/update_weights_from_disk"))]  # fmt: skip
-        for way in ways:
-            way.result()
+        for done in [pool.submit(killed_mid_load, d, tmp_path / sync, sync, verb) for sync, verb, d in ways]:
+            done.result()
 
 
 def killed_mid_load(model_dir: Path, work: Path, sync: str, verb: str) -> None:
@@ -893,12 +894,15 @@ def _serves(proc: Path, port: str) -> bool:
 
 
 @pytest.mark.sglang
-def test_each_family_serves_under_sglang_with_the_trainer_s_log_probs_after_a_push(tmp_path: Path) -> None:
-    """Every family but Qwen3 (served by every test above): a tiny random model of it starts under
-    real SGLang on this CPU, takes a pushed version by reference (experts one tensor each, as
-    SGLang loads them), and serves it with the log-probs transformers' implementation computes
-    here. Two servers at a time: a start mostly waits on imports."""
-    families = [f for f in TINY_FAMILIES if f != "qwen3"]
+def test_each_family_with_experts_serves_under_sglang_with_the_trainer_s_log_probs_after_a_push(
+    tmp_path: Path,
+) -> None:
+    """The families with routed experts (Qwen3, Llama and Qwen2 are served by the tests above;
+    SGLang's Mistral is its Llama): a tiny random model of each starts under real SGLang on this
+    CPU, takes a pushed version by reference (its experts one tensor each, as SGLang loads them),
+    and serves it with the log-probs transformers' implementation computes here. Both servers
+    at once: a start mostly waits on imports."""
+    families = [f for f, shape in TINY_FAMILIES.items() if shape.get("num_experts")]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         worst = dict(
             zip(families, pool.map(lambda f: served_after_a_push(tmp_path / f, f), families), strict=True)

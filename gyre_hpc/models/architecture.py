@@ -99,6 +99,20 @@ class ModelConfig:
         return merged
 
     @property
+    def qk_norm(self) -> bool:
+        return self.family.qk_norm
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.family.qkv_bias or bool(self.hf.get("attention_bias"))
+
+    @property
+    def rope_scaling(self) -> dict[str, Any] | None:
+        """Scaled rotary frequencies (Llama 3's ``rope_type = "llama3"``), as config.json says them."""
+        found = self.hf.get("rope_scaling") or self.hf.get("rope_parameters") or {}
+        return found if found.get("rope_type", found.get("type")) not in (None, "default") else None
+
+    @property
     def eos_ids(self) -> list[int]:
         e = self.eos_token_id
         return [] if e is None else [e] if isinstance(e, int) else list(e)

@@ -21,6 +21,11 @@ class Family:
     """The transformers class ``config.json``'s ``architectures`` names."""
     experts: bool = False
     """Routed experts (mixture of experts): total and active parameters differ."""
+    qk_norm: bool = False
+    """Per-head RMSNorm of queries and keys before the rotary embedding (Qwen3)."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2; any family whose config.json says
+    ``attention_bias``)."""
     megatron: bool = False
     """The megatron trainer's Hugging Face ↔ Megatron converter covers it."""
     tool_format: str | None = None
@@ -30,12 +35,12 @@ class Family:
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
-        Family("llama", "LlamaForCausalLM"),
-        Family("mistral", "MistralForCausalLM"),
+        Family("llama", "LlamaForCausalLM", megatron=True),
+        Family("mistral", "MistralForCausalLM", megatron=True),
         Family("mixtral", "MixtralForCausalLM", experts=True),
-        Family("qwen2", "Qwen2ForCausalLM", tool_format="hermes"),
-        Family("qwen3", "Qwen3ForCausalLM", megatron=True, tool_format="hermes"),
-        Family("qwen3_moe", "Qwen3MoeForCausalLM", experts=True, tool_format="hermes"),
+        Family("qwen2", "Qwen2ForCausalLM", megatron=True, qkv_bias=True, tool_format="hermes"),
+        Family("qwen3", "Qwen3ForCausalLM", megatron=True, qk_norm=True, tool_format="hermes"),
+        Family("qwen3_moe", "Qwen3MoeForCausalLM", experts=True, qk_norm=True, tool_format="hermes"),
     )
 }
 

@@ -201,8 +201,7 @@ class Shape:
             c.num_hidden_layers, c.hidden_size, c.num_attention_heads * hd, c.num_key_value_heads * hd,
             c.num_key_value_heads, hd, c.intermediate_size, c.vocab_size, c.tie_word_embeddings,
             c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
-            qk_norm=c.model_type in ("qwen3", "qwen3_moe"),
-            qkv_bias=c.model_type == "qwen2" or bool(c.hf.get("attention_bias")),
+            qk_norm=c.qk_norm, qkv_bias=c.qkv_bias,
         )  # fmt: skip
 
     def _layer(self, experts: int) -> int:

@@ -1,4 +1,5 @@
-"""The ``megatron`` trainer: a megatron-core GPTModel built from the Qwen3 config the engines load.
+"""The ``megatron`` trainer: a megatron-core GPTModel built from the config the engines load (a
+dense family: Llama, Mistral, Qwen2, Qwen3).
 
 ```
  HF flat snapshot (transport) ──load_snapshot──▶ Megatron params (fused QKV, [gate|up] fc1)
@@ -123,11 +124,11 @@ def transformer_config(
         ffn_hidden_size=c.intermediate_size,
         normalization="RMSNorm",
         layernorm_epsilon=c.rms_norm_eps,
-        qk_layernorm=True,
+        qk_layernorm=c.qk_norm,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=c.qkv_bias,
         attention_dropout=0.0,
         hidden_dropout=0.0,
         # Fusions need CUDA kernels; on the CPU the plain paths compute the same thing.
@@ -164,7 +165,7 @@ def build_model(
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(qk_layernorm=c.qk_norm, normalization="RMSNorm")
     tree_mask = TreeMask()
     if block_masks:
         attention = block_mask_attention()
@@ -180,6 +181,7 @@ def build_model(
             max_sequence_length=c.max_position_embeddings,
             position_embedding_type="rope",
             rotary_base=int(c.rope_theta),
+            **rope_scaling(c),
             # Across stages the trainer keeps a tied embedding's two copies equal itself (module doc).
             share_embeddings_and_output_weights=c.tie_word_embeddings and layout.pp == 1,
             pre_process=stage == 0,
@@ -193,6 +195,22 @@ def build_model(
             f"megatron model built for {device} holds tensors on {', '.join(sorted(elsewhere))}"
         )
     return model
+
+
+def rope_scaling(c: ModelConfig) -> dict[str, Any]:
+    """megatron's arguments for ``c``'s scaled rotary frequencies: Llama 3's (megatron applies
+    them with Llama 3.1's constants, checked here); any other scaling is refused in one line."""
+    scaling = c.rope_scaling
+    if scaling is None:
+        return {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    llama31 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    if kind != "llama3" or any(float(scaling.get(k, v)) != v for k, v in llama31.items()):
+        raise ValueError(
+            f"rope scaling {scaling}: the megatron trainer scales rotary frequencies as Llama 3.1 "
+            f"does (rope_type llama3, {llama31}) or not at all"
+        )
+    return {"rope_scaling": True, "rope_scaling_factor": float(scaling.get("factor", 8.0))}
 
 
 class TreeMask:

@@ -1,13 +1,16 @@
-"""Qwen3 weights between the Hugging Face layout (what engines load) and Megatron-core's
-(what a ``megatron`` cell trains), one tensor at a time.
+"""A dense model's weights between the Hugging Face layout (what engines load) and Megatron-core's
+(what a ``megatron`` cell trains), one tensor at a time: one converter for every dense family
+(Llama, Mistral, Qwen2, Qwen3), driven by what the family's config says it has (``qk_norm``,
+``qkv_bias``), not a file per family.
 
 ```
  HF (one file set)                         Megatron GPTModel, local spec, TP rank r of t, PP stage s
  model.embed_tokens                   ──▶  embedding.word_embeddings      rows r/t (vocab padded)
  layers.i.input_layernorm             ──▶  decoder.layers.j.input_layernorm             (replicated)
  layers.i.self_attn.{q,k,v}_proj      ──▶  decoder.layers.j.self_attention.linear_qkv   groups r/t,
-                                           each group [its q heads | k | v]
- layers.i.self_attn.{q,k}_norm        ──▶  ….self_attention.{q,k}_layernorm             (replicated)
+   (weights, and biases where any)         each group [its q heads | k | v]
+ layers.i.self_attn.{q,k}_norm        ──▶  ….self_attention.{q,k}_layernorm             (replicated;
+   (where the family has them)                                                           Qwen3)
  layers.i.self_attn.o_proj            ──▶  ….self_attention.linear_proj                 columns r/t
  layers.i.post_attention_layernorm    ──▶  ….pre_mlp_layernorm                          (replicated)
  layers.i.mlp.{gate,up}_proj          ──▶  ….mlp.linear_fc1                             [gate r/t | up r/t]
@@ -38,7 +41,7 @@ from gyre_hpc.models.architecture import ModelConfig
 
 @dataclass(frozen=True)
 class MegatronLayout:
-    """How a Qwen3 model is cut for one Megatron world: ``tp`` × ``pp``."""
+    """How a dense model is cut for one Megatron world: ``tp`` × ``pp``."""
 
     config: ModelConfig
     tp: int = 1
@@ -98,6 +101,11 @@ _NORMS = {
 }
 
 
+def _norms(c: ModelConfig) -> dict[str, str]:
+    """The layer's norms, Hugging Face name → Megatron's: q/k norms only where the family has them."""
+    return {ours: theirs for ours, theirs in _NORMS.items() if c.qk_norm or "_attn." not in ours}
+
+
 def hf_to_megatron(
     read: ReadHF, layout: MegatronLayout, rank: int, stage: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -110,10 +118,13 @@ def hf_to_megatron(
         )
     for j, i in enumerate(layout.layers_of(stage)):
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{j}."
-        for ours, theirs in _NORMS.items():
+        for ours, theirs in _norms(c).items():
             yield mg + theirs + ".weight", read(hf + ours + ".weight")
         q, k, v = (read(f"{hf}self_attn.{p}_proj.weight") for p in "qkv")
         yield mg + "self_attention.linear_qkv.weight", _fuse_qkv(q, k, v, c, tp, rank)
+        if c.qkv_bias:
+            q, k, v = (read(f"{hf}self_attn.{p}_proj.bias")[:, None] for p in "qkv")
+            yield mg + "self_attention.linear_qkv.bias", _fuse_qkv(q, k, v, c, tp, rank)[:, 0]
         yield mg + "self_attention.linear_proj.weight", _cols(read(hf + "self_attn.o_proj.weight"), tp, rank)
         gate, up = read(hf + "mlp.gate_proj.weight"), read(hf + "mlp.up_proj.weight")
         yield mg + "mlp.linear_fc1.weight", torch.cat([_rows(gate, tp, rank), _rows(up, tp, rank)])
@@ -134,12 +145,16 @@ def megatron_to_hf(
         yield "model.embed_tokens.weight", torch.cat(read("embedding.word_embeddings.weight"))[:vocab]
     for j, i in enumerate(layout.layers_of(stage)):
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{j}."
-        for ours, theirs in _NORMS.items():
+        for ours, theirs in _norms(c).items():
             yield hf + ours + ".weight", read(mg + theirs + ".weight")[0]
         q, k, v = _split_qkv(read(mg + "self_attention.linear_qkv.weight"), c)
         yield hf + "self_attn.q_proj.weight", q
         yield hf + "self_attn.k_proj.weight", k
         yield hf + "self_attn.v_proj.weight", v
+        if c.qkv_bias:
+            biases = _split_qkv([b[:, None] for b in read(mg + "self_attention.linear_qkv.bias")], c)
+            for p, b in zip("qkv", biases, strict=True):
+                yield f"{hf}self_attn.{p}_proj.bias", b[:, 0]
         yield hf + "self_attn.o_proj.weight", torch.cat(read(mg + "self_attention.linear_proj.weight"), dim=1)
         fc1 = [s.chunk(2) for s in read(mg + "mlp.linear_fc1.weight")]
         yield hf + "mlp.gate_proj.weight", torch.cat([g for g, _ in fc1])

@@ -1,5 +1,5 @@
-"""The embedded engine: a Qwen3 model served on CPU (or one GPU) with the behaviour of SGLang
-that the proxy and the scheduler rely on.
+"""The embedded engine: a model of any supported family (transformers' own) served on CPU (or one
+GPU) with the behaviour of SGLang that the proxy and the scheduler rely on.
 
 ```
  submit ─▶ waiting ──admit: prefix-cache lookup, prefill the rest──▶ running ──┐

@@ -1,1 +1,2 @@
-"""Models: the Qwen3 architecture in plain torch, its tokenizer and chat template, the tiny model."""
+"""Models: the families run (transformers' implementations), their configs, tokenizers and chat
+templates, the flat weight layout, GGUF files read, the tiny model."""

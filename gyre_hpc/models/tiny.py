@@ -1,4 +1,5 @@
-"""The tiny offline model: a few-layer Qwen3 with random weights and a locally trained tokenizer.
+"""The tiny offline model: a few-layer Qwen3 (or any family's) with random weights and a locally trained
+tokenizer.
 
 ``init_tiny(dir, seed, words)`` writes a standard Hugging Face model directory — ``config.json``,
 ``generation_config.json``, ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``,

@@ -371,7 +371,7 @@ def plan(
 
 
 def engine_dtype(engine: EngineConfig) -> str:
-    """The served dtype: auto is what the engine picks for a Qwen3 checkpoint (SGLang: its
+    """The served dtype: auto is what the engine picks for a float32 or bfloat16 checkpoint (SGLang: its
     bfloat16; the embedded engine: float32)."""
     if engine.dtype != "auto":
         return engine.dtype

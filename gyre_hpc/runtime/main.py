@@ -28,6 +28,7 @@ from gyre_hpc.observability import events as ev
 from gyre_hpc.observability.cell_time import CellHours
 from gyre_hpc.observability.events import EventLog
 from gyre_hpc.observability.tracking import TensorBoard, Trackers, WandB, Writer
+from gyre_hpc.plan.memory import Shape
 from gyre_hpc.plan.ranks import CONTROLLER, RankLayout
 from gyre_hpc.recipe.schema import Recipe, TrainerConfig
 from gyre_hpc.rundir import RunDir
@@ -148,12 +149,16 @@ def transport_plan(layout: RankLayout, model_dir: Path, trainer: TrainerConfig) 
     the weights whole, no whole snapshot is exposed at all: each cell's engines load from its
     own slices (``MegatronTrainer.hf_tensors``)."""
     config = ModelConfig.load(model_dir)
-    flat = FlatLayout.of(config)
     if trainer.backend != "megatron":
-        grads = {layout.leader(cell): flat.numel for cell in range(1, layout.cells)}
-        return TransportPlan(flat.numel, core=layout.leader(0), counter=CONTROLLER, grads=grads)
+        # The flat layout's size, counted from the config (the memory plan's count, equal to the
+        # layout's for every family: test_memory_plan): a rank that builds no model, the
+        # controller, does not import transformers (~2 s of CPU) for one number.
+        numel = Shape.of(config).params
+        grads = {layout.leader(cell): numel for cell in range(1, layout.cells)}
+        return TransportPlan(numel, core=layout.leader(0), counter=CONTROLLER, grads=grads)
     from gyre_hpc.trainer.megatron_weights import MegatronLayout, slice_numel
 
+    flat = FlatLayout.of(config)
     cut = MegatronLayout(config, tp=trainer.tp_size, pp=trainer.pp_size)
     shapes = {name: shape for name, (_, shape) in flat.slots.items()}
     size = layout.ranks_per_cell

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from gyre_hpc.models.causal_lm import CausalLM
-from gyre_hpc.models.tiny import init_tiny, save_weights
+from gyre_hpc.models.causal_lm import CausalLM, save_weights
+from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.models.tokenizer import ChatTokenizer
 from gyre_hpc.proxy.loopback import LoopbackServing
 from gyre_hpc.recipe.schema import ProxyConfig

@@ -19,10 +19,10 @@ from safetensors import safe_open
 
 from gyre_hpc.builtin_models.resolve import resolve_model
 from gyre_hpc.models.architecture import ModelConfig
-from gyre_hpc.models.causal_lm import CausalLM
+from gyre_hpc.models.causal_lm import CausalLM, save_weights
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.hf_files import copy_model_files
-from gyre_hpc.models.tiny import init_tiny, save_weights
+from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.observability.events import read_events
 from gyre_hpc.recipe.schema import AgentConfig, CellsConfig, EngineConfig, TrainerConfig
 from gyre_hpc.rundir import checkpoint_shards

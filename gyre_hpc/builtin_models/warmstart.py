@@ -20,8 +20,8 @@ import torch
 
 from gyre_hpc.agents.harness import MAIN_SYSTEM, SUB_SYSTEM, SUMMARIZE
 from gyre_hpc.agents.tools import MAIN_TOOLS, SPECS, SUB_AGENT_TOOLS
-from gyre_hpc.models.causal_lm import CausalLM
-from gyre_hpc.models.tiny import init_tiny, save_weights
+from gyre_hpc.models.causal_lm import CausalLM, save_weights
+from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.models.tokenizer import ChatTokenizer
 from gyre_hpc.tasks.suites import WORDS, smoke
 

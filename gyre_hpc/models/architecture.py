@@ -57,10 +57,9 @@ class ModelConfig:
         family_of(d.get("model_type"), where)
         known = {f.name for f in fields(cls)} - {"hf"}
         hf, d = d, {**d}
-        d.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
-        d.setdefault("num_key_value_heads", d["num_attention_heads"])
-        if d.get("head_dim") is None:
+        if d.get("head_dim") is None:  # absent, or null as some families write it
             d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+        d.setdefault("num_key_value_heads", d["num_attention_heads"])
         if "rope_theta" not in d and isinstance(d.get("rope_parameters"), dict):
             d["rope_theta"] = d["rope_parameters"].get("rope_theta", 1_000_000.0)
         if not d.get("use_sliding_window", "sliding_window" in d):  # qwen2/3 keep a window they do not use

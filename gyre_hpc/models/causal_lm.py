@@ -14,6 +14,7 @@ knows nothing about tokenization or sampling.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import threading
@@ -22,7 +23,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from gyre_hpc.models.architecture import ModelConfig
@@ -97,11 +98,9 @@ class CausalLM(nn.Module):
 
         super().__init__()
         self.config = config
-        if init:
+        # without ``init`` every weight is loaded next: the random initialisation is skipped
+        with contextlib.nullcontext() if init else transformers.no_init_weights():
             hf = transformers.AutoModelForCausalLM.from_config(hf_config(config), dtype=torch.float32)
-        else:  # every weight is loaded next: skip the random initialisation
-            with transformers.no_init_weights():
-                hf = transformers.AutoModelForCausalLM.from_config(hf_config(config), dtype=torch.float32)
         self.model, self.lm_head = hf.model, hf.lm_head
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -158,6 +157,15 @@ class CausalLM(nn.Module):
         return model.to(dtype).eval()
 
 
+def save_weights(model: CausalLM, path: Path) -> None:
+    """``model``'s weights as a checkpoint names them (``checkpoint_names``), in one file."""
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    state = {k: v.contiguous() for k, v in checkpoint_names(model.hf, state).items()}
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
 def checkpoint_names(hf, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # noqa: ANN001
     """``state`` (the model's parameter names) as a checkpoint names its tensors. The same for a
     dense family; a family whose experts transformers fuses into one tensor a layer gets them one
@@ -171,7 +179,8 @@ def model_names(hf, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: 
     """A checkpoint's tensors (``state``) under the model's parameter names: ``checkpoint_names``
     undone, by the same conversions transformers' ``from_pretrained`` applies."""
     conversions = _conversions(hf)
-    if not conversions or not any(k not in dict(hf.named_parameters()) for k in state):
+    params = dict(hf.named_parameters())
+    if not conversions or all(k in params for k in state):
         return state
     from copy import deepcopy
 

@@ -38,10 +38,9 @@ def from_gguf(gguf: Path, out: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from gyre_hpc.models.architecture import ModelConfig
-    from gyre_hpc.models.causal_lm import CausalLM
+    from gyre_hpc.models.causal_lm import CausalLM, save_weights
     from gyre_hpc.models.family import UnsupportedFamily
     from gyre_hpc.models.hf_files import WEIGHTS
-    from gyre_hpc.models.tiny import save_weights
 
     if not gguf.is_file():
         raise GyreError(f"{gguf}: no such GGUF file")

@@ -15,12 +15,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from gyre_hpc.models.architecture import ModelConfig
 from gyre_hpc.models.catalog import VOCAB_SIZE, tiny_config
-from gyre_hpc.models.causal_lm import CausalLM, checkpoint_names
+from gyre_hpc.models.causal_lm import CausalLM, save_weights
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -137,12 +136,3 @@ def _advance_as_first_built(c: ModelConfig) -> None:
         for rows, cols in ((q, h), (kv, h), (kv, h), (h, q), (f, h), (f, h), (h, f)):
             torch.nn.init.kaiming_uniform_(torch.empty(rows, cols), a=math.sqrt(5))
     torch.nn.init.kaiming_uniform_(torch.empty(c.vocab_size, h), a=math.sqrt(5))
-
-
-def save_weights(model: CausalLM, path: Path) -> None:
-    """``model``'s weights as a checkpoint names them (``causal_lm.checkpoint_names``)."""
-    state = {k: v.detach() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    state = {k: v.contiguous() for k, v in checkpoint_names(model.hf, state).items()}
-    save_file(state, str(path), metadata={"format": "pt"})

@@ -82,7 +82,9 @@ def sequences(vocab: int, n: int = 3) -> list[TrainSequence]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["tied (tiny)", "untied, one kv head", "llama", "qwen2"])
+@pytest.mark.parametrize(
+    "kind", ["tied (tiny)", "untied, one kv head", "llama", "qwen2", "qwen3_moe", "mixtral"]
+)
 def test_megatron_micro_step_and_update_match_the_torch_backend(tmp_path: Path, kind: str) -> None:
     """Megatron's step equals transformers' (the torch trainer's) for each dense family's
     converter path: the loss (its log-probs), the gradient, the update (Mistral's tensors and
@@ -116,7 +118,8 @@ def test_megatron_micro_step_and_update_match_the_torch_backend(tmp_path: Path, 
     [(2, 2, 1, "tied (tiny)", 3), (2, 1, 2, "tied (tiny)", 3), (2, 1, 2, "untied", 3),
      (4, 2, 2, "tied (tiny)", 3), (2, 1, 1, "tied (tiny)", 3),
      (2, 1, 1, "tied (tiny)", 1),  # one replica's share empty: its gradients are zeros, summed alike
-     (2, 2, 1, "llama", 3), (2, 1, 2, "qwen2", 3)],  # the other dense families' paths: TP, PP
+     (2, 2, 1, "llama", 3), (2, 1, 2, "qwen2", 3),  # the other dense families' paths: TP, PP
+     (2, 2, 1, "qwen3_moe", 3), (2, 1, 2, "mixtral", 3)],  # routed experts: TP (sequence parallel), PP
 )  # fmt: skip
 def test_a_data_tensor_or_pipeline_parallel_trainer_matches_one_rank(
     tmp_path: Path, ranks: int, tp: int, pp: int, kind: str, count: int
@@ -146,16 +149,22 @@ def test_a_data_tensor_or_pipeline_parallel_trainer_matches_one_rank(
     # No rank but the replica's first holds a whole-model buffer (the weights, for engines);
     # each holds its slice, its gradient and Adam's two moments of it, alone: its share of the
     # model, and at most one embedding's shard more (a tied embedding's copy on the last stage,
-    # rows padded to a multiple of 128 × tp).
+    # rows padded to a multiple of 128 × tp); its stage's routed experts are whole on every rank.
     config = ModelConfig.load(model_dir)
     layout, flat = MegatronLayout(config, tp, pp), FlatLayout.of(config)
     shapes = {name: shape for name, (_, shape) in flat.slots.items()}
+    experts = sum(shape.numel() for name, shape in shapes.items() if ".mlp.experts." in name)
     assert len(got["held"]) == ranks
     for stage, tp_rank, dp_rank, whole_weights, grad, params, moments in got["held"].tolist():
         whole = flat.numel if (stage, tp_rank, dp_rank) == (0, 0, 0) else 0
         mine = sum(s.numel() for s in slice_shapes(layout, shapes, tp_rank, stage).values())
         assert (whole_weights, grad, params, moments) == (whole, mine, mine, 2 * mine)
-        assert mine <= flat.numel / (tp * pp) + layout.padded_vocab * config.hidden_size / tp
+        assert (
+            mine
+            <= (flat.numel - experts) / (tp * pp)
+            + experts / pp
+            + layout.padded_vocab * config.hidden_size / tp
+        )
     # Checkpoint shards: each written by its rank of the first replica, holding its slice alone,
     # read back by the same ranks exactly, and joined into the whole model without a gather.
     shards = tmp_path / "shards"

@@ -1,5 +1,6 @@
-"""A dense model's weights between the Hugging Face and Megatron layouts: exact round trips for
-every TP × PP cut and every dense family, Megatron's fused orders, and one read per source tensor."""
+"""A model's weights between the Hugging Face and Megatron layouts: exact round trips for every
+TP × PP cut and every family (routed experts included), Megatron's fused orders, and one read
+per source tensor."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from gyre_hpc.models.architecture import ModelConfig
 from gyre_hpc.models.causal_lm import CausalLM
+from gyre_hpc.models.family import FAMILIES
 from gyre_hpc.trainer.megatron_weights import MegatronLayout, hf_to_megatron, megatron_to_hf
 
 
@@ -22,6 +24,11 @@ def config(tie: bool, family: str = "qwen3") -> ModelConfig:
         num_key_value_heads=2,
         head_dim=8,
         tie_word_embeddings=tie,
+        **(
+            {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24}
+            if FAMILIES[family].experts
+            else {}
+        ),
     )
 
 
@@ -43,7 +50,7 @@ def to_megatron(
     }
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])  # mistral: llama's tensors
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2", "qwen3_moe", "mixtral"])  # mistral: llama's
 @pytest.mark.parametrize("tie", [False, True])
 @pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2), (2, 2)])
 def test_hf_to_megatron_to_hf_is_bit_identical(tie: bool, tp: int, pp: int, family: str) -> None:

@@ -45,7 +45,6 @@ from gyre_hpc.engines.sglang import (
     sglang_command,
     tp_entries,
 )
-from gyre_hpc.engines.staging import flat_tensors
 from gyre_hpc.errors import LaunchError
 from gyre_hpc.models.architecture import ModelConfig
 from gyre_hpc.models.catalog import TINY_FAMILIES, model_shape
@@ -547,11 +546,11 @@ def test_a_server_killed_while_each_verb_is_in_flight_comes_back_as_the_verbs_as
         layout = FlatLayout.of(ModelConfig.load(model_dir))
         held["weights"] = (None, 2)
         armed.add("/update_weights_from_tensor")
-        host.load(flat_tensors(layout, newest), 2)
+        host.load(iter(layout.views(newest).items()), 2)
         back()
         assert (host.wants, host.state, host.can_load, armed) == (2, State.SERVING, True, set())
         assert not ready(server.url)
-        host.load(flat_tensors(layout, newest), 2)
+        host.load(iter(layout.views(newest).items()), 2)
         assert host.wants is None and ready(server.url)
         layout.load(model, newest)
         reply = greedy(server.url, PROMPTS[2])
@@ -899,7 +898,8 @@ def test_each_family_with_experts_serves_under_sglang_with_the_trainer_s_log_pro
 ) -> None:
     """The families with routed experts (Qwen3, Llama and Qwen2 are served by the tests above;
     SGLang's Mistral is its Llama): a tiny random model of each starts under real SGLang on this
-    CPU, takes a pushed version by reference (its experts one tensor each, as SGLang loads them),
+    CPU, takes a pushed version by reference (its experts one tensor each, as SGLang loads them,
+    from a flat snapshot or from a stream of fused tensors),
     and serves it with the log-probs transformers' implementation computes here. Both servers
     at once: a start mostly waits on imports."""
     families = [f for f, shape in TINY_FAMILIES.items() if shape.get("num_experts")]
@@ -921,7 +921,9 @@ def served_after_a_push(work: Path, family: str) -> float:
         base = flat_of(model).numpy()
         flat = base + np.random.RandomState(1).randn(base.size).astype(np.float32) * 0.02
         call(server.url, lambda c: c.begin_weight_update())
-        TensorPush(server.url, layout, 1, "cpu", "float32", bucket_bytes=1 << 20).push(flat, 3)
+        # One as a flat snapshot, one as a megatron cell streams it: whole tensors, experts fused.
+        weights = flat if family == "qwen3_moe" else iter(layout.views(flat).items())
+        TensorPush(server.url, layout, 1, "cpu", "float32", bucket_bytes=1 << 20).push(weights, 3)
         call(server.url, lambda c: c.end_weight_update())
         layout.load(model, flat)
         worst = 0.0

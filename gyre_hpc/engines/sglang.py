@@ -247,9 +247,9 @@ class WeightGroup:
         """A flat snapshot, or a stream of its tensors (``engines.staging``)."""
         import torch
 
-        from gyre_hpc.engines.staging import Stager, flat_tensors
+        from gyre_hpc.engines.staging import Stager, served_tensors
 
-        tensors = flat_tensors(self.layout, weights) if isinstance(weights, np.ndarray) else weights
+        tensors = served_tensors(self.layout, weights)
         dtype = getattr(torch, self.dtype)
         device = "cuda" if self.backend == "nccl" else "cpu"
         stager = Stager(dtype, self.bucket_bytes, lambda n: torch.empty(n, dtype=dtype, device=device))
@@ -334,9 +334,9 @@ class TensorPush:
         import torch
 
         _share_from(self.device)
-        from gyre_hpc.engines.staging import flat_tensors
+        from gyre_hpc.engines.staging import served_tensors
 
-        tensors = flat_tensors(self.layout, weights) if isinstance(weights, np.ndarray) else weights
+        tensors = served_tensors(self.layout, weights)
         dtype = getattr(torch, self.dtype)
         if not self.delta:
             return self._whole(tensors, dtype, version, flush)
@@ -512,10 +512,10 @@ class PartPush:
         """What this node staged (the caller reads the rest of a stream its head ended early)."""
         import torch
 
-        from gyre_hpc.engines.staging import flat_tensors
+        from gyre_hpc.engines.staging import served_tensors
 
         _share_from(self.device)
-        tensors = flat_tensors(self.layout, weights) if isinstance(weights, np.ndarray) else weights
+        tensors = served_tensors(self.layout, weights)
         dtype = getattr(torch, self.dtype)
         stager, sent, elements, word = _stager(self.device, dtype, self.bucket_bytes), 0, 0, None
         for i, b in enumerate(stager.stage(tensors)):
@@ -753,10 +753,10 @@ class SGLangServer:
     def load(self, weights: np.ndarray | Tensors, version: int) -> Pushed:
         """Serve ``weights`` as ``version`` from now on (a flat snapshot, or a stream of its
         tensors: ``engines.staging``); what it moved."""
-        from gyre_hpc.engines.staging import flat_tensors
+        from gyre_hpc.engines.staging import served_tensors
         from gyre_hpc.models.hf_files import copy_model_files, write_buckets
 
-        tensors = flat_tensors(self.layout, weights) if isinstance(weights, np.ndarray) else weights
+        tensors = served_tensors(self.layout, weights)
         if self.group is None:  # engine.weight_sync = "disk"
             out = self.work_dir / "weights"
             shutil.rmtree(out, ignore_errors=True)  # the last version's files, cut another way

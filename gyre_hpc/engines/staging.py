@@ -11,7 +11,7 @@ time, cast to the served dtype into a staging buffer and handed on a bucket at a
 At any moment this side holds one staging buffer (a bucket, or the one tensor larger than a
 bucket) and the tensor that arrived last: a bucket plus the largest tensor, never the model.
 Buckets are cut in arrival order by the same rule as ``engines.sglang.buckets``, so a stream in
-the shared layout's order (``flat_tensors``) cuts exactly those. This module does not know where
+the shared layout's order (``served_tensors``) cuts exactly those. This module does not know where
 a bucket goes (a shared-memory file, a GPU, a broadcast): ``allocate`` says where buffers live.
 """
 
@@ -40,10 +40,13 @@ class Staged:
     """No bucket follows (the one that may flush the server's cache)."""
 
 
-def flat_tensors(layout: FlatLayout, flat: np.ndarray) -> Tensors:
-    """A flat snapshot's tensors as a checkpoint names them, in the layout's order: views (copies
-    only of fused experts, one tensor per expert)."""
-    return layout.checkpoint_tensors(torch.from_numpy(flat)).items()
+def served_tensors(layout: FlatLayout, weights: np.ndarray | Tensors) -> Tensors:
+    """A flat snapshot's tensors, or a stream of whole tensors under the layout's names, as a
+    checkpoint names them (what a server loads), in order: views, copies only of fused experts
+    (one tensor per expert)."""
+    if isinstance(weights, np.ndarray):
+        return layout.checkpoint_tensors(torch.from_numpy(weights)).items()
+    return layout.as_checkpoint(weights)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from gyre_hpc.errors import RecipeError
 from gyre_hpc.models.architecture import ModelConfig
 from gyre_hpc.models.catalog import model_shape
-from gyre_hpc.models.family import FAMILIES, UnsupportedFamily
+from gyre_hpc.models.family import UnsupportedFamily
 from gyre_hpc.plan.memory import MemoryPlan, check_memory
 from gyre_hpc.plan.placement import EnginePlan, cell_engines
 from gyre_hpc.recipe.schema import EngineConfig, ObservabilityConfig, Recipe, TrainerConfig
@@ -78,12 +78,11 @@ def check_model(model: str, trainer: TrainerConfig, engine: EngineConfig) -> Mod
             "embedding (config.json tie_word_embeddings = true); valid with engine.backend = 'sglang': "
             "an untied model, as published"
         )
-    if trainer.backend == "megatron" and not shape.family.megatron:
-        megatron = sorted(f for f, family in FAMILIES.items() if family.megatron)
+    if trainer.backend == "megatron" and shape.dense_layers:
         raise RecipeError(
-            f"run.model = {model!r}: trainer.backend = 'megatron' does not convert the "
-            f"{shape.model_type!r} family yet (it converts {', '.join(megatron)}); valid for it: "
-            "trainer.backend = 'torch'"
+            f"run.model = {model!r}: trainer.backend = 'megatron' trains models whose every layer routes "
+            f"experts, and layers {shape.dense_layers} of this one are dense (config.json mlp_only_layers, "
+            "decoder_sparse_step); valid for it: trainer.backend = 'torch'"
         )
     return shape
 

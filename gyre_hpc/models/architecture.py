@@ -106,6 +106,21 @@ class ModelConfig:
         return self.family.qkv_bias or bool(self.hf.get("attention_bias"))
 
     @property
+    def dense_layers(self) -> list[int]:
+        """The layers of a model with routed experts whose MLP is dense (Qwen3-MoE's
+        ``mlp_only_layers``, and those ``decoder_sparse_step`` skips); none for a dense model."""
+        if not self.num_experts:
+            return []
+        only, step = self.hf.get("mlp_only_layers") or [], self.hf.get("decoder_sparse_step") or 1
+        return [i for i in range(self.num_hidden_layers) if i in only or (i + 1) % step]
+
+    @property
+    def renormalizes_topk(self) -> bool:
+        """A token's top-k routing weights are rescaled to sum to 1 (Mixtral always; Qwen3-MoE
+        where ``norm_topk_prob``), not left as their share of the softmax over all experts."""
+        return self.model_type == "mixtral" or bool(self.hf.get("norm_topk_prob"))
+
+    @property
     def rope_scaling(self) -> dict[str, Any] | None:
         """Scaled rotary frequencies (Llama 3's ``rope_type = "llama3"``), as config.json says them."""
         found = self.hf.get("rope_scaling") or self.hf.get("rope_parameters") or {}

@@ -2,8 +2,8 @@
 
 A family is Hugging Face's ``model_type``. Its implementation is transformers' own (built by
 ``models.causal_lm``); this table says only what the rest of gyre-hpc must know about it without
-torch: the architecture class ``config.json`` names, whether its experts are routed, whether the
-megatron trainer's converter covers it, and the tool-call format its chat template writes (what the
+torch: the architecture class ``config.json`` names, whether its experts are routed, and the
+tool-call format its chat template writes (what the
 proxy has to parse). It knows nothing about weights or shapes (``models.architecture``).
 
 Llama 3 and SmolLM2 are ``llama``; Qwen2 and Qwen2.5 are ``qwen2``; Mistral is ``mistral``.
@@ -26,8 +26,6 @@ class Family:
     qkv_bias: bool = False
     """Biases on the query, key and value projections (Qwen2; any family whose config.json says
     ``attention_bias``)."""
-    megatron: bool = False
-    """The megatron trainer's Hugging Face ↔ Megatron converter covers it."""
     tool_format: str | None = None
     """The tool-call format its chat template writes, where the proxy parses it; None: not yet."""
 
@@ -35,12 +33,18 @@ class Family:
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
-        Family("llama", "LlamaForCausalLM", megatron=True),
-        Family("mistral", "MistralForCausalLM", megatron=True),
+        Family("llama", "LlamaForCausalLM"),
+        Family("mistral", "MistralForCausalLM"),
         Family("mixtral", "MixtralForCausalLM", experts=True),
-        Family("qwen2", "Qwen2ForCausalLM", megatron=True, qkv_bias=True, tool_format="hermes"),
-        Family("qwen3", "Qwen3ForCausalLM", megatron=True, qk_norm=True, tool_format="hermes"),
-        Family("qwen3_moe", "Qwen3MoeForCausalLM", experts=True, qk_norm=True, tool_format="hermes"),
+        Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, tool_format="hermes"),
+        Family("qwen3", "Qwen3ForCausalLM", qk_norm=True, tool_format="hermes"),
+        Family(
+            "qwen3_moe",
+            "Qwen3MoeForCausalLM",
+            experts=True,
+            qk_norm=True,
+            tool_format="hermes",
+        ),
     )
 }
 

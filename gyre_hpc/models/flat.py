@@ -16,6 +16,7 @@ this module, so the layout is derived once. It knows nothing about where the buf
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -65,9 +66,29 @@ class FlatLayout:
         views = self.views(flat)
         return checkpoint_names(self._meta.hf, views) if self.renames else views
 
+    def as_checkpoint(
+        self, tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Whole tensors under the layout's names, one at a time, as a checkpoint names them
+        (``checkpoint_tensors`` for a stream: a fused experts tensor becomes one a expert)."""
+        for name, t in tensors:
+            if self.renames:
+                yield from checkpoint_names(self._meta.hf, {name: t}).items()
+            else:
+                yield name, t
+
     def from_checkpoint(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A checkpoint's named tensors under the layout's names (``checkpoint_tensors`` undone)."""
         return model_names(self._meta.hf, state) if self.renames else state
+
+    def read(self, name: str, read_checkpoint: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        """The layout's tensor ``name`` from a checkpoint's tensors (``read_checkpoint``, by the
+        checkpoint's names): itself, or for fused experts joined from the tensors it is made of,
+        which alone are read."""
+        if not self.renames:
+            return read_checkpoint(name)
+        parts = checkpoint_names(self._meta.hf, {name: torch.empty(self.slots[name][1], device="meta")})
+        return self.from_checkpoint({part: read_checkpoint(part) for part in parts})[name]
 
     @cached_property
     def numel(self) -> int:

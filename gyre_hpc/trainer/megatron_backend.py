@@ -79,7 +79,7 @@ from gyre_hpc.trainer.base import (
     sequence_loss,
     tree_inputs,
 )
-from gyre_hpc.trainer.megatron_cpu import redirect_cuda_to_cpu
+from gyre_hpc.trainer.megatron_cpu import redirect_cuda_to_cpu, without_transformer_engine
 from gyre_hpc.trainer.megatron_weights import (
     MegatronLayout,
     hf_to_megatron,
@@ -147,7 +147,27 @@ def transformer_config(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         **(again if recompute == "full" else {}),
+        **(experts(c, layout) if c.num_experts else {}),
     )
+
+
+def experts(c: ModelConfig, layout: MegatronLayout) -> dict[str, Any]:
+    """megatron's arguments for ``c``'s routed experts, routed as transformers routes them: a
+    softmax over the experts, the top k, renormalised where the family renormalises (megatron's
+    top-k of the logits then a softmax over them is the same). Every expert whole on every rank
+    (``expert_tensor_parallel_size`` 1); with TP > 1 megatron trains experts under sequence
+    parallelism only. No auxiliary loss: RL updates the policy, not its load balance."""
+    return {
+        "num_moe_experts": c.num_experts,
+        "moe_router_topk": c.num_experts_per_tok,
+        "moe_ffn_hidden_size": c.moe_intermediate_size,
+        "moe_router_pre_softmax": not c.renormalizes_topk,
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_token_dispatcher_type": "allgather",
+        "expert_tensor_parallel_size": 1,
+        "sequence_parallel": layout.tp > 1,
+    }
 
 
 def build_model(
@@ -164,19 +184,31 @@ def build_model(
     masks (packed trees on CUDA)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=c.qk_norm, normalization="RMSNorm")
+    config = transformer_config(c, layout, dtype, recompute, device)
+    spec = get_gpt_layer_local_spec(
+        num_experts=c.num_experts or None, qk_layernorm=c.qk_norm, normalization="RMSNorm"
+    )
+    layer = spec.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
+    if c.qk_norm:
+        layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = RMSNorm
     tree_mask = TreeMask()
     if block_masks:
         attention = block_mask_attention()
         attention.tree_mask = tree_mask
-        spec.submodules.self_attention.submodules.core_attention = attention
+        layer.self_attention.submodules.core_attention = attention
+    block = TransformerBlockSubmodules([spec] * get_num_layers_to_build(config, pp_rank=stage), RMSNorm)
     # Under ``device``: megatron's local spec builds its norms as plain torch modules, which
     # would otherwise stay on the host while the rest of the model is on the GPU.
     with torch.device(device):
         model = GPTModel(
-            transformer_config(c, layout, dtype, recompute, device),
-            spec,
+            config,
+            block,
             vocab_size=layout.padded_vocab,
             max_sequence_length=c.max_position_embeddings,
             position_embedding_type="rope",
@@ -195,6 +227,18 @@ def build_model(
             f"megatron model built for {device} holds tensors on {', '.join(sorted(elsewhere))}"
         )
     return model
+
+
+class RMSNorm:
+    """The local spec's norm (torch's RMSNorm), which also runs under sequence parallelism:
+    megatron's wrapper refuses it because a torch norm's gradient is not summed over the TP
+    group, which this trainer does itself (``MegatronTrainer._whole_grad``) for every weight
+    marked ``sequence_parallel``."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **unused: Any) -> torch.nn.RMSNorm:
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        norm.weight.sequence_parallel = config.sequence_parallel
+        return norm
 
 
 def rope_scaling(c: ModelConfig) -> dict[str, Any]:
@@ -306,6 +350,7 @@ def init_megatron(world: MegatronWorld, tp: int, pp: int, seed: int) -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     redirect_cuda_to_cpu()
+    without_transformer_engine()
     if world.gpu is not None and torch.cuda.is_available():
         torch.cuda.set_device(world.gpu % torch.cuda.device_count())
     if not torch.distributed.is_initialized():
@@ -327,7 +372,7 @@ def init_megatron(world: MegatronWorld, tp: int, pp: int, seed: int) -> None:
         )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_tensor_parallel_size=1
         )
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
@@ -358,6 +403,13 @@ class MegatronTrainer:
         self.dp = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_group = parallel_state.get_data_parallel_group()
+        # A rank's experts are whole (``experts``): the ranks that hold the same ones (its TP
+        # group's and the replicas') each route their own tokens to them, and sum their gradients.
+        self.expert_dp_group = parallel_state.get_expert_data_parallel_group()
+        self.expert_dp_rank = parallel_state.get_expert_data_parallel_rank()
+        self.sequence_parallel = bool(self.model_config.num_experts) and self.layout.tp > 1
+        """Each TP rank holds a 1/tp share of the positions between its attention blocks
+        (megatron trains experts beside TP only so): a forward's length is padded to a multiple of tp."""
         if self.layout.pp > 1:
             self.pp_group = parallel_state.get_pipeline_model_parallel_group()
             self.prev_rank = parallel_state.get_pipeline_model_parallel_prev_rank()
@@ -484,9 +536,11 @@ class MegatronTrainer:
                 self.main_grad.setdefault(n, torch.zeros_like(p, dtype=torch.float32))
             if self.layout.pp > 1:
                 self._sum_tied_embedding_grads()
-            if self.dp > 1:  # in the parameters' order: the order backward filled it is a replica's own
-                for n in self.params:
-                    torch.distributed.all_reduce(self.main_grad[n], group=self.dp_group)
+            # in the parameters' order: the order backward filled it is a replica's own
+            for n in self.params:
+                group = self.expert_dp_group if _is_expert(n) else self.dp_group
+                if group.size() > 1:
+                    torch.distributed.all_reduce(self.main_grad[n], group=group)
             with torch.no_grad():
                 for n, g in self.grad_slices.items():
                     g.add_(self._whole_grad(n).cpu())
@@ -553,8 +607,8 @@ class MegatronTrainer:
 
     def _counted(self) -> list[str]:
         """The parameters this rank adds to the gradient's norm: those of the first replica,
-        tensor-parallel duplicates (norms) on TP rank 0 only, and not the last stage's copy of
-        a tied embedding (the first stage's holds the same sum)."""
+        tensor-parallel duplicates (norms, whole experts) on TP rank 0 only, and not the last
+        stage's copy of a tied embedding (the first stage's holds the same sum)."""
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         if self.dp_rank != 0:
@@ -563,7 +617,8 @@ class MegatronTrainer:
         return [
             n
             for n, p in self.params.items()
-            if param_is_not_tensor_parallel_duplicate(p) and not (tied_copy and n == "output_layer.weight")
+            if (self.expert_dp_rank == 0 if _is_expert(n) else param_is_not_tensor_parallel_duplicate(p))
+            and not (tied_copy and n == "output_layer.weight")
         ]
 
     def _accumulator(self, name: str) -> Callable[[torch.Tensor], None]:
@@ -599,14 +654,18 @@ class MegatronTrainer:
     def _path_unit(self, s: TrainSequence) -> _Unit:
         ids = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))[None].to(self.device)
         n = ids.shape[1]
+        length = self._multiple(n)  # padding after the path: no real position sees it
+        ids = F.pad(ids, (0, length - n))
         # True = hidden: every position sees itself and what precedes it.
-        hidden = torch.triu(torch.ones(1, 1, n, n, dtype=torch.bool, device=self.device), diagonal=1)
-        positions = torch.arange(n, device=self.device)[None]
+        hidden = torch.triu(
+            torch.ones(1, 1, length, length, dtype=torch.bool, device=self.device), diagonal=1
+        )
+        positions = torch.arange(length, device=self.device)[None]
         c = self.config
 
         def loss(logits: torch.Tensor) -> tuple[torch.Tensor, TokenStats]:
             rows = torch.arange(n - 1, device=self.device)
-            logp, entropy = self._logprobs(logits, rows, ids[0, 1:])
+            logp, entropy = self._logprobs(logits, rows, ids[0, 1:n])
             entropy = None if entropy is None else F.pad(entropy, (1, 0))
             return sequence_loss(s, F.pad(logp, (1, 0)), c.clip_low, c.clip_high, self.version, entropy)
 
@@ -615,8 +674,9 @@ class MegatronTrainer:
     def _tree_unit(self, tree: PackedTree) -> _Unit:
         ids, positions = tree_inputs(tree, self.device)
         ends = tree.ends
-        if self.pad_trees:  # padding tokens see only themselves; the loss reads real rows only
-            length = padded_length(len(tree), self.config.micro_step_tokens)
+        length = padded_length(len(tree), self.config.micro_step_tokens) if self.pad_trees else len(tree)
+        length = self._multiple(length)
+        if length > len(tree):  # padding tokens see only themselves; the loss reads real rows only
             ends = padded_ends(ends, length)
             ids, positions = (F.pad(t, (0, length - len(tree))) for t in (ids, positions))
         if self.device.type == "cuda":  # block-sparse: no N² tensor (models.tree_attention)
@@ -633,6 +693,11 @@ class MegatronTrainer:
             return packed_loss(tree, logp, c.clip_low, c.clip_high, self.version, entropy)
 
         return _Unit(ids, positions, hidden, loss, len(tree))
+
+    def _multiple(self, length: int) -> int:
+        """``length`` padded to what a forward takes: a multiple of tp under sequence parallelism."""
+        tp = self.layout.tp if self.sequence_parallel else 1
+        return -(-length // tp) * tp
 
     def _forward(self, unit: _Unit) -> torch.Tensor:
         """This stage's output: the last stage's logits over this rank's vocabulary shard
@@ -668,7 +733,9 @@ class MegatronTrainer:
         for u in units:
             x = None
             if not first:
-                x = torch.empty(u.length, 1, hidden, dtype=self.dtype, device=self.device)
+                # between stages a rank holds its share of the positions (sequence parallelism)
+                share = u.length // self.layout.tp if self.sequence_parallel else u.length
+                x = torch.empty(share, 1, hidden, dtype=self.dtype, device=self.device)
                 dist.recv(x, self.prev_rank)
                 x.requires_grad_()
             self.model.set_input_tensor(x)
@@ -739,10 +806,12 @@ class MegatronTrainer:
         torch.distributed.all_reduce(self.main_grad[name], group=parallel_state.get_embedding_group())
 
     def _whole_grad(self, name: str) -> torch.Tensor:
-        """A parameter's gradient on this rank; q/k norms act on this rank's heads only, so their
-        gradient is the sum over the TP group (as megatron's finalize_model_grads does)."""
+        """A parameter's gradient on this rank; q/k norms act on this rank's heads only, and under
+        sequence parallelism norms and routers on its positions only, so their gradient is the
+        sum over the TP group (as megatron's finalize_model_grads does)."""
         g = self.main_grad[name]
-        if self.layout.tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
+        positional = self.sequence_parallel and getattr(self.params[name], "sequence_parallel", False)
+        if self.layout.tp > 1 and (positional or "q_layernorm" in name or "k_layernorm" in name):
             g = g.clone()
             torch.distributed.all_reduce(g, group=self.tp_group)
         return g
@@ -829,7 +898,9 @@ class MegatronTrainer:
     def load_files(self, model_dir: Path) -> None:
         """This rank's slice read from a Hugging Face directory's files (each rank its own, one
         tensor at a time; not collective)."""
-        self._load(hf_to_megatron(_reader(model_dir), self.layout, self.tp_rank, self.stage))
+        self._load(
+            hf_to_megatron(_reader(model_dir, self.flat_layout), self.layout, self.tp_rank, self.stage)
+        )
 
     def _view(self, flat: np.ndarray):  # noqa: ANN202 - a reader callback
         return self.flat_layout.views(flat).__getitem__
@@ -925,6 +996,10 @@ class MegatronTrainer:
             yield name, t
 
 
+def _is_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
 def _views(flat: torch.Tensor, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
     """``flat`` cut into one view a tensor, in ``shapes``' order."""
     views, at = {}, 0
@@ -934,15 +1009,17 @@ def _views(flat: torch.Tensor, shapes: dict[str, torch.Size]) -> dict[str, torch
     return views
 
 
-def _reader(model_dir: Path):  # noqa: ANN202 - a reader callback
+def _reader(model_dir: Path, layout: FlatLayout):  # noqa: ANN202 - a reader callback
+    """Tensors of ``layout`` by name from a model directory's files, one at a time (fused experts
+    joined from the checkpoint's tensors they are made of, ``FlatLayout.read``)."""
     files = hf_weight_files(model_dir)
     where = {}
     for f in files:
         with safe_open(f, framework="pt") as h:
             where.update(dict.fromkeys(h.keys(), f))
 
-    def read(name: str) -> torch.Tensor:
+    def read_checkpoint(name: str) -> torch.Tensor:
         with safe_open(where[name], framework="pt") as h:
             return h.get_tensor(name)
 
-    return read
+    return lambda name: layout.read(name, read_checkpoint)

@@ -25,3 +25,13 @@ def redirect_cuda_to_cpu() -> bool:
     megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     megatron_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
     return True
+
+
+def without_transformer_engine() -> None:
+    """megatron-core 0.16's router names ``te_general_gemm`` whether or not Transformer Engine
+    imported (its MoE layers raise NameError without it, CPU or GPU): absent, it is None, which
+    megatron reads as "use torch's matmul". Idempotent."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

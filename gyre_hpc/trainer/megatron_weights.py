@@ -1,7 +1,7 @@
-"""A dense model's weights between the Hugging Face layout (what engines load) and Megatron-core's
-(what a ``megatron`` cell trains), one tensor at a time: one converter for every dense family
-(Llama, Mistral, Qwen2, Qwen3), driven by what the family's config says it has (``qk_norm``,
-``qkv_bias``), not a file per family.
+"""A model's weights between the Hugging Face layout (what engines load) and Megatron-core's (what
+a ``megatron`` cell trains), one tensor at a time: one converter for every family (Llama, Mistral,
+Mixtral, Qwen2, Qwen3, Qwen3-MoE), driven by what the family's config says it has (``qk_norm``,
+``qkv_bias``, ``num_experts``), not a file per family.
 
 ```
  HF (one file set)                         Megatron GPTModel, local spec, TP rank r of t, PP stage s
@@ -15,6 +15,9 @@
  layers.i.post_attention_layernorm    ──▶  ….pre_mlp_layernorm                          (replicated)
  layers.i.mlp.{gate,up}_proj          ──▶  ….mlp.linear_fc1                             [gate r/t | up r/t]
  layers.i.mlp.down_proj               ──▶  ….mlp.linear_fc2                             columns r/t
+ layers.i.mlp.gate (routed experts)   ──▶  ….mlp.router                                 (replicated)
+ layers.i.mlp.experts.gate_up_proj[e] ──▶  ….mlp.experts.local_experts.e.linear_fc1     (whole on
+ layers.i.mlp.experts.down_proj[e]    ──▶  ….mlp.experts.local_experts.e.linear_fc2      every rank)
  model.norm                           ──▶  decoder.final_layernorm                      (last stage)
  lm_head (untied only)                ──▶  output_layer                                 rows r/t
  model.embed_tokens (tied, PP > 1)    ──▶  output_layer (a copy on the last stage)      rows r/t
@@ -56,7 +59,7 @@ class MegatronLayout:
                 f"tensor parallel size {self.tp} must divide the {c.num_attention_heads} attention "
                 f"heads and {c.num_key_value_heads} key/value heads"
             )
-        if c.intermediate_size % self.tp:
+        if not c.num_experts and c.intermediate_size % self.tp:
             raise ValueError(
                 f"tensor parallel size {self.tp} must divide intermediate_size {c.intermediate_size}"
             )
@@ -126,6 +129,9 @@ def hf_to_megatron(
             q, k, v = (read(f"{hf}self_attn.{p}_proj.bias")[:, None] for p in "qkv")
             yield mg + "self_attention.linear_qkv.bias", _fuse_qkv(q, k, v, c, tp, rank)[:, 0]
         yield mg + "self_attention.linear_proj.weight", _cols(read(hf + "self_attn.o_proj.weight"), tp, rank)
+        if c.num_experts:
+            yield from _experts_to_megatron(read, hf, mg, c)
+            continue
         gate, up = read(hf + "mlp.gate_proj.weight"), read(hf + "mlp.up_proj.weight")
         yield mg + "mlp.linear_fc1.weight", torch.cat([_rows(gate, tp, rank), _rows(up, tp, rank)])
         yield mg + "mlp.linear_fc2.weight", _cols(read(hf + "mlp.down_proj.weight"), tp, rank)
@@ -156,6 +162,9 @@ def megatron_to_hf(
             for p, b in zip("qkv", biases, strict=True):
                 yield f"{hf}self_attn.{p}_proj.bias", b[:, 0]
         yield hf + "self_attn.o_proj.weight", torch.cat(read(mg + "self_attention.linear_proj.weight"), dim=1)
+        if c.num_experts:
+            yield from _experts_to_hf(read, hf, mg, c)
+            continue
         fc1 = [s.chunk(2) for s in read(mg + "mlp.linear_fc1.weight")]
         yield hf + "mlp.gate_proj.weight", torch.cat([g for g, _ in fc1])
         yield hf + "mlp.up_proj.weight", torch.cat([u for _, u in fc1])
@@ -164,6 +173,32 @@ def megatron_to_hf(
         yield "model.norm.weight", read("decoder.final_layernorm.weight")[0]
         if not c.tie_word_embeddings:
             yield "lm_head.weight", torch.cat(read("output_layer.weight"))[:vocab]
+
+
+def _experts_to_megatron(
+    read: ReadHF, hf: str, mg: str, c: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A layer's router and experts, whole on every TP rank (``expert_tensor_parallel_size`` 1).
+    transformers fuses a layer's experts (``gate_up_proj`` [E, 2F, H]: each expert's gate rows,
+    then its up rows, as megatron's gated ``linear_fc1`` wants them; ``down_proj`` [E, H, F]);
+    megatron keeps one MLP an expert."""
+    yield mg + "mlp.router.weight", read(hf + "mlp.gate.weight")
+    gate_up, down = read(hf + "mlp.experts.gate_up_proj"), read(hf + "mlp.experts.down_proj")
+    for e in range(c.num_experts):
+        yield f"{mg}mlp.experts.local_experts.{e}.linear_fc1.weight", gate_up[e].clone()
+        yield f"{mg}mlp.experts.local_experts.{e}.linear_fc2.weight", down[e].clone()
+
+
+def _experts_to_hf(read: ReadShards, hf: str, mg: str, c: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """``_experts_to_megatron`` undone (any TP rank's copy)."""
+    experts = range(c.num_experts)
+    at = f"{mg}mlp.experts.local_experts."
+    yield hf + "mlp.gate.weight", read(mg + "mlp.router.weight")[0]
+    yield (
+        hf + "mlp.experts.gate_up_proj",
+        torch.stack([read(f"{at}{e}.linear_fc1.weight")[0] for e in experts]),
+    )
+    yield hf + "mlp.experts.down_proj", torch.stack([read(f"{at}{e}.linear_fc2.weight")[0] for e in experts])
 
 
 def slice_shapes(

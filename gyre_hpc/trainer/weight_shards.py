@@ -98,7 +98,8 @@ def stage_tensors(directory: Path, layout: MegatronLayout, stage: int) -> Iterat
 
 
 def hf_tensors(directory: Path, config: ModelConfig | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every Hugging Face tensor of a checkpoint (shards or whole) or model directory, one at a time."""
+    """Every Hugging Face tensor of a checkpoint (shards or whole) or model directory, one at a
+    time, as a checkpoint names it (fused experts one tensor an expert)."""
     config = config or ModelConfig.load(directory)
     layout = layout_of(directory, config)
     if layout is None:
@@ -107,8 +108,9 @@ def hf_tensors(directory: Path, config: ModelConfig | None = None) -> Iterator[t
                 for name in h.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                     yield name, h.get_tensor(name)
         return
+    flat = FlatLayout.of(config)
     for stage in range(layout.pp):
-        yield from stage_tensors(directory, layout, stage)
+        yield from flat.as_checkpoint(stage_tensors(directory, layout, stage))
 
 
 def read_flat(directory: Path, layout: FlatLayout | None = None) -> np.ndarray:

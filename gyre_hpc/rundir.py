@@ -383,6 +383,21 @@ def checkpoint_shards(path: Path) -> dict[tuple[int, int], Path]:
     return dict(sorted(out.items()))
 
 
+def checkpoint_expert_shard(path: Path, stage: int, expert_rank: int) -> Path:
+    """The routed experts an expert-parallel rank of pipeline stage ``stage`` holds, where a
+    replica splits them (``trainer.ep_size`` > 1; else they are in each TP rank's shard)."""
+    return path / SHARDS / f"stage-{stage}-ep-{expert_rank}.safetensors"
+
+
+def checkpoint_expert_shards(path: Path) -> dict[tuple[int, int], Path]:
+    """A checkpoint's expert shards by (stage, expert-parallel rank); empty where none were split."""
+    out = {}
+    for f in (path / SHARDS).glob("stage-*-ep-*.safetensors"):
+        _, stage, _, expert_rank = f.name.removesuffix(".safetensors").split("-")
+        out[int(stage), int(expert_rank)] = f
+    return dict(sorted(out.items()))
+
+
 def checkpoint_recorded(path: Path) -> Path:
     """A checkpoint's mark that its step was recorded (``awaits_record`` in its state); it holds
     the step's record (``runtime.resume.mark_recorded``)."""

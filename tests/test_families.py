@@ -71,6 +71,10 @@ def recipe_with(tmp_path: Path, model: Path, *sets: str) -> list[str]:
     ]
 
 
+def megatron_ranks(n: int) -> tuple[str, ...]:
+    return ("trainer.backend=megatron", f"cells.ranks_per_cell={n}")
+
+
 def test_recipe_check_names_a_family_a_window_or_a_layout_it_does_not_run_in_one_line(
     family_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -91,6 +95,13 @@ def test_recipe_check_names_a_family_a_window_or_a_layout_it_does_not_run_in_one
         "family": recipe_with(tmp_path, other),
         "window": recipe_with(tmp_path, windowed),
         "megatron": recipe_with(tmp_path, interleaved, "trainer.backend=megatron"),
+        # experts split over ranks: as many as divide the experts and a stage's ranks, of a MoE
+        "ep-experts": recipe_with(
+            tmp_path, family_dirs["qwen3_moe"], *megatron_ranks(3), "trainer.ep_size=3"
+        ),
+        "ep-ranks": recipe_with(tmp_path, family_dirs["qwen3_moe"], *megatron_ranks(2), "trainer.ep_size=4"),
+        "ep-dense": recipe_with(tmp_path, family_dirs["llama"], *megatron_ranks(2), "trainer.ep_size=2"),
+        "aux-torch": recipe_with(tmp_path, family_dirs["qwen3_moe"], "trainer.moe_aux_loss_coeff=0.01"),
     }.items():
         r = gyre(*args)
         assert r.returncode == 2, (name, r.stdout, r.stderr)
@@ -104,8 +115,15 @@ def test_recipe_check_names_a_family_a_window_or_a_layout_it_does_not_run_in_one
         "'megatron' trains models whose every layer routes experts, and layers [0] of this one are dense"
         in said["megatron"]
     )
-    for family in ("qwen3_moe", "mixtral"):  # the megatron trainer converts every family
-        ok = gyre(*recipe_with(tmp_path, family_dirs[family], "trainer.backend=megatron"))
+    assert "trainer.ep_size = 3 must divide its 4 routed experts" in said["ep-experts"]
+    assert "trainer.ep_size = 4 must divide the 2 ranks of a pipeline stage" in said["ep-ranks"]
+    assert "trainer.ep_size = 2 splits routed experts, and a 'llama' model has none" in said["ep-dense"]
+    assert (
+        "the router's auxiliary losses are megatron's; valid with trainer.backend = 'torch'"
+        in said["aux-torch"]
+    )
+    for family in ("qwen3_moe", "mixtral"):  # the megatron trainer converts every family, its experts split
+        ok = gyre(*recipe_with(tmp_path, family_dirs[family], *megatron_ranks(2), "trainer.ep_size=2"))
         assert ok.returncode == 0, ok.stdout + ok.stderr
     ok = gyre(*recipe_with(tmp_path, family_dirs["llama"]))
     assert ok.returncode == 0, ok.stdout + ok.stderr

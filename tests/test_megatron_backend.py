@@ -4,6 +4,7 @@ backend's loss and gradients, and one optimizer step the same weights."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import os
 import subprocess
@@ -25,9 +26,9 @@ from gyre_hpc.models.hf_files import copy_model_files
 from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.observability.events import read_events
 from gyre_hpc.recipe.schema import AgentConfig, CellsConfig, EngineConfig, TrainerConfig
-from gyre_hpc.rundir import checkpoint_shards
+from gyre_hpc.rundir import checkpoint_expert_shards, checkpoint_shards
 from gyre_hpc.trainer import checkpoint, weight_shards
-from gyre_hpc.trainer.megatron_weights import MegatronLayout, slice_shapes
+from gyre_hpc.trainer.megatron_weights import MegatronLayout, is_expert, slice_shapes
 from gyre_hpc.trainer.torch_backend import TorchTrainer
 from gyre_hpc.trajectory.sequences import TrainSequence
 
@@ -114,15 +115,17 @@ def test_megatron_micro_step_and_update_match_the_torch_backend(tmp_path: Path, 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize(
-    ("ranks", "tp", "pp", "kind", "count"),
-    [(2, 2, 1, "tied (tiny)", 3), (2, 1, 2, "tied (tiny)", 3), (2, 1, 2, "untied", 3),
-     (4, 2, 2, "tied (tiny)", 3), (2, 1, 1, "tied (tiny)", 3),
-     (2, 1, 1, "tied (tiny)", 1),  # one replica's share empty: its gradients are zeros, summed alike
-     (2, 2, 1, "llama", 3), (2, 1, 2, "qwen2", 3),  # the other dense families' paths: TP, PP
-     (2, 2, 1, "qwen3_moe", 3), (2, 1, 2, "mixtral", 3)],  # routed experts: TP (sequence parallel), PP
+    ("ranks", "tp", "pp", "ep", "kind", "count"),
+    [(2, 2, 1, 1, "tied (tiny)", 3), (2, 1, 2, 1, "tied (tiny)", 3), (2, 1, 2, 1, "untied", 3),
+     (4, 2, 2, 1, "tied (tiny)", 3), (2, 1, 1, 1, "tied (tiny)", 3),
+     (2, 1, 1, 1, "tied (tiny)", 1),  # one replica's share empty: its gradients are zeros, summed alike
+     (2, 2, 1, 1, "llama", 3), (2, 1, 2, 1, "qwen2", 3),  # the other dense families' paths: TP, PP
+     # routed experts: split over the replicas' ranks (one replica's share empty: it forwards
+     # idle units as long as the other exchanges tokens), over TP ranks (sequence parallel), PP
+     (2, 1, 1, 2, "mixtral", 1), (2, 2, 1, 2, "qwen3_moe", 3), (2, 1, 2, 1, "mixtral", 3)],
 )  # fmt: skip
 def test_a_data_tensor_or_pipeline_parallel_trainer_matches_one_rank(
-    tmp_path: Path, ranks: int, tp: int, pp: int, kind: str, count: int
+    tmp_path: Path, ranks: int, tp: int, pp: int, ep: int, kind: str, count: int
 ) -> None:
     from gyre_hpc.trainer import megatron_backend
 
@@ -131,7 +134,8 @@ def test_a_data_tensor_or_pipeline_parallel_trainer_matches_one_rank(
     program = HERE / "mpi_programs" / "megatron_parallel.py"
     proc = subprocess.run(
         ["mpirun", "--oversubscribe", "-n", str(ranks),
-         sys.executable, str(program), str(model_dir), str(out), str(tp), str(pp), "paths", str(count)],
+         sys.executable, str(program), str(model_dir), str(out), str(tp), str(pp), "paths", str(count),
+         str(ep)],
         capture_output=True, text=True, timeout=240,
         env={**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"},
     )  # fmt: skip
@@ -151,18 +155,20 @@ def test_a_data_tensor_or_pipeline_parallel_trainer_matches_one_rank(
     # model, and at most one embedding's shard more (a tied embedding's copy on the last stage,
     # rows padded to a multiple of 128 × tp); its stage's routed experts are whole on every rank.
     config = ModelConfig.load(model_dir)
-    layout, flat = MegatronLayout(config, tp, pp), FlatLayout.of(config)
+    layout, flat = MegatronLayout(config, tp, pp, ep), FlatLayout.of(config)
     shapes = {name: shape for name, (_, shape) in flat.slots.items()}
     experts = sum(shape.numel() for name, shape in shapes.items() if ".mlp.experts." in name)
     assert len(got["held"]) == ranks
     for stage, tp_rank, dp_rank, whole_weights, grad, params, moments in got["held"].tolist():
         whole = flat.numel if (stage, tp_rank, dp_rank) == (0, 0, 0) else 0
-        mine = sum(s.numel() for s in slice_shapes(layout, shapes, tp_rank, stage).values())
+        cut = slice_shapes(layout, shapes, tp_rank, stage)
+        mine = sum(s.numel() for s in cut.values())
         assert (whole_weights, grad, params, moments) == (whole, mine, mine, 2 * mine)
+        assert sum(s.numel() for n, s in cut.items() if is_expert(n)) == experts // (pp * ep)
         assert (
             mine
             <= (flat.numel - experts) / (tp * pp)
-            + experts / pp
+            + experts / (pp * ep)
             + layout.padded_vocab * config.hidden_size / tp
         )
     # Checkpoint shards: each written by its rank of the first replica, holding its slice alone,
@@ -170,12 +176,20 @@ def test_a_data_tensor_or_pipeline_parallel_trainer_matches_one_rank(
     shards = tmp_path / "shards"
     assert np.array_equal(got["reloaded"], got["after"])
     assert set(checkpoint_shards(shards)) == {(s, t) for s in range(pp) for t in range(tp)}
-    for (stage, tp_rank), f in checkpoint_shards(shards).items():
+    # split experts are their expert-parallel rank's shard's alone
+    assert set(checkpoint_expert_shards(shards)) == {(s, e) for s in range(pp) for e in range(ep) if ep > 1}
+    files = {
+        **checkpoint_shards(shards),
+        **{(s, -1 - e): f for (s, e), f in checkpoint_expert_shards(shards).items()},
+    }
+    for (stage, at), f in files.items():
         with safe_open(f, framework="pt") as h:
             held = {name: h.get_slice(name).get_shape() for name in h.keys()}  # noqa: SIM118
-        assert held == {n: list(s) for n, s in slice_shapes(layout, shapes, tp_rank, stage).items()}
-    assert sorted(json.loads(str(got["digests"]))) == [
-        str(f.relative_to(shards)) for f in checkpoint_shards(shards).values()]  # fmt: skip
+        cut = slice_shapes(layout, shapes, max(at, 0), stage)
+        assert held == {n: list(s) for n, s in cut.items() if ep == 1 or is_expert(n) == (at < 0)}
+    assert sorted(json.loads(str(got["digests"]))) == sorted(
+        str(f.relative_to(shards)) for f in files.values()
+    )
     copy_model_files(model_dir, shards)
     assert np.array_equal(checkpoint.read_weights(shards), got["after"])
     exported = tmp_path / "hf"
@@ -191,7 +205,9 @@ def test_a_data_tensor_or_pipeline_parallel_trainer_matches_one_rank(
     # Another layout reshards the weights as it reads them; it would not take this one's optimizer.
     assert weight_shards.other_layout(shards, layout) is None
     said = weight_shards.other_layout(shards, MegatronLayout(config))  # tp = pp = 1
-    assert (said is None) == (tp == pp == 1) and (said is None or f"written by tp {tp} × pp {pp}" in said)
+    assert (said is None) == (tp == pp == ep == 1) and (
+        said is None or f"written by tp {tp} × pp {pp}" in said
+    )
     resharded = megatron_backend.MegatronTrainer(model_dir, CFG, core=True)  # tp = pp = 1
     resharded.load_weights(shards, 9)
     assert resharded.version == 9 and np.array_equal(resharded.weights(), got["after"])
@@ -536,3 +552,26 @@ def test_a_member_waits_at_the_rendezvous_as_long_as_its_leader_s_engine_may_tak
         late_leader.kill()
     assert late_member.returncode == 3, err[-2000:]
     assert "rank 1 of 2: the replica's rendezvous at 127.0.0.1:" in err and "within 3 s" in err, err[-2000:]
+
+
+def test_the_router_s_auxiliary_losses_are_recipe_keys_that_reach_its_gradient(tmp_path: Path) -> None:
+    """Off by default (the router learns from the policy loss alone, as the torch trainer's does);
+    each coefficient adds its term's gradient to the router's, and nothing to the reported loss."""
+    from gyre_hpc.trainer import megatron_backend
+
+    model_dir = model_of("qwen3_moe", tmp_path)
+    config = ModelConfig.load(model_dir)
+    seqs, layout = sequences(config.vocab_size), FlatLayout.of(config)
+    routers = [n for n in layout.slots if n.endswith("mlp.gate.weight")]
+    got = {}
+    for aux, z in [(0.0, 0.0), (0.01, 0.0), (0.0, 0.001)]:
+        trainer = megatron_backend.MegatronTrainer(
+            model_dir, dataclasses.replace(CFG, moe_aux_loss_coeff=aux, moe_z_loss_coeff=z), core=True
+        )
+        loss = trainer.micro_step(seqs).loss_sum
+        views = layout.views(trainer.hf_gradient())
+        got[aux, z] = loss, np.concatenate([views[n].numpy().ravel() for n in routers])
+    (loss, plain), *others = got.values()
+    for other_loss, router in others:
+        assert other_loss == pytest.approx(loss, rel=1e-6)
+        assert np.abs(router - plain).max() > 1e-3 * np.abs(plain).max()

@@ -10,7 +10,8 @@ import torch
 from gyre_hpc.models.architecture import ModelConfig
 from gyre_hpc.models.causal_lm import CausalLM
 from gyre_hpc.models.family import FAMILIES
-from gyre_hpc.trainer.megatron_weights import MegatronLayout, hf_to_megatron, megatron_to_hf
+from gyre_hpc.models.flat import FlatLayout, joined
+from gyre_hpc.trainer.megatron_weights import MegatronLayout, hf_to_megatron, is_expert, megatron_to_hf
 
 
 def config(tie: bool, family: str = "qwen3") -> ModelConfig:
@@ -25,7 +26,11 @@ def config(tie: bool, family: str = "qwen3") -> ModelConfig:
         head_dim=8,
         tie_word_embeddings=tie,
         **(
-            {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24}
+            {
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 24 if family == "qwen3_moe" else 48,
+            }
             if FAMILIES[family].experts
             else {}
         ),
@@ -60,7 +65,9 @@ def test_hf_to_megatron_to_hf_is_bit_identical(tie: bool, tp: int, pp: int, fami
     shards = to_megatron(state, layout)
     back: dict[str, torch.Tensor] = {}
     for s in range(pp):
-        back.update(megatron_to_hf(lambda name, s=s: [shards[s][r][name] for r in range(tp)], layout, s))
+        # a routed expert's tensor from every expert-parallel rank (one here), the rest from every TP rank
+        read = lambda name, s=s: [shards[s][r][name] for r in range(1 if is_expert(name) else tp)]  # noqa: E731
+        back.update(joined(megatron_to_hf(read, layout, s), c.num_experts))
     assert back.keys() == state.keys()
     assert all(torch.equal(back[k], state[k]) for k in state)
 
@@ -123,3 +130,71 @@ def test_every_hugging_face_tensor_has_one_stage() -> None:
     held = {s: {n for n, _ in megatron_to_hf(lambda n, s=s: [shards[s][0][n]], layout, s)} for s in range(2)}
     assert all(layout.stage_of(name) == s for s, names in held.items() for name in names)
     assert held[0] | held[1] == set(state) and not held[0] & held[1]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize(("tp", "pp", "ep"), [(1, 1, 2), (2, 1, 2), (1, 2, 4), (2, 2, 2)])
+def test_experts_split_over_expert_parallel_ranks_and_join_back_bit_identical(
+    family: str, tp: int, pp: int, ep: int
+) -> None:
+    c = config(False, family)
+    state = hf_state(c)
+    layout = MegatronLayout(c, tp=tp, pp=pp, ep=ep)
+    shards = {
+        s: {
+            (r, e): dict(hf_to_megatron(state.__getitem__, layout, r, s, e))
+            for r in range(tp)
+            for e in range(ep)
+        }
+        for s in range(pp)
+    }
+    back: dict[str, torch.Tensor] = {}
+    for s in range(pp):
+
+        def read(name: str, s: int = s) -> list[torch.Tensor]:
+            if is_expert(name):
+                return [shards[s][(0, e)][name] for e in range(ep)]
+            return [shards[s][(r, 0)][name] for r in range(tp)]
+
+        back.update(joined(megatron_to_hf(read, layout, s), c.num_experts))
+    assert back.keys() == state.keys()
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    # A rank holds its own experts alone: expert-parallel rank e's j-th is the layer's e·E/ep + j-th.
+    per = c.num_experts // ep
+    mine = shards[pp - 1][(tp - 1, ep - 1)]
+    held = [n for n in mine if is_expert(n) and n.endswith("linear_fc2.weight")]
+    assert len(held) == c.num_hidden_layers // pp * per
+    last = c.num_hidden_layers - 1
+    down = state[f"model.layers.{last}.mlp.experts.down_proj"]
+    layer = f"decoder.layers.{c.num_hidden_layers // pp - 1}.mlp.experts.local_experts."
+    assert all(
+        torch.equal(mine[f"{layer}{j}.linear_fc2.weight"], down[(ep - 1) * per + j]) for j in range(per)
+    )
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_stream_of_experts_one_at_a_time_is_the_checkpoint_s_tensors(family: str) -> None:
+    """What a megatron replica streams (a layer's fused experts an expert at a time, so no rank
+    gathers a whole layer's) names exactly what transformers saves once turned into the
+    checkpoint's tensors (what SGLang loads and exports write)."""
+    c = config(False, family)
+    state, layout = hf_state(c), MegatronLayout(c, tp=2, pp=1, ep=2)
+    flat = FlatLayout.of(c)
+    shards = {
+        (r, e): dict(hf_to_megatron(state.__getitem__, layout, r, 0, e)) for r in range(2) for e in range(2)
+    }
+
+    def read(name: str) -> list[torch.Tensor]:
+        return (
+            [shards[(0, e)][name] for e in range(2)]
+            if is_expert(name)
+            else [shards[(r, 0)][name] for r in range(2)]
+        )
+
+    stream = list(megatron_to_hf(read, layout, 0))
+    expert = flat.slots["model.layers.0.mlp.experts.gate_up_proj"][1][1:].numel()
+    assert max(t.numel() for name, t in stream if "experts" in name) == expert
+    got = dict(flat.as_checkpoint(stream))
+    want = flat.checkpoint_tensors(torch.cat([state[n].reshape(-1) for n in flat.slots]))
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)

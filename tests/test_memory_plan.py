@@ -44,7 +44,8 @@ def lines(recipe_path, *sets: str) -> str:  # noqa: ANN001
         ),
         ("tiny", ("cells.gpu_memory_gib=80", "engine.backend=sglang")),
         # Other families, read from the catalog: Llama 3.1 70B over four nodes a cell (tp 8 × pp 4),
-        # Qwen3-30B-A3B (128 experts, 8 a token) over two (tp 8 × pp 2), the engines' pools at 0.8.
+        # Qwen3-30B-A3B (128 experts, 8 a token) over two (tp 8 × pp 2, its experts over the 8
+        # ranks of a stage), the engines' pools at 0.8.
         (
             "llama-3.1-70b-tp8-pp4",
             (
@@ -57,14 +58,46 @@ def lines(recipe_path, *sets: str) -> str:  # noqa: ANN001
             ),
         ),  # fmt: skip
         (
-            "qwen3-30b-a3b-tp8-pp2",
+            "qwen3-30b-a3b-tp8-pp2-ep8",
             (
                 "run.model=qwen3-30b-a3b",
                 "cells.ranks_per_cell=16",
                 "slurm.nodes_per_cell=2",
                 "trainer.tp_size=8",
                 "trainer.pp_size=2",
+                "trainer.ep_size=8",
                 "engine.mem_fraction_static=0.8",
+            ),
+        ),  # fmt: skip
+        # Qwen3-235B-A22B over eight nodes a cell: tp 8 × pp 4, its experts over the 16 ranks of a
+        # stage, engine replicas of two nodes, their pools at 0.7 (the trainer starts beside them).
+        (
+            "qwen3-235b-a22b-tp8-pp4-ep16",
+            (
+                "run.model=qwen3-235b-a22b",
+                "cells.ranks_per_cell=64",
+                "slurm.nodes_per_cell=8",
+                "trainer.tp_size=8",
+                "trainer.pp_size=4",
+                "trainer.ep_size=16",
+                "engine.tp_size=16",
+                "engine.mem_fraction_static=0.7",
+            ),
+        ),  # fmt: skip
+        # The paper's 2.4T (``catalog.KNOWN["qwen3-moe-2.4t"]``): a cell of 128 nodes, tp 8 × pp 8,
+        # its experts over the 128 ranks of a stage (4 of each layer's 512 a rank), two engine
+        # replicas of eight nodes each.
+        (
+            "qwen3-moe-2.4t-tp8-pp8-ep128",
+            (
+                "run.model=qwen3-moe-2.4t",
+                "cells.ranks_per_cell=1024",
+                "slurm.nodes_per_cell=128",
+                "trainer.tp_size=8",
+                "trainer.pp_size=8",
+                "trainer.ep_size=128",
+                "engine.tp_size=64",
+                "engine.mem_fraction_static=0.7",
             ),
         ),  # fmt: skip
     ],

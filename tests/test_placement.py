@@ -97,8 +97,10 @@ def test_on_gpus_no_replica_takes_its_weights_by_broadcast(where: str) -> None:
 
 def test_the_launch_plan_of_a_cell_across_two_nodes() -> None:
     """Each part's command on its node: the head serves HTTP and takes the weights; the other
-    part joins it at the head's address with its node rank."""
-    engine = EngineConfig(backend="sglang", tp_size=16, weight_sync="broadcast")
+    part joins it at the head's address with its node rank. Qwen3-235B-A22B as its MoE recipes
+    serve it: experts over the replica's 16 GPUs, attention in 4 data-parallel groups (its 4
+    key/value heads whole in each)."""
+    engine = EngineConfig(backend="sglang", tp_size=16, ep_size=16, attn_dp_size=4, weight_sync="broadcast")
     plan = engine_plan(16, 2, 16)
     lines = [plan.describe(), ""]
     for p in plan.parts:

@@ -82,6 +82,12 @@ def test_the_server_command_is_a_pure_function_of_the_engine_config() -> None:
         "--sampling-backend pytorch --disable-cuda-graph --grammar-backend none --sleep-on-idle "
         "--max-total-tokens 16384 --dtype float32 --disable-radix-cache"
     )  # no memory saver without CUDA: it cannot start there
+    moe = EngineConfig(backend="sglang", tp_size=8, ep_size=8, attn_dp_size=2, moe_a2a_backend="deepep")
+    assert " ".join(sglang_command(moe, "/models/Qwen3-30B-A3B", 30003, python="python")) == (
+        "python -m sglang.launch_server --model-path /models/Qwen3-30B-A3B --host 127.0.0.1 --port 30003 "
+        "--tp-size 8 --weight-version 0 --skip-server-warmup --ep-size 8 --attn-dp-size 2 "
+        "--moe-a2a-backend deepep --base-gpu-id 0 --mem-fraction-static 0.8 --enable-memory-saver"
+    )
 
 
 def test_a_version_goes_in_buckets_that_cover_the_layout_once_in_order() -> None:

@@ -37,7 +37,7 @@ from safetensors.torch import load_file
 from gyre_hpc.engines import kv_transfer
 from gyre_hpc.engines.sampling import BadRequest, SamplingParams, sample
 from gyre_hpc.models.causal_lm import CausalLM
-from gyre_hpc.models.flat import FlatLayout
+from gyre_hpc.models.flat import FlatLayout, whole
 from gyre_hpc.models.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
@@ -275,16 +275,22 @@ class Engine:
         """Weights as whole Hugging Face tensors, copied in as they arrive (generation waits
         meanwhile); the elements loaded. Every tensor of the model must come."""
         params = dict(self.model.named_parameters())
-        loaded, elements = set(), 0
+        loaded: dict[str, int] = {}  # elements of each parameter loaded (whole, or a piece at a time)
+        elements = 0
         with self.lock, torch.no_grad():
             for name, t in tensors:
-                if name not in params or params[name].shape != t.shape:
+                base, index = whole(name)
+                target = params.get(base)
+                if target is not None and index is not None and 0 <= index < target.shape[0]:
+                    target = target[index]  # one routed expert of a layer's fused tensor
+                if target is None or target.shape != t.shape:
                     raise BadRequest(f"{name} {tuple(t.shape)} does not fit this model")
-                params[name].copy_(t)
-                loaded.add(name)
+                target.copy_(t)
+                loaded[base] = loaded.get(base, 0) + t.numel()
                 elements += t.numel()
-            if missing := set(self.flat_layout.slots) - loaded:
-                raise BadRequest(f"a load without {sorted(missing)[:3]}")
+            slots = self.flat_layout.slots
+            if missing := [n for n, (_, shape) in slots.items() if loaded.get(n) != shape.numel()]:
+                raise BadRequest(f"a load without all of {sorted(missing)[:3]}")
             self.cache.clear()
             self.weight_version = version
         return elements

@@ -80,6 +80,12 @@ def sglang_command(
     ``span`` this part's place in a replica across nodes."""
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model, "--host", host, "--port", str(port)]
     cmd += ["--tp-size", str(engine.tp_size), "--weight-version", "0", "--skip-server-warmup"]
+    if engine.ep_size > 1:
+        cmd += ["--ep-size", str(engine.ep_size)]
+    if engine.attn_dp_size > 1:
+        cmd += ["--attn-dp-size", str(engine.attn_dp_size)]
+    if engine.moe_a2a_backend != "none":
+        cmd += ["--moe-a2a-backend", engine.moe_a2a_backend]
     if span is not None:
         cmd += ["--nnodes", str(span.nnodes), "--node-rank", str(span.node_rank)]
         cmd += ["--dist-init-addr", span.dist_init_addr]

@@ -42,10 +42,10 @@ class Staged:
 
 def served_tensors(layout: FlatLayout, weights: np.ndarray | Tensors) -> Tensors:
     """A flat snapshot's tensors, or a stream of whole tensors under the layout's names, as a
-    checkpoint names them (what a server loads), in order: views, copies only of fused experts
-    (one tensor per expert)."""
+    checkpoint names them (what a server loads), in order: views, fused experts an expert at a
+    time (one copy of one expert held at a time, for transformers' conversion)."""
     if isinstance(weights, np.ndarray):
-        return layout.checkpoint_tensors(torch.from_numpy(weights)).items()
+        weights = layout.pieces(torch.from_numpy(weights))
     return layout.as_checkpoint(weights)
 
 

@@ -78,6 +78,26 @@ def check_model(model: str, trainer: TrainerConfig, engine: EngineConfig) -> Mod
             "embedding (config.json tie_word_embeddings = true); valid with engine.backend = 'sglang': "
             "an untied model, as published"
         )
+    if engine.ep_size > 1 and not shape.num_experts:
+        raise RecipeError(
+            f"run.model = {model!r}: engine.ep_size = {engine.ep_size} splits routed experts, and a "
+            f"{shape.model_type!r} model has none; valid for it: engine.ep_size = 1"
+        )
+    if shape.num_experts and shape.num_experts % engine.ep_size:
+        raise RecipeError(
+            f"run.model = {model!r}: engine.ep_size = {engine.ep_size} must divide its "
+            f"{shape.num_experts} routed experts"
+        )
+    if trainer.ep_size > 1 and not shape.num_experts:
+        raise RecipeError(
+            f"run.model = {model!r}: trainer.ep_size = {trainer.ep_size} splits routed experts, and a "
+            f"{shape.model_type!r} model has none; valid for it: trainer.ep_size = 1"
+        )
+    if shape.num_experts % trainer.ep_size:
+        raise RecipeError(
+            f"run.model = {model!r}: trainer.ep_size = {trainer.ep_size} must divide its "
+            f"{shape.num_experts} routed experts"
+        )
     if trainer.backend == "megatron" and shape.dense_layers:
         raise RecipeError(
             f"run.model = {model!r}: trainer.backend = 'megatron' trains models whose every layer routes "
@@ -161,8 +181,15 @@ def check_runnable(engine: EngineConfig, trainer: TrainerConfig) -> None:
             raise RecipeError(
                 "trainer.backend = 'megatron' needs megatron-core: pip install -e '.[megatron]'"
             )
-    elif trainer.tp_size != 1 or trainer.pp_size != 1:
+    elif trainer.moe_aux_loss_coeff or trainer.moe_z_loss_coeff:
         raise RecipeError(
-            f"trainer.tp_size = {trainer.tp_size}, trainer.pp_size = {trainer.pp_size}: the "
-            f"{trainer.backend} trainer computes on one rank; valid with it: 1 and 1"
+            f"trainer.moe_aux_loss_coeff = {trainer.moe_aux_loss_coeff:g}, trainer.moe_z_loss_coeff = "
+            f"{trainer.moe_z_loss_coeff:g}: the router's auxiliary losses are megatron's; valid with "
+            f"trainer.backend = {trainer.backend!r}: 0 and 0"
+        )
+    elif trainer.tp_size != 1 or trainer.pp_size != 1 or trainer.ep_size != 1:
+        raise RecipeError(
+            f"trainer.tp_size = {trainer.tp_size}, trainer.pp_size = {trainer.pp_size}, "
+            f"trainer.ep_size = {trainer.ep_size}: the {trainer.backend} trainer computes on one rank; "
+            "valid with it: 1, 1 and 1"
         )

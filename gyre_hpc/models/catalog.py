@@ -120,6 +120,13 @@ KNOWN: dict[str, ModelConfig] = {
     "mixtral-8x7b-v0.1": _published("mixtral", 32000, 4096, 14336, 32, 32, 8, 128, False,
                                     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336),
     "smollm2-135m": _published("llama", 49152, 576, 1536, 30, 9, 3, 64, True),
+    # The paper's 2.4T mixture of experts, whose config is not published: Qwen3-235B-A22B's design
+    # (qwen3_moe, 8 experts a token, renormalised) at Qwen2.5-72B's width (hidden 8192, 64 query
+    # heads and 8 key/value heads of 128), 96 layers of 512 experts of 2048: 2.49T parameters,
+    # 56.0B active a token (the memory plan's count).
+    "qwen3-moe-2.4t": _published("qwen3_moe", 151936, 8192, 29568, 96, 64, 8, 128, False,
+                                 num_experts=512, num_experts_per_tok=8, moe_intermediate_size=2048,
+                                 hf={"norm_topk_prob": True}),
 }  # fmt: skip
 
 

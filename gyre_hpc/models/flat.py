@@ -69,13 +69,19 @@ class FlatLayout:
     def as_checkpoint(
         self, tensors: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Whole tensors under the layout's names, one at a time, as a checkpoint names them
-        (``checkpoint_tensors`` for a stream: a fused experts tensor becomes one a expert)."""
+        """Whole tensors (or ``piece``s of them) under the layout's names, one at a time, as a
+        checkpoint names them (``checkpoint_tensors`` for a stream: a fused experts tensor
+        becomes one tensor an expert; a piece, its expert's). Checkpoints number experts
+        ``….experts.<e>.…``, as transformers saves every family gyre-hpc runs."""
         for name, t in tensors:
-            if self.renames:
+            base, index = whole(name)
+            if not self.renames:
+                yield name, t
+            elif index is None:
                 yield from checkpoint_names(self._meta.hf, {name: t}).items()
             else:
-                yield name, t
+                for part, value in checkpoint_names(self._meta.hf, {base: t[None]}).items():
+                    yield part.replace(".experts.0.", f".experts.{index}."), value
 
     def from_checkpoint(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A checkpoint's named tensors under the layout's names (``checkpoint_tensors`` undone)."""
@@ -93,6 +99,31 @@ class FlatLayout:
     @cached_property
     def numel(self) -> int:
         return sum(shape.numel() for _, shape in self.slots.values())
+
+    @cached_property
+    def fused(self) -> frozenset[str]:
+        """The tensors a checkpoint keeps as several (a layer's experts, fused by transformers)."""
+        if not self.renames:
+            return frozenset()
+        meta = lambda name: {name: torch.empty(self.slots[name][1], device="meta")}  # noqa: E731
+        return frozenset(n for n in self.slots if len(checkpoint_names(self._meta.hf, meta(n))) > 1)
+
+    def pieces(self, flat: np.ndarray | torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """``flat``'s tensors as views, one at a time, each fused tensor an expert at a time
+        (``piece``): what a server loads, with no copy of a layer's experts made to cut them."""
+        for name, view in self.views(flat).items():
+            if name in self.fused:
+                yield from ((piece(name, e), view[e]) for e in range(view.shape[0]))
+            else:
+                yield name, view
+
+    def span(self, name: str) -> tuple[int, torch.Size]:
+        """Where tensor ``name`` (or a ``piece`` of one) lies in the flat buffer: its offset and shape."""
+        base, index = whole(name)
+        at, shape = self.slots[base]
+        if index is None:
+            return at, shape
+        return at + index * shape[1:].numel(), shape[1:]
 
     def views(self, flat: np.ndarray | torch.Tensor) -> dict[str, torch.Tensor]:
         """``flat`` cut into named views (no copy)."""
@@ -138,3 +169,32 @@ class FlatLayout:
         tensors = self.checkpoint_tensors(flat)
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), {"format": "pt"})
         return path
+
+
+def piece(name: str, index: int) -> str:
+    """The name of slice ``index`` (along the first dimension: one routed expert) of the layout's
+    tensor ``name``, as a stream of whole tensors may carry a layer's fused experts, an expert at
+    a time (``trainer.megatron_weights.megatron_to_hf``)."""
+    return f"{name}#{index}"
+
+
+def whole(name: str) -> tuple[str, int | None]:
+    """A tensor's name and, for a ``piece``, its index (None for a whole tensor)."""
+    base, _, index = name.partition("#")
+    return base, int(index) if index else None
+
+
+def joined(tensors: Iterable[tuple[str, torch.Tensor]], count: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """``tensors`` with each tensor that came in ``count`` pieces stacked whole again, yielded once
+    its last piece arrived (holding the pieces of the tensors not yet complete, no more)."""
+    pending: dict[str, dict[int, torch.Tensor]] = {}
+    for name, t in tensors:
+        base, index = whole(name)
+        if index is None:
+            yield name, t
+            continue
+        parts = pending.setdefault(base, {})
+        parts[index] = t
+        if len(parts) == count:
+            yield base, torch.stack([parts[i] for i in range(count)])
+            del pending[base]

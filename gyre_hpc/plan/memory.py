@@ -105,6 +105,8 @@ class MemoryPlan:
     ranks_per_node: int = 1
     """A cell's ranks on one node (``cells.ranks_per_cell`` / ``slurm.nodes_per_cell``)."""
     node_host_bytes: int = 0
+    experts: bool = False
+    """The model routes experts: ``trainer.ep_size`` splits them."""
     """One node's host memory (``cells.host_memory_gib``); 0: not planned."""
 
     @property
@@ -137,9 +139,11 @@ class MemoryPlan:
         """Why the recipe cannot run on these GPUs (one line with the numbers), or None."""
         for phase in (self.sampling, self.training, self.start_up):
             if phase.total > self.gpu_bytes:
+                advice = ADVICE[phase.name]
+                if self.experts:
+                    advice = advice.replace("trainer.pp_size", "trainer.pp_size / trainer.ep_size")
                 return (
-                    f"memory plan: {phase.line()} > {gib(self.gpu_bytes)} GiB, cells.gpu_memory_gib; "
-                    f"{ADVICE[phase.name]}"
+                    f"memory plan: {phase.line()} > {gib(self.gpu_bytes)} GiB, cells.gpu_memory_gib; {advice}"
                 )
         if self.node_host_bytes and self.host_node > self.node_host_bytes:
             return (
@@ -217,6 +221,11 @@ class Shape:
         return self._layer(self.experts)
 
     @property
+    def layer_expert_params(self) -> int:
+        """A layer's routed experts (0 where dense): split over ``trainer.ep_size`` ranks, whole on each."""
+        return self.experts * 3 * self.hidden * self.expert_ffn
+
+    @property
     def embedding_params(self) -> int:
         return self.vocab * self.hidden
 
@@ -233,11 +242,10 @@ class Shape:
 
     @property
     def mlp_tensor(self) -> int:
-        """Elements of a layer's largest tensor: its [gate | up] projection, or its experts'
-        fused [gate | up] (as transformers keeps them)."""
-        return (
-            self.experts * 2 * self.expert_ffn * self.hidden if self.experts else 2 * self.ffn * self.hidden
-        )
+        """Elements of a layer's largest tensor as it moves: its [gate | up] projection, or one
+        expert's (a layer's experts, fused where transformers keeps them, move an expert at a
+        time: ``models.flat.piece``)."""
+        return 2 * (self.expert_ffn if self.experts else self.ffn) * self.hidden
 
     @property
     def largest_tensor(self) -> int:
@@ -249,13 +257,17 @@ class Shape:
         return 2 * self.layers * max(1, self.kv_heads // tp) * self.head_dim * itemsize
 
     def layer_activation_elements(self, tp: int) -> int:
-        """Elements one token leaves saved for backward in one layer: the two norms' inputs and
-        outputs (whole on every tensor-parallel rank), and per rank its share of q, k, v (before
-        and after their norms), the attention output, the MLP's [gate | up] and its product (for
-        each expert the token is routed to, with the router's logits)."""
-        mlp = 3 * self.active * self.expert_ffn if self.experts else 3 * self.ffn
-        split = 3 * self.q + 3 * self.kv + mlp
-        return 4 * self.hidden + self.experts + split // tp
+        """Elements one token leaves saved for backward in one layer, on one tensor-parallel rank:
+        the two norms' inputs and outputs, and its share of q, k, v (before and after their
+        norms), the attention output, the MLP's [gate | up] and its product. Dense: the norms'
+        whole on every rank. Routed experts: under sequence parallelism (what megatron trains
+        them beside TP with) a rank keeps 1/tp of the positions, and each of them routed to
+        ``active`` experts, whole on their rank: its copy sent there, [gate | up] and product,
+        with the router's logits."""
+        if self.experts:
+            routed = self.experts + self.active * (self.hidden + 3 * self.expert_ffn)
+            return (4 * self.hidden + 3 * self.q + 3 * self.kv + routed) // tp
+        return 4 * self.hidden + (3 * self.q + 3 * self.kv + 3 * self.ffn) // tp
 
     def line(self, c: ModelConfig) -> str:
         active = f" ({self.active_params / 1e9:.2f}B active a token)" if self.experts else ""
@@ -280,7 +292,7 @@ def plan(
     # megatron pads the vocabulary to a multiple of 128 × tp (``megatron_weights.MegatronLayout``)
     step = 128 * trainer.tp_size if trainer.backend == "megatron" else 1
     t = replace(s, vocab=-(-s.vocab // step) * step)
-    tp, pp = trainer.tp_size, trainer.pp_size
+    tp, pp, ep = trainer.tp_size, trainer.pp_size, trainer.ep_size
     # Where the engine serves its static pool holds its weights; the rest is KV cache.
     static = int(engine.mem_fraction_static * gpu)
     served = BYTES[engine_dtype(engine)]
@@ -288,6 +300,10 @@ def plan(
     kv_per_token = s.kv_bytes_per_token(served, engine.tp_size)
     bucket = engine.weight_bucket_mb << 20
     by_reference = engine.backend == "sglang" and engine.weight_sync in ("tensor", "delta")
+    per_node = -(-cells.ranks_per_cell // nodes_per_cell)
+    # a replica's server ranks on this node read buckets staged on its GPU; those on other nodes
+    # read their own node's copy (``engines.sglang.PartPush``)
+    readers = min(engine.tp_size, per_node) - 1 if by_reference else 0
     sampling = Phase(
         "sampling",
         (
@@ -295,7 +311,7 @@ def plan(
             Part("engine workspace", ENGINE_WORKSPACE),
             Part("weight bucket sent and received", 2 * bucket),
             Part("released trainer", CUDA_CONTEXT),
-            Part("server ranks' IPC contexts", (engine.tp_size - 1) * IPC_CONTEXT if by_reference else 0),
+            Part("server ranks' IPC contexts", readers * IPC_CONTEXT),
         ),
     )
     train_dtype = BYTES[trainer.dtype]
@@ -307,9 +323,10 @@ def plan(
     for stage in range(pp):
         first, last = stage == 0, stage == pp - 1
         layers = t.layers // pp
-        params = layers * t.layer_params + (t.embedding_params if first else 0)
+        params = layers * (t.layer_params - t.layer_expert_params) + (t.embedding_params if first else 0)
         params += t.embedding_params if last and (not t.tied or pp > 1) else 0
-        params //= tp
+        # the dense part cut over TP; each rank's experts whole (megatron's expert TP is 1)
+        params = params // tp + layers * t.layer_expert_params // ep
         state = Part("weights", params * train_dtype)
         # megatron: each backward's gradient in the parameters' dtype, summed in fp32; torch: fp32.
         grads = Part("gradients", params * (train_dtype + 4 if trainer.backend == "megatron" else 4))
@@ -322,12 +339,18 @@ def plan(
             saved = layers * t.layer_activation_elements(tp)
         activations = Part("activations", tokens * saved * train_dtype)
         logits = Part("logits", tokens * -(-t.vocab // tp) * LOGIT_BYTES if last else 0)
-        parts = (state, grads, optimizer, activations, logits, Part("released engine", CUDA_CONTEXT))
+        # one layer's token exchange in flight: its positions' copies, each routed to ``active``
+        # experts, sent and received (megatron's all-to-all dispatcher)
+        exchange = 2 * tokens // tp * t.active * t.hidden * train_dtype if t.experts else 0
+        parts = (state, grads, optimizer, activations, logits, Part("all-to-all buffers", exchange),
+                 Part("released engine", CUDA_CONTEXT))  # fmt: skip
         stages.append(Phase("training", parts))
         # The trainer is built, and the core restores and publishes, while the engine already
         # holds its pool: its weights and fp32 masters, and the largest tensor gathered whole in
         # fp32 (the shards, then their concatenation). Restored optimizer state stays on the host.
-        gathered = 2 * 4 * max(t.embedding_params if first or last else 0, t.mlp_tensor)
+        # (an expert's copies from the ranks of its expert-parallel group, stacked nowhere)
+        mlp = ep * t.mlp_tensor if t.experts else 2 * t.mlp_tensor
+        gathered = 4 * max(2 * t.embedding_params if first or last else 0, mlp)
         starts.append(Phase("start-up", (
             Part("engine static pool", static), Part("engine workspace", ENGINE_WORKSPACE),
             state, Part("fp32 master", master), Part("largest tensor gathered", gathered),
@@ -341,7 +364,9 @@ def plan(
     # tensor, whole in fp32, no more. With torch cells, or standalone engines that need them
     # whole, the leader holds whole fp32 buffers (its trainer's weights, the core's published
     # snapshot), and a member hosting an engine replica pulls a snapshot whole.
-    rank_params = t.params // (tp * pp)
+    rank_params = (t.params - t.layers * t.layer_expert_params) // (
+        tp * pp
+    ) + t.layers * t.layer_expert_params // (pp * ep)
     state = rank_params * (train_dtype + (4 if trainer.dtype != "float32" else 0) + 8 + 4)
     streams = trainer.backend == "megatron" and not cells.rollout_pool
     largest = 4 * s.largest_tensor
@@ -350,7 +375,6 @@ def plan(
     # delta: the version each side last held, in the served dtype: the sender's (a rank hosting
     # a replica), and the server rank's on this GPU (at tp > 1 nearly all of it: sharded).
     engine_copy = 2 * s.params * served if engine.weight_sync == "delta" else 0
-    per_node = -(-cells.ranks_per_cell // nodes_per_cell)
     heads = per_node // engine.tp_size if engine.tp_size <= per_node else 1  # the leader's node
     return MemoryPlan(
         gpu_bytes=gpu,
@@ -367,6 +391,7 @@ def plan(
         engine_members=max(0, heads - 1),
         ranks_per_node=per_node,
         node_host_bytes=int(cells.host_memory_gib * GIB),
+        experts=bool(t.experts),
     )
 
 

@@ -153,6 +153,28 @@ class EngineConfig:
         min=1,
         max=1024,
     )
+    ep_size: int = knob(
+        1,
+        "sglang, routed-expert models: expert-parallel size inside a replica (--ep-size): each "
+        "expert lives on one of ep_size of the replica's tp_size GPUs, tokens travel to it; must "
+        "divide tp_size.",
+        min=1,
+        max=1024,
+    )
+    attn_dp_size: int = knob(
+        1,
+        "sglang: attention data-parallel groups inside a replica (--attn-dp-size): each group of "
+        "tp_size / attn_dp_size GPUs attends for its own requests while the MLP (the experts) spans "
+        "the replica, for models with fewer key/value heads than the replica has GPUs; must divide "
+        "tp_size.",
+        min=1,
+        max=1024,
+    )
+    moe_a2a_backend: Literal["none", "deepep"] = knob(
+        "none",
+        "sglang, expert parallelism: how tokens reach their experts' GPUs (--moe-a2a-backend): none "
+        "(SGLang's gather and reduce), deepep (DeepEP's all-to-all kernels, installed beside SGLang).",
+    )
     allow_idle_gpus: bool = knob(
         False,
         "Allow a layout that leaves GPUs of a sampling cell without an engine (a node's ranks not a "
@@ -244,6 +266,29 @@ class TrainerConfig:
     )
     pp_size: int = knob(
         1, "Pipeline-parallel size inside a cell (megatron; GPipe over sequences).", min=1, max=1024
+    )
+    ep_size: int = knob(
+        1,
+        "Expert-parallel size inside a cell (megatron, routed-expert models): each stage's experts "
+        "are split over this many of its ranks (tp × data-parallel ranks of the stage; it must divide "
+        "both them and the experts), tokens travel to their experts and back.",
+        min=1,
+        max=1024,
+    )
+    moe_aux_loss_coeff: float = knob(
+        0.0,
+        "megatron, routed-expert models: weight of the router's load-balancing loss (megatron's "
+        "aux_loss: experts' token shares times their mean routing probability, per micro-batch); 0 "
+        "leaves the router to the policy loss alone.",
+        min=0.0,
+        max=1.0,
+    )
+    moe_z_loss_coeff: float = knob(
+        0.0,
+        "megatron, routed-expert models: weight of the router's z-loss (the squared log-sum-exp of "
+        "its logits, which keeps them small); 0 off.",
+        min=0.0,
+        max=1.0,
     )
     recompute: Literal["none", "full"] = knob(
         "none",
@@ -592,11 +637,30 @@ class Recipe:
                 f"cells.ranks_per_cell = {cells.ranks_per_cell} must be a multiple of "
                 f"trainer.tp_size * trainer.pp_size = {trainer.tp_size * trainer.pp_size}"
             )
+        stage_ranks = cells.ranks_per_cell // (trainer.tp_size * trainer.pp_size) * trainer.tp_size
+        if stage_ranks % trainer.ep_size:
+            raise RecipeError(
+                f"trainer.ep_size = {trainer.ep_size} must divide the {stage_ranks} ranks of a pipeline "
+                f"stage (cells.ranks_per_cell / trainer.pp_size)"
+            )
         slurm = self.slurm
         if slurm.gpu_per_task and slurm.gpus_per_node:
             raise RecipeError(
                 f"slurm.gpu_per_task = true and slurm.gpus_per_node = {slurm.gpus_per_node}: ask for "
                 "GPUs one way; set slurm.gpus_per_node = 0"
+            )
+        engine = self.engine
+        for key in ("ep_size", "attn_dp_size"):
+            if engine.tp_size % getattr(engine, key):
+                raise RecipeError(
+                    f"engine.{key} = {getattr(engine, key)} must divide engine.tp_size = {engine.tp_size} "
+                    "(a replica's GPUs)"
+                )
+        if engine.backend != "sglang" and (engine.ep_size, engine.attn_dp_size, engine.moe_a2a_backend) != (
+            1, 1, "none"):  # fmt: skip
+            raise RecipeError(
+                f"engine.ep_size, attn_dp_size and moe_a2a_backend are SGLang's; valid with "
+                f"engine.backend = {engine.backend!r}: 1, 1 and 'none'"
             )
         if slurm.gpu_per_task and self.engine.backend == "sglang" and self.engine.tp_size > 1:
             raise RecipeError(

@@ -159,7 +159,7 @@ def transport_plan(layout: RankLayout, model_dir: Path, trainer: TrainerConfig) 
     from gyre_hpc.trainer.megatron_weights import MegatronLayout, slice_numel
 
     flat = FlatLayout.of(config)
-    cut = MegatronLayout(config, tp=trainer.tp_size, pp=trainer.pp_size)
+    cut = MegatronLayout(config, tp=trainer.tp_size, pp=trainer.pp_size, ep=trainer.ep_size)
     shapes = {name: shape for name, (_, shape) in flat.slots.items()}
     size = layout.ranks_per_cell
     places = [cut.place(i, size) for i in range(size)]

@@ -65,10 +65,10 @@ from gyre_hpc.launch.ports import free_port
 from gyre_hpc.loss.diagnostics import entropy_from_logprobs
 from gyre_hpc.loss.token_stats import TokenStats
 from gyre_hpc.models.architecture import ModelConfig
-from gyre_hpc.models.flat import FlatLayout
+from gyre_hpc.models.flat import FlatLayout, whole
 from gyre_hpc.models.hf_files import hf_weight_files
 from gyre_hpc.recipe.schema import TrainerConfig
-from gyre_hpc.rundir import checkpoint_optimizer, checkpoint_shard
+from gyre_hpc.rundir import checkpoint_expert_shard, checkpoint_optimizer, checkpoint_shard
 from gyre_hpc.step.claims import MicroStats, micro_stats
 from gyre_hpc.trainer import weight_shards
 from gyre_hpc.trainer.base import (
@@ -83,6 +83,7 @@ from gyre_hpc.trainer.megatron_cpu import redirect_cuda_to_cpu, without_transfor
 from gyre_hpc.trainer.megatron_weights import (
     MegatronLayout,
     hf_to_megatron,
+    is_expert,
     megatron_to_hf,
     slice_shapes,
     stage_shapes,
@@ -109,9 +110,12 @@ def transformer_config(
     dtype: torch.dtype,
     recompute: str = "none",
     device: torch.device = CPU,
+    aux_loss: float = 0.0,
+    z_loss: float = 0.0,
 ) -> Any:
     """megatron's config of the model; ``recompute`` is ``trainer.recompute``: full keeps each
-    layer's input and recomputes the layer in backward, one layer at a time."""
+    layer's input and recomputes the layer in backward, one layer at a time; ``aux_loss`` and
+    ``z_loss`` are the router's loss coefficients (``experts``)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     again = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
@@ -147,24 +151,30 @@ def transformer_config(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         **(again if recompute == "full" else {}),
-        **(experts(c, layout) if c.num_experts else {}),
+        **(experts(c, layout, aux_loss, z_loss) if c.num_experts else {}),
     )
 
 
-def experts(c: ModelConfig, layout: MegatronLayout) -> dict[str, Any]:
+def experts(
+    c: ModelConfig, layout: MegatronLayout, aux_loss: float = 0.0, z_loss: float = 0.0
+) -> dict[str, Any]:
     """megatron's arguments for ``c``'s routed experts, routed as transformers routes them: a
     softmax over the experts, the top k, renormalised where the family renormalises (megatron's
-    top-k of the logits then a softmax over them is the same). Every expert whole on every rank
-    (``expert_tensor_parallel_size`` 1); with TP > 1 megatron trains experts under sequence
-    parallelism only. No auxiliary loss: RL updates the policy, not its load balance."""
+    top-k of the logits then a softmax over them is the same). Every expert whole on its rank
+    (``expert_tensor_parallel_size`` 1), the experts split over ``layout.ep`` ranks; with TP > 1
+    megatron trains experts under sequence parallelism only. The router's auxiliary losses
+    (``trainer.moe_aux_loss_coeff``, ``moe_z_loss_coeff``) are off unless asked: RL updates the
+    policy, and a load-balancing term moves the router away from the choices it sampled with."""
     return {
         "num_moe_experts": c.num_experts,
         "moe_router_topk": c.num_experts_per_tok,
         "moe_ffn_hidden_size": c.moe_intermediate_size,
         "moe_router_pre_softmax": not c.renormalizes_topk,
-        "moe_router_load_balancing_type": "none",
-        "moe_aux_loss_coeff": 0.0,
-        "moe_token_dispatcher_type": "allgather",
+        "moe_router_load_balancing_type": "aux_loss" if aux_loss else "none",
+        "moe_aux_loss_coeff": aux_loss,
+        "moe_z_loss_coeff": z_loss or None,
+        "moe_token_dispatcher_type": "alltoall",
+        "expert_model_parallel_size": layout.ep,
         "expert_tensor_parallel_size": 1,
         "sequence_parallel": layout.tp > 1,
     }
@@ -178,6 +188,8 @@ def build_model(
     block_masks: bool = False,
     recompute: str = "none",
     device: torch.device = CPU,
+    aux_loss: float = 0.0,
+    z_loss: float = 0.0,
 ) -> Any:
     """The GPTModel part of this rank's stage (model parallel state must be initialised), every
     tensor of it on ``device``. ``block_masks``: its attention also takes FlexAttention block
@@ -189,7 +201,7 @@ def build_model(
         get_num_layers_to_build,
     )
 
-    config = transformer_config(c, layout, dtype, recompute, device)
+    config = transformer_config(c, layout, dtype, recompute, device, aux_loss, z_loss)
     spec = get_gpt_layer_local_spec(
         num_experts=c.num_experts or None, qk_layernorm=c.qk_norm, normalization="RMSNorm"
     )
@@ -344,7 +356,7 @@ class RendezvousTimeout(RuntimeError):
     """The ranks of a replica did not all reach its rendezvous in time."""
 
 
-def init_megatron(world: MegatronWorld, tp: int, pp: int, seed: int) -> None:
+def init_megatron(world: MegatronWorld, tp: int, pp: int, seed: int, ep: int = 1) -> None:
     """torch.distributed (gloo on the CPU, nccl on GPUs) and megatron's parallel state, once per process."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -372,7 +384,10 @@ def init_megatron(world: MegatronWorld, tp: int, pp: int, seed: int) -> None:
         )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_tensor_parallel_size=1
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=1,
         )
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
@@ -394,8 +409,10 @@ class MegatronTrainer:
         self.config = config
         self.packing = packing
         self.model_config = ModelConfig.load(model_dir)
-        self.layout = MegatronLayout(self.model_config, tp=config.tp_size, pp=config.pp_size)
-        init_megatron(world or MegatronWorld.alone(), config.tp_size, config.pp_size, seed)
+        self.layout = MegatronLayout(
+            self.model_config, tp=config.tp_size, pp=config.pp_size, ep=config.ep_size
+        )
+        init_megatron(world or MegatronWorld.alone(), config.tp_size, config.pp_size, seed, config.ep_size)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.stage = parallel_state.get_pipeline_model_parallel_rank()
@@ -407,6 +424,8 @@ class MegatronTrainer:
         # group's and the replicas') each route their own tokens to them, and sum their gradients.
         self.expert_dp_group = parallel_state.get_expert_data_parallel_group()
         self.expert_dp_rank = parallel_state.get_expert_data_parallel_rank()
+        self.expert_rank = parallel_state.get_expert_model_parallel_rank()
+        self.expert_group = parallel_state.get_expert_model_parallel_group()
         self.sequence_parallel = bool(self.model_config.num_experts) and self.layout.tp > 1
         """Each TP rank holds a 1/tp share of the positions between its attention blocks
         (megatron trains experts beside TP only so): a forward's length is padded to a multiple of tp."""
@@ -425,6 +444,7 @@ class MegatronTrainer:
         self.model = build_model(
             self.model_config, self.layout, self.dtype, self.stage, block_masks=on_cuda,
             recompute=config.recompute, device=self.device,
+            aux_loss=config.moe_aux_loss_coeff, z_loss=config.moe_z_loss_coeff,
         )  # fmt: skip
         self.pad_trees = on_cuda
         """Pad each tree to a bucket's length (``tree_attention.padded_length``), so the compiled
@@ -451,6 +471,12 @@ class MegatronTrainer:
         expected = [self.layout.place(r, len(self.places)) for r in range(len(self.places))]
         if self.places != expected:  # the transport pairs ranks of two cells by this order
             raise RuntimeError(f"megatron placed ranks at {self.places}, not {expected}")
+        expert_ranks = [0] * len(self.places)
+        dist.all_gather_object(expert_ranks, self.expert_rank)
+        self.expert_ranks = [self.layout.expert_rank(r, len(self.places)) for r in range(len(self.places))]
+        """Each rank's expert-parallel rank: which of a stage's experts it holds."""
+        if expert_ranks != self.expert_ranks:
+            raise RuntimeError(f"megatron placed experts at {expert_ranks}, not {self.expert_ranks}")
         self.flat = np.zeros(0, dtype=np.float32)
         """The whole weights on the leader, made by the first ``weights()``: engines that load a
         cell's slices (``hf_tensors``) never make it."""
@@ -538,7 +564,7 @@ class MegatronTrainer:
                 self._sum_tied_embedding_grads()
             # in the parameters' order: the order backward filled it is a replica's own
             for n in self.params:
-                group = self.expert_dp_group if _is_expert(n) else self.dp_group
+                group = self.expert_dp_group if is_expert(n) else self.dp_group
                 if group.size() > 1:
                     torch.distributed.all_reduce(self.main_grad[n], group=group)
             with torch.no_grad():
@@ -607,18 +633,22 @@ class MegatronTrainer:
 
     def _counted(self) -> list[str]:
         """The parameters this rank adds to the gradient's norm: those of the first replica,
-        tensor-parallel duplicates (norms, whole experts) on TP rank 0 only, and not the last
-        stage's copy of a tied embedding (the first stage's holds the same sum)."""
+        tensor-parallel duplicates (norms) on TP rank 0 only, a routed expert on the first rank
+        that holds it (which may be in another replica), and not the last stage's copy of a tied
+        embedding (the first stage's holds the same sum)."""
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-        if self.dp_rank != 0:
-            return []
         tied_copy = self.model_config.tie_word_embeddings and self.layout.pp > 1
+
+        def counted(n: str, p: torch.Tensor) -> bool:
+            if is_expert(n):
+                return self.expert_dp_rank == 0
+            return self.dp_rank == 0 and param_is_not_tensor_parallel_duplicate(p)
+
         return [
             n
             for n, p in self.params.items()
-            if (self.expert_dp_rank == 0 if _is_expert(n) else param_is_not_tensor_parallel_duplicate(p))
-            and not (tied_copy and n == "output_layer.weight")
+            if counted(n, p) and not (tied_copy and n == "output_layer.weight")
         ]
 
     def _accumulator(self, name: str) -> Callable[[torch.Tensor], None]:
@@ -643,6 +673,8 @@ class MegatronTrainer:
             mine = sequences[self.dp_rank :: self.dp]
             units = [self._path_unit(s) for s in mine]
         units = [u for u in units if u.tokens]  # a replica's empty share forwards no padding
+        if self.layout.ep > 1 and self.dp > 1:  # the expert-parallel group spans replicas
+            units = self._as_many(units)
         stats = self._pipeline(units) if self.layout.pp > 1 else self._forward_backward(units)
         self.model.tree_mask.mask = None
         stats = micro_stats(mine, *stats)
@@ -693,6 +725,26 @@ class MegatronTrainer:
             return packed_loss(tree, logp, c.clip_low, c.clip_high, self.version, entropy)
 
         return _Unit(ids, positions, hidden, loss, len(tree))
+
+    def _as_many(self, units: list[_Unit]) -> list[_Unit]:
+        """``units`` and, after them, idle ones, so that every replica forwards as many: each
+        routed-expert layer exchanges tokens with the other replicas' ranks of its expert-parallel
+        group, collectively, forward and backward."""
+        most = torch.tensor([len(units)], device=self.device)
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX, group=self.dp_group)
+        return units + [self._idle_unit() for _ in range(int(most[0]) - len(units))]
+
+    def _idle_unit(self) -> _Unit:
+        """A forward of ``tp`` padding tokens that trains nothing: its loss is zero, so is every
+        gradient it adds."""
+        n = self._multiple(1)
+        ids = torch.zeros(1, n, dtype=torch.int64, device=self.device)
+        hidden = torch.triu(torch.ones(1, 1, n, n, dtype=torch.bool, device=self.device), diagonal=1)
+
+        def loss(logits: torch.Tensor) -> tuple[torch.Tensor, TokenStats]:
+            return logits.sum() * 0.0, TokenStats()
+
+        return _Unit(ids, torch.arange(n, device=self.device)[None], hidden, loss, 0)
 
     def _multiple(self, length: int) -> int:
         """``length`` padded to what a forward takes: a multiple of tp under sequence parallelism."""
@@ -863,11 +915,19 @@ class MegatronTrainer:
         written by the first data-parallel replica's ranks, each its own, in parallel."""
         if rank is None:
             return weight_shards.write_whole(self.flat_layout, self.weights(), directory)
-        if self.dp_rank != 0:  # the other replicas hold the same
-            return {}
         source = self.master or self.params
         tensors = {name: t.detach().to("cpu", torch.float32) for name, t in source.items()}
-        return weight_shards.write_shard(directory, tensors, self.layout, self.stage, self.tp_rank)
+        split = self.layout.ep > 1  # experts go to their expert-parallel rank's shard
+        written = {}
+        if self.dp_rank == 0:  # the other replicas hold the same
+            dense = {n: t for n, t in tensors.items() if not (split and is_expert(n))}
+            written |= weight_shards.write_shard(directory, dense, self.layout, self.stage, self.tp_rank)
+        if split and self.expert_dp_rank == 0:
+            experts = {n: t for n, t in tensors.items() if is_expert(n)}
+            written |= weight_shards.write_shard(
+                directory, experts, self.layout, self.stage, self.tp_rank, self.expert_rank
+            )
+        return written
 
     def load_weights(self, directory: Path, version: int, rank: int | None = None) -> None:
         """This rank's slice from ``directory``: its own shard when the checkpoint was written in
@@ -875,11 +935,15 @@ class MegatronTrainer:
         one tensor at a time (not collective: each rank reads its own)."""
         written = weight_shards.layout_of(directory, self.model_config)
         if written is not None and weight_shards.same_cut(written, self.layout):
-            with safe_open(checkpoint_shard(directory, self.stage, self.tp_rank), framework="pt") as h:
-                self._load((name, h.get_tensor(name)) for name in h.keys())  # noqa: SIM118
+            mine = [checkpoint_shard(directory, self.stage, self.tp_rank)]
+            if self.layout.ep > 1:
+                mine.append(checkpoint_expert_shard(directory, self.stage, self.expert_rank))
+            for f in mine:
+                with safe_open(f, framework="pt") as h:
+                    self._load((name, h.get_tensor(name)) for name in h.keys())  # noqa: SIM118
         elif written is not None:
             reader = weight_shards.HFReader(directory, written)
-            self._load(hf_to_megatron(reader, self.layout, self.tp_rank, self.stage))
+            self._load(hf_to_megatron(reader, self.layout, self.tp_rank, self.stage, self.expert_rank))
         else:
             self.load_files(directory)
         self.version = version
@@ -899,7 +963,9 @@ class MegatronTrainer:
         """This rank's slice read from a Hugging Face directory's files (each rank its own, one
         tensor at a time; not collective)."""
         self._load(
-            hf_to_megatron(_reader(model_dir, self.flat_layout), self.layout, self.tp_rank, self.stage)
+            hf_to_megatron(
+                _reader(model_dir, self.flat_layout), self.layout, self.tp_rank, self.stage, self.expert_rank
+            )
         )
 
     def _view(self, flat: np.ndarray):  # noqa: ANN202 - a reader callback
@@ -925,16 +991,20 @@ class MegatronTrainer:
             return
         read = self._view(flat)
         for rank, (stage, tp_rank, _) in enumerate(self.places[1:], start=1):
-            for _, t in hf_to_megatron(read, self.layout, tp_rank, stage):
+            for _, t in hf_to_megatron(read, self.layout, tp_rank, stage, self.expert_ranks[rank]):
                 dist.send(t.to(self.device, torch.float32).contiguous(), rank)
-        yield from hf_to_megatron(read, self.layout, self.tp_rank, self.stage)
+        yield from hf_to_megatron(read, self.layout, self.tp_rank, self.stage, self.expert_rank)
 
-    def _shards(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """``t`` from every rank of the tensor-parallel group, in rank order."""
-        if self.layout.tp == 1:
+    def _shards(self, name: str, t: torch.Tensor) -> list[torch.Tensor]:
+        """``t`` (tensor ``name``) from every rank of the tensor-parallel group, in rank order; a
+        routed expert's from every rank of the expert-parallel group (``megatron_weights.ReadShards``)."""
+        size, group = (
+            (self.layout.ep, self.expert_group) if is_expert(name) else (self.layout.tp, self.tp_group)
+        )
+        if size == 1:
             return [t]
-        out = [torch.empty_like(t) for _ in range(self.layout.tp)]
-        torch.distributed.all_gather(out, t.contiguous(), group=self.tp_group)
+        out = [torch.empty_like(t) for _ in range(size)]
+        torch.distributed.all_gather(out, t.contiguous(), group=group)
         return out
 
     def _to_leader(self, flat: np.ndarray, tensor_of, add: bool = False) -> None:  # noqa: ANN001
@@ -942,7 +1012,7 @@ class MegatronTrainer:
         or add it (``_on_hosts``). Collective over the replica."""
         out = torch.from_numpy(flat)
         for name, t in self._on_hosts(tensor_of):
-            at, shape = self.slots[name]
+            at, shape = self.flat_layout.span(name)  # a tensor, or a piece of one (an expert)
             part = out[at : at + shape.numel()]
             if add:
                 part.add_(t.reshape(-1).cpu())
@@ -960,18 +1030,29 @@ class MegatronTrainer:
         with torch.no_grad():
             for stage in range(self.layout.pp):
                 first = self.places.index((stage, 0, 0))
-                away = [h for h in hosts if (self.places[h][0], self.places[h][2]) != (stage, 0)]
-                if self.stage == stage and self.dp_rank == 0:
-                    for name, t in megatron_to_hf(lambda n: self._shards(tensor_of(n)), self.layout, stage):
+                away = [h for h in hosts if not self._assembles(h, stage)]
+                if self._assembles(me, stage):
+                    for name, t in megatron_to_hf(
+                        lambda n: self._shards(n, tensor_of(n)), self.layout, stage
+                    ):
                         if me == first:
                             for host in away:
                                 dist.send(t.float().contiguous(), host)
-                        if me in hosts and name in self.slots:  # a tied lm_head is the embedding's slot
+                        if (
+                            me in hosts and whole(name)[0] in self.slots
+                        ):  # a tied lm_head: the embedding's slot
                             yield name, t
                 elif me in hosts:
                     for name, t in self._received(stage):
-                        if name in self.slots:
+                        if whole(name)[0] in self.slots:
                             yield name, t
+
+    def _assembles(self, rank: int, stage: int) -> bool:
+        """Rank ``rank`` assembles stage ``stage``'s tensors in ``_on_hosts``: the stage's ranks of
+        the first data-parallel replica; with experts split, every rank of the stage (the experts
+        are gathered over their expert-parallel group, which spans replicas)."""
+        at, _, dp_rank = self.places[rank]
+        return at == stage and (dp_rank == 0 or self.layout.ep > 1)
 
     def hf_tensors(self, hosts: Sequence[int] = (0,)) -> Iterator[tuple[str, torch.Tensor]]:
         """The current weights as whole Hugging Face tensors, one at a time, on each rank of
@@ -994,10 +1075,6 @@ class MegatronTrainer:
             t = torch.empty(shape, dtype=torch.float32, device=self.device)
             torch.distributed.recv(t, src)
             yield name, t
-
-
-def _is_expert(name: str) -> bool:
-    return ".mlp.experts." in name
 
 
 def _views(flat: torch.Tensor, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:

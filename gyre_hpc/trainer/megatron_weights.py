@@ -40,15 +40,18 @@ from dataclasses import dataclass
 import torch
 
 from gyre_hpc.models.architecture import ModelConfig
+from gyre_hpc.models.flat import piece
 
 
 @dataclass(frozen=True)
 class MegatronLayout:
-    """How a dense model is cut for one Megatron world: ``tp`` × ``pp``."""
+    """How a model is cut for one Megatron world: ``tp`` × ``pp``, and each stage's routed experts
+    over ``ep`` of its ranks."""
 
     config: ModelConfig
     tp: int = 1
     pp: int = 1
+    ep: int = 1
     vocab_multiple: int = 128
     """Megatron pads the vocabulary to a multiple of this × tp (``make_vocab_size_divisible_by``)."""
 
@@ -65,6 +68,8 @@ class MegatronLayout:
             )
         if c.num_hidden_layers % self.pp:
             raise ValueError(f"pipeline size {self.pp} must divide the {c.num_hidden_layers} layers")
+        if self.ep > 1 and (not c.num_experts or c.num_experts % self.ep):
+            raise ValueError(f"expert parallel size {self.ep} must divide the {c.num_experts} routed experts")
 
     @property
     def padded_vocab(self) -> int:
@@ -85,6 +90,17 @@ class MegatronLayout:
         dp = size // (self.tp * self.pp)
         return rank // (self.tp * dp), rank % self.tp, rank // self.tp % dp
 
+    def expert_rank(self, rank: int, size: int) -> int:
+        """Rank ``rank``'s expert-parallel rank: in megatron's order for experts (whole on each
+        rank, then expert-parallel ranks adjacent, then their data-parallel replicas, then stages)."""
+        stage, tp_rank, dp_rank = self.place(rank, size)
+        return (tp_rank + self.tp * dp_rank) % self.ep
+
+    @property
+    def local_experts(self) -> int:
+        """The routed experts a rank holds of each layer."""
+        return self.config.num_experts // self.ep
+
     def stage_of(self, hf_name: str) -> int:
         """The PP stage that holds a Hugging Face tensor (a tied embedding: the first)."""
         if hf_name.startswith("model.layers."):
@@ -94,7 +110,14 @@ class MegatronLayout:
 
 ReadHF = Callable[[str], torch.Tensor]
 ReadShards = Callable[[str], list[torch.Tensor]]
-"""Megatron tensor name (stage-local) → its tensor on every TP rank of that stage, in rank order."""
+"""Megatron tensor name (stage-local) → its tensor on every TP rank of that stage, in rank order;
+for a routed expert's tensor (``is_expert``), on every expert-parallel rank, in that order."""
+
+
+def is_expert(name: str) -> bool:
+    """A routed expert's tensor (megatron's name): held by its expert-parallel rank alone."""
+    return ".mlp.experts." in name
+
 
 _NORMS = {
     "input_layernorm": "input_layernorm",
@@ -110,9 +133,10 @@ def _norms(c: ModelConfig) -> dict[str, str]:
 
 
 def hf_to_megatron(
-    read: ReadHF, layout: MegatronLayout, rank: int, stage: int
+    read: ReadHF, layout: MegatronLayout, rank: int, stage: int, expert_rank: int = 0
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The state dict of TP rank ``rank`` on PP stage ``stage``, tensor by tensor."""
+    """The state dict of TP rank ``rank`` (and expert-parallel rank ``expert_rank``) on PP stage
+    ``stage``, tensor by tensor."""
     c, tp = layout.config, layout.tp
     if stage == 0:
         yield (
@@ -130,7 +154,7 @@ def hf_to_megatron(
             yield mg + "self_attention.linear_qkv.bias", _fuse_qkv(q, k, v, c, tp, rank)[:, 0]
         yield mg + "self_attention.linear_proj.weight", _cols(read(hf + "self_attn.o_proj.weight"), tp, rank)
         if c.num_experts:
-            yield from _experts_to_megatron(read, hf, mg, c)
+            yield from _experts_to_megatron(read, hf, mg, layout, expert_rank)
             continue
         gate, up = read(hf + "mlp.gate_proj.weight"), read(hf + "mlp.up_proj.weight")
         yield mg + "mlp.linear_fc1.weight", torch.cat([_rows(gate, tp, rank), _rows(up, tp, rank)])
@@ -163,7 +187,7 @@ def megatron_to_hf(
                 yield f"{hf}self_attn.{p}_proj.bias", b[:, 0]
         yield hf + "self_attn.o_proj.weight", torch.cat(read(mg + "self_attention.linear_proj.weight"), dim=1)
         if c.num_experts:
-            yield from _experts_to_hf(read, hf, mg, c)
+            yield from _experts_to_hf(read, hf, mg, layout)
             continue
         fc1 = [s.chunk(2) for s in read(mg + "mlp.linear_fc1.weight")]
         yield hf + "mlp.gate_proj.weight", torch.cat([g for g, _ in fc1])
@@ -176,29 +200,34 @@ def megatron_to_hf(
 
 
 def _experts_to_megatron(
-    read: ReadHF, hf: str, mg: str, c: ModelConfig
+    read: ReadHF, hf: str, mg: str, layout: MegatronLayout, expert_rank: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """A layer's router and experts, whole on every TP rank (``expert_tensor_parallel_size`` 1).
-    transformers fuses a layer's experts (``gate_up_proj`` [E, 2F, H]: each expert's gate rows,
-    then its up rows, as megatron's gated ``linear_fc1`` wants them; ``down_proj`` [E, H, F]);
-    megatron keeps one MLP an expert."""
+    """A layer's router (on every rank) and the experts of expert-parallel rank ``expert_rank``
+    (the ``local_experts`` from ``expert_rank · local_experts`` on, numbered from 0 as megatron
+    numbers them), each whole on every TP rank (``expert_tensor_parallel_size`` 1). transformers
+    fuses a layer's experts (``gate_up_proj`` [E, 2F, H]: each expert's gate rows, then its up
+    rows, as megatron's gated ``linear_fc1`` wants them; ``down_proj`` [E, H, F]); megatron keeps
+    one MLP an expert."""
     yield mg + "mlp.router.weight", read(hf + "mlp.gate.weight")
     gate_up, down = read(hf + "mlp.experts.gate_up_proj"), read(hf + "mlp.experts.down_proj")
-    for e in range(c.num_experts):
-        yield f"{mg}mlp.experts.local_experts.{e}.linear_fc1.weight", gate_up[e].clone()
-        yield f"{mg}mlp.experts.local_experts.{e}.linear_fc2.weight", down[e].clone()
+    first = expert_rank * layout.local_experts
+    for j in range(layout.local_experts):
+        yield f"{mg}mlp.experts.local_experts.{j}.linear_fc1.weight", gate_up[first + j].clone()
+        yield f"{mg}mlp.experts.local_experts.{j}.linear_fc2.weight", down[first + j].clone()
 
 
-def _experts_to_hf(read: ReadShards, hf: str, mg: str, c: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """``_experts_to_megatron`` undone (any TP rank's copy)."""
-    experts = range(c.num_experts)
-    at = f"{mg}mlp.experts.local_experts."
+def _experts_to_hf(
+    read: ReadShards, hf: str, mg: str, layout: MegatronLayout
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``_experts_to_megatron`` undone, an expert at a time (``piece``): each local expert's
+    tensor is read from every expert-parallel rank (``ReadShards``) and yielded as its piece of
+    the layer's fused tensor, so no more than one expert's copies are held, never the layer's."""
+    at, per = f"{mg}mlp.experts.local_experts.", layout.local_experts
     yield hf + "mlp.gate.weight", read(mg + "mlp.router.weight")[0]
-    yield (
-        hf + "mlp.experts.gate_up_proj",
-        torch.stack([read(f"{at}{e}.linear_fc1.weight")[0] for e in experts]),
-    )
-    yield hf + "mlp.experts.down_proj", torch.stack([read(f"{at}{e}.linear_fc2.weight")[0] for e in experts])
+    for ours, theirs in (("gate_up_proj", "linear_fc1"), ("down_proj", "linear_fc2")):
+        for j in range(per):
+            for r, t in enumerate(read(f"{at}{j}.{theirs}.weight")):
+                yield piece(f"{hf}mlp.experts.{ours}", r * per + j), t
 
 
 def slice_shapes(
@@ -219,7 +248,10 @@ def slice_numel(layout: MegatronLayout, shapes: dict[str, torch.Size], rank: int
 def stage_shapes(layout: MegatronLayout, shapes: dict[str, torch.Size], stage: int) -> dict[str, torch.Size]:
     """What ``megatron_to_hf`` yields for stage ``stage``, name → shape, in its order (meta)."""
     mine = slice_shapes(layout, shapes, 0, stage)  # every TP rank's shards have rank 0's shapes
-    meta = lambda name: [torch.empty(mine[name], device="meta")] * layout.tp  # noqa: E731
+
+    def meta(name: str) -> list[torch.Tensor]:
+        return [torch.empty(mine[name], device="meta")] * (layout.ep if is_expert(name) else layout.tp)
+
     return {name: t.shape for name, t in megatron_to_hf(meta, layout, stage)}
 
 

@@ -4,8 +4,10 @@ one tensor at a time.
 ```
  a replica of one rank (torch, or megatron at tp = pp = 1): model.safetensors       (write_whole)
  a replica over ranks: megatron/stage-<s>-tp-<t>.safetensors, each written by that rank of the
-   first data-parallel replica, in Megatron's names, {tp, pp, stage, tp_rank} in its metadata
-        │ hf_tensors(path): megatron_to_hf over each stage, the TP shards of a tensor joined
+   first data-parallel replica, in Megatron's names, {tp, pp, ep, stage, tp_rank} in its metadata;
+   with experts split (ep > 1) they are not in it but in megatron/stage-<s>-ep-<e>.safetensors,
+   each written by the first rank that holds expert-parallel rank e's experts
+        │ hf_tensors(path): megatron_to_hf over each stage, the TP (or EP) shards of a tensor joined
         ▼
  (HF name, tensor) … stage by stage ──▶ a flat buffer (read_flat), a Hugging Face export
                                         (models.hf_files), or another layout's slice (HFReader)
@@ -27,10 +29,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from gyre_hpc.models.architecture import ModelConfig
-from gyre_hpc.models.flat import FlatLayout
+from gyre_hpc.models.flat import FlatLayout, joined
 from gyre_hpc.models.hf_files import hf_weight_files
-from gyre_hpc.rundir import checkpoint_shard, checkpoint_shards
-from gyre_hpc.trainer.megatron_weights import MegatronLayout, megatron_to_hf
+from gyre_hpc.rundir import (
+    checkpoint_expert_shard,
+    checkpoint_expert_shards,
+    checkpoint_shard,
+    checkpoint_shards,
+)
+from gyre_hpc.trainer.megatron_weights import MegatronLayout, is_expert, megatron_to_hf
 from gyre_hpc.trainer.state_files import sha256
 
 
@@ -41,12 +48,17 @@ def write_whole(layout: FlatLayout, flat: np.ndarray, directory: Path) -> dict[s
 
 
 def write_shard(
-    directory: Path, tensors: dict[str, torch.Tensor], layout: MegatronLayout, stage: int, tp_rank: int
-) -> dict[str, str]:
-    """One rank's tensors (Megatron's stage-local names) as its shard: its name → sha256."""
-    path = checkpoint_shard(directory, stage, tp_rank)
+    directory: Path, tensors: dict[str, torch.Tensor], layout: MegatronLayout, stage: int, tp_rank: int,
+    expert_rank: int | None = None,
+) -> dict[str, str]:  # fmt: skip
+    """One rank's tensors (Megatron's stage-local names) as its shard, or with ``expert_rank``
+    as the expert shard of that expert-parallel rank: its name → sha256."""
+    if expert_rank is None:
+        path = checkpoint_shard(directory, stage, tp_rank)
+    else:
+        path = checkpoint_expert_shard(directory, stage, expert_rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"tp": layout.tp, "pp": layout.pp, "stage": stage, "tp_rank": tp_rank,
+    meta = {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "stage": stage, "tp_rank": tp_rank,
             "vocab_multiple": layout.vocab_multiple}  # fmt: skip
     save_file(
         {n: t.contiguous() for n, t in tensors.items()}, str(path), {k: str(v) for k, v in meta.items()}
@@ -64,12 +76,17 @@ def layout_of(directory: Path, config: ModelConfig) -> MegatronLayout | None:
         meta = h.metadata() or {}
     try:
         tp, pp, multiple = int(meta["tp"]), int(meta["pp"]), int(meta["vocab_multiple"])
+        ep = int(meta.get("ep", 1))
     except (KeyError, ValueError) as err:
         raise ValueError(f"{directory}: a weight shard without its layout ({err})") from err
     missing = sorted({(s, t) for s in range(pp) for t in range(tp)} - set(shards))
     if missing or len(shards) != tp * pp:
         raise ValueError(f"{directory}: weight shards of tp {tp} × pp {pp}, missing (stage, tp) {missing}")
-    return MegatronLayout(config, tp=tp, pp=pp, vocab_multiple=multiple)
+    experts = checkpoint_expert_shards(directory) if ep > 1 else {}
+    missing = sorted({(s, e) for s in range(pp) for e in range(ep)} - set(experts)) if ep > 1 else []
+    if missing:
+        raise ValueError(f"{directory}: expert shards of ep {ep} × pp {pp}, missing (stage, ep) {missing}")
+    return MegatronLayout(config, tp=tp, pp=pp, ep=ep, vocab_multiple=multiple)
 
 
 def other_layout(directory: Path, layout: MegatronLayout) -> str | None:
@@ -80,21 +97,31 @@ def other_layout(directory: Path, layout: MegatronLayout) -> str | None:
     if written is None:
         return None
     if not same_cut(written, layout):
-        was, now = f"tp {written.tp} × pp {written.pp}", f"tp {layout.tp} × pp {layout.pp}"
+        was, now = _cut(written), _cut(layout)
         return f"{directory}: written by {was}, not this {now}"
     return None
 
 
+def _cut(layout: MegatronLayout) -> str:
+    return f"tp {layout.tp} × pp {layout.pp}" + (f" × ep {layout.ep}" if layout.ep > 1 else "")
+
+
 def same_cut(a: MegatronLayout, b: MegatronLayout) -> bool:
     """Whether two layouts cut every tensor alike (each rank's shard of one is its shard of the other)."""
-    return (a.tp, a.pp, a.vocab_multiple) == (b.tp, b.pp, b.vocab_multiple)
+    return (a.tp, a.pp, a.ep, a.vocab_multiple) == (b.tp, b.pp, b.ep, b.vocab_multiple)
 
 
 def stage_tensors(directory: Path, layout: MegatronLayout, stage: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stage ``stage``'s Hugging Face tensors, each joined from its TP shards as it is read."""
-    shards = checkpoint_shards(directory)
+    """Stage ``stage``'s Hugging Face tensors, each joined from its TP (or EP) shards as it is read."""
+    shards, experts = checkpoint_shards(directory), checkpoint_expert_shards(directory)
     handles = [safe_open(shards[stage, t], framework="pt") for t in range(layout.tp)]
-    yield from megatron_to_hf(lambda name: [h.get_tensor(name) for h in handles], layout, stage)
+    if layout.ep > 1:
+        by_expert = [safe_open(experts[stage, e], framework="pt") for e in range(layout.ep)]
+
+    def read(name: str) -> list[torch.Tensor]:
+        return [h.get_tensor(name) for h in (by_expert if layout.ep > 1 and is_expert(name) else handles)]
+
+    yield from megatron_to_hf(read, layout, stage)
 
 
 def hf_tensors(directory: Path, config: ModelConfig | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -144,8 +171,9 @@ class HFReader:
         if name in self.ahead:  # the embedding may be asked twice (a tied output layer)
             return self.ahead[name] if name == "model.embed_tokens.weight" else self.ahead.pop(name)
         stage = self.layout.stage_of(name)
-        if stage not in self.streams:
-            self.streams[stage] = stage_tensors(self.directory, self.layout, stage)
+        if stage not in self.streams:  # fused experts come an expert at a time: joined here
+            tensors = stage_tensors(self.directory, self.layout, stage)
+            self.streams[stage] = joined(tensors, self.layout.config.num_experts)
         for got, t in self.streams[stage]:
             if got == name:
                 if name == "model.embed_tokens.weight":

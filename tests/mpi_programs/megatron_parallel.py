@@ -3,7 +3,7 @@ with what each rank holds: its (stage, TP rank, DP rank), the sizes of its whole
 buffers, and the values its parameters, fp32 masters and Adam moments hold. Then each rank writes
 its checkpoint shard into ``shards/`` beside OUT_NPZ, forgets its weights, and reads them back.
 
-mpirun -n DP·TP·PP python megatron_parallel.py MODEL_DIR OUT_NPZ TP PP [PACKING [SEQUENCES]]
+mpirun -n DP·TP·PP python megatron_parallel.py MODEL_DIR OUT_NPZ TP PP [PACKING [SEQUENCES [EP]]]
 
 With PACKING ``tree`` the micro-step is the forked sequences of ``test_tree_packing``, packed.
 SEQUENCES: how many of ``test_megatron_backend.sequences`` (fewer than the replicas: some
@@ -36,10 +36,11 @@ rank, size = comm.Get_rank(), comm.Get_size()
 model_dir, out, tp, pp = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 packing = sys.argv[5] if len(sys.argv) > 5 else "paths"
 count = int(sys.argv[6]) if len(sys.argv) > 6 else 3
+ep = int(sys.argv[7]) if len(sys.argv) > 7 else 1
 port = comm.bcast(MegatronWorld.alone().port if rank == 0 else None, root=0)
 trainer = MegatronTrainer(
     model_dir,
-    dataclasses.replace(CFG, tp_size=tp, pp_size=pp),
+    dataclasses.replace(CFG, tp_size=tp, pp_size=pp, ep_size=ep),
     core=True,
     world=MegatronWorld(rank, size, "127.0.0.1", port),
     packing=packing,

@@ -162,6 +162,29 @@ def flat_of(model: torch.nn.Module) -> torch.Tensor:
 
 
 @pytest.fixture(scope="session")
+def megatron_cases(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """``megatron_worlds.CASES`` the selected tests ask for (their ``case`` parameter), run once,
+    all on the first ask: a function, case id → (its directory, its model)."""
+    from megatron_worlds import CASES, run_cases
+
+    params = [getattr(getattr(item, "callspec", None), "params", {}) for item in request.session.items]
+    wanted = sorted({p["case"] for p in params if p.get("case") in CASES})
+    ran: dict = {}
+
+    def case(case_id: str) -> tuple[Path, Path]:
+        if not ran:
+            try:
+                ran.update(run_cases(wanted, tmp_path_factory.mktemp("megatron-worlds")))
+            except RuntimeError as err:
+                ran.update(dict.fromkeys(wanted, err))
+        if isinstance(ran[case_id], RuntimeError):
+            raise ran[case_id]
+        return ran[case_id]
+
+    return case
+
+
+@pytest.fixture(scope="session")
 def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model trained to answer every turn with a tool call (built once per session)."""
     from loopback import tool_calling_model

@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import flat_of, gyre
+from megatron_worlds import CASES, PARALLEL, model_of
 from safetensors import safe_open
 
 from gyre_hpc.builtin_models.resolve import resolve_model
 from gyre_hpc.models.architecture import ModelConfig
-from gyre_hpc.models.causal_lm import CausalLM, save_weights
+from gyre_hpc.models.causal_lm import CausalLM
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.hf_files import copy_model_files
 from gyre_hpc.models.tiny import init_tiny
@@ -36,32 +37,6 @@ pytestmark = pytest.mark.megatron
 
 CFG = TrainerConfig(lr=1e-3, grad_clip=0.0)
 HERE = Path(__file__).parent
-
-
-def untied(tmp_path: Path) -> Path:
-    """A small untied model (the tiny one ties its embeddings): lm_head goes to output_layer."""
-    tiny = ModelConfig.load(init_tiny(tmp_path / "tiny"))
-    c = replace(tiny, tie_word_embeddings=False, num_key_value_heads=1)
-    model_dir = tmp_path / "untied"
-    model_dir.mkdir()
-    torch.manual_seed(1)
-    model = CausalLM(c)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.1)
-    save_weights(model, model_dir / "model.safetensors")
-    (model_dir / "config.json").write_text(json.dumps(c.to_hf()))
-    return model_dir
-
-
-def model_of(kind: str, tmp_path: Path) -> Path:
-    """The tiny model ("tied (tiny)"), the untied one, or another dense family's tiny model
-    (its name: Llama 3 untied with scaled rotary frequencies, Qwen2 with q/k/v biases)."""
-    if kind.startswith("tied"):
-        return init_tiny(tmp_path / "tiny")
-    if kind.startswith("untied"):
-        return untied(tmp_path)
-    return init_tiny(tmp_path / kind, seed=2, family=kind)
 
 
 def sequences(vocab: int, n: int = 3) -> list[TrainSequence]:
@@ -114,32 +89,19 @@ def test_megatron_micro_step_and_update_match_the_torch_backend(tmp_path: Path, 
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize(
-    ("ranks", "tp", "pp", "ep", "kind", "count"),
-    [(2, 2, 1, 1, "tied (tiny)", 3), (2, 1, 2, 1, "tied (tiny)", 3), (2, 1, 2, 1, "untied", 3),
-     (4, 2, 2, 1, "tied (tiny)", 3), (2, 1, 1, 1, "tied (tiny)", 3),
-     (2, 1, 1, 1, "tied (tiny)", 1),  # one replica's share empty: its gradients are zeros, summed alike
-     (2, 2, 1, 1, "llama", 3), (2, 1, 2, 1, "qwen2", 3),  # the other dense families' paths: TP, PP
-     # routed experts: split over the replicas' ranks (one replica's share empty: it forwards
-     # idle units as long as the other exchanges tokens), over TP ranks (sequence parallel), PP
-     (2, 1, 1, 2, "mixtral", 1), (2, 2, 1, 2, "qwen3_moe", 3), (2, 1, 2, 1, "mixtral", 3)],
-)  # fmt: skip
+@pytest.mark.parametrize("case", PARALLEL)
 def test_a_data_tensor_or_pipeline_parallel_trainer_matches_one_rank(
-    tmp_path: Path, ranks: int, tp: int, pp: int, ep: int, kind: str, count: int
+    tmp_path: Path,
+    case: str,
+    megatron_cases,  # noqa: ANN001
 ) -> None:
+    """Each layout of ``megatron_worlds.PARALLEL`` (its cases share a world a size) against one rank."""
     from gyre_hpc.trainer import megatron_backend
 
-    model_dir = model_of(kind, tmp_path)
-    out = tmp_path / "parallel.npz"
-    program = HERE / "mpi_programs" / "megatron_parallel.py"
-    proc = subprocess.run(
-        ["mpirun", "--oversubscribe", "-n", str(ranks),
-         sys.executable, str(program), str(model_dir), str(out), str(tp), str(pp), "paths", str(count),
-         str(ep)],
-        capture_output=True, text=True, timeout=240,
-        env={**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    c = CASES[case]
+    ranks, tp, pp, ep, count = c.ranks, c.tp, c.pp, c.ep, c.count
+    where, model_dir = megatron_cases(case)
+    out = where / "parallel.npz"
     got = np.load(out)
     one = megatron_backend.MegatronTrainer(model_dir, CFG, core=True)
     assert np.array_equal(got["before"], one.weights())  # shards and stages gathered back exactly
@@ -173,7 +135,7 @@ def test_a_data_tensor_or_pipeline_parallel_trainer_matches_one_rank(
         )
     # Checkpoint shards: each written by its rank of the first replica, holding its slice alone,
     # read back by the same ranks exactly, and joined into the whole model without a gather.
-    shards = tmp_path / "shards"
+    shards = where / "shards"
     assert np.array_equal(got["reloaded"], got["after"])
     assert set(checkpoint_shards(shards)) == {(s, t) for s in range(pp) for t in range(tp)}
     # split experts are their expert-parallel rank's shard's alone

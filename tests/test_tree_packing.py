@@ -4,9 +4,6 @@ and gradient, on the torch backend (chain by chain over cached keys and values) 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from megatron_worlds import TREES
 
 from gyre_hpc.models.architecture import ModelConfig
 from gyre_hpc.models.tiny import init_tiny
@@ -29,7 +27,6 @@ from gyre_hpc.trajectory.packing import (
 )
 from gyre_hpc.trajectory.sequences import TrainSequence
 
-HERE = Path(__file__).parent
 CFG = TrainerConfig(lr=1e-3, grad_clip=0.0)
 
 
@@ -334,18 +331,14 @@ def test_a_tree_padded_to_its_bucket_gives_the_same_step(megatron_tree, tiny: Pa
 
 @pytest.mark.megatron
 @pytest.mark.mpi
-@pytest.mark.parametrize(("ranks", "tp", "pp"), [(2, 2, 1), (2, 1, 2), (2, 1, 1)])
+@pytest.mark.parametrize("case", TREES)
 def test_a_megatron_tree_over_tensor_pipeline_or_data_parallel_ranks_gives_the_paths_step(
-    tiny: Path, tmp_path: Path, ranks: int, tp: int, pp: int
+    case: str,
+    megatron_cases,  # noqa: ANN001
 ) -> None:
-    out = tmp_path / "tree.npz"
-    proc = subprocess.run(
-        ["mpirun", "--oversubscribe", "-n", str(ranks), sys.executable,
-         str(HERE / "mpi_programs" / "megatron_parallel.py"), str(tiny), str(out), str(tp), str(pp), "tree"],
-        capture_output=True, text=True, timeout=240,
-        env={**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    """The cases of ``megatron_worlds.TREES`` (in the world the other 2-rank cases share)."""
+    where, tiny = megatron_cases(case)
+    out = where / "parallel.npz"
     got = np.load(out)
     seqs = forked_sequences(ModelConfig.load(tiny).vocab_size)
     paths = TorchTrainer(tiny, CFG, core=True)

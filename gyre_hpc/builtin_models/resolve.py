@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from gyre_hpc.builtin_models.warm_settings import fingerprint
 from gyre_hpc.errors import GyreError
 
 
@@ -24,38 +25,43 @@ Progress = Callable[[int, int], None]
 """``(done, total)`` as a build goes."""
 
 
-def builtins() -> dict[str, Callable[[Path, Progress], object]]:
-    from gyre_hpc.builtin_models.warmstart import warmstart
-    from gyre_hpc.models.gguf import from_gguf, packaged_smollm2
-    from gyre_hpc.models.tiny import init_tiny
+BUILTINS = ("tiny", "tiny-warm", "smollm2")
+"""The built-in models' names: ``_build`` makes each (importing what it needs only then)."""
+
+
+def _build(name: str, directory: Path, progress: Progress) -> None:
     from gyre_hpc.tasks.suites import WORDS
 
-    return {
-        "tiny": lambda d, progress: init_tiny(d, 0, WORDS),
-        "tiny-warm": lambda d, progress: warmstart(d, "smoke", seed=0, progress=progress),
-        "smollm2": lambda d, progress: from_gguf(packaged_smollm2(), d),
-    }
+    if name == "tiny":
+        from gyre_hpc.models.tiny import init_tiny
+
+        init_tiny(directory, 0, WORDS)
+    elif name == "tiny-warm":
+        from gyre_hpc.builtin_models.warmstart import warmstart
+
+        warmstart(directory, "smoke", seed=0, progress=progress)
+    else:
+        from gyre_hpc.models.gguf import from_gguf, packaged_smollm2
+
+        from_gguf(packaged_smollm2(), directory)
 
 
 def needs_build(name: str) -> bool:
     """Whether ``run.model = name`` is a built-in not in the cache yet (``resolve_model`` builds it)."""
-    return name in builtins() and not (cache_dir() / "models" / _cache_name(name) / "config.json").exists()
+    return name in BUILTINS and not (cache_dir() / "models" / _cache_name(name) / "config.json").exists()
 
 
 def _cache_name(name: str) -> str:
-    from gyre_hpc.builtin_models.warmstart import fingerprint
-
     return f"{name}-{fingerprint()}" if name == "tiny-warm" else name
 
 
 def resolve_model(name: str, progress: Progress = lambda done, total: None) -> Path:
-    table = builtins()
-    if name in table:
+    if name in BUILTINS:
         target = cache_dir() / "models" / _cache_name(name)
         if not (target / "config.json").exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-            table[name](tmp, progress)
+            _build(name, tmp, progress)
             shutil.rmtree(target, ignore_errors=True)
             tmp.rename(target)  # atomic: a half-built model is never found
         return target
@@ -64,5 +70,5 @@ def resolve_model(name: str, progress: Progress = lambda done, total: None) -> P
         return path
     raise GyreError(
         f"run.model = {name!r} is neither a model directory (with config.json) nor a built-in "
-        f"({', '.join(table)})"
+        f"({', '.join(BUILTINS)})"
     )

@@ -20,21 +20,11 @@ import torch
 
 from gyre_hpc.agents.harness import MAIN_SYSTEM, SUB_SYSTEM, SUMMARIZE
 from gyre_hpc.agents.tools import MAIN_TOOLS, SPECS, SUB_AGENT_TOOLS
+from gyre_hpc.builtin_models.warm_settings import DELEGATE, RIGHT_FILE, STEPS, SUMMARY, WRONG_FILES
 from gyre_hpc.models.causal_lm import CausalLM, save_weights
 from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.models.tokenizer import ChatTokenizer
 from gyre_hpc.tasks.suites import WORDS, smoke
-
-RIGHT_FILE = 0.4  # share of demonstrations that write to answer.txt
-WRONG_FILES = ["answer.md", "answers.txt", "out.txt"]
-DELEGATE = 0.15  # share of episodes handed to a sub-agent: all four roles appear in rollouts
-SUMMARY = 0.1  # share of episodes that also demonstrate a summary call
-STEPS = 600  # 300 with delegation in the mix left the format too weak (6–14 % pass rate)
-
-
-def fingerprint() -> str:
-    """Names a built warm-start: a cache built with other settings is not reused."""
-    return f"r{RIGHT_FILE}-d{DELEGATE}-s{SUMMARY}-n{STEPS}"
 
 
 def _call(name: str, **args: str) -> str:

@@ -17,6 +17,7 @@ from gyre_hpc import __version__
 from gyre_hpc.cli import bench, model, proxy, recipe, run, sandbox, slurm, status, tasks, traj
 from gyre_hpc.cli import eval as eval_cli
 from gyre_hpc.errors import GyreError
+from gyre_hpc.launch.leave import leave
 
 app = typer.Typer(
     name="gyre-hpc",
@@ -64,4 +65,9 @@ def main() -> None:
             raise
         # The message is text, not markup: "pip install '.[megatron]'" keeps its brackets.
         Console(stderr=True).print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
-        sys.exit(err.exit_code)
+        leave(err.exit_code)
+    except SystemExit as done:  # click's way out, every command's: without the interpreter's teardown
+        if isinstance(done.code, str):
+            print(done.code, file=sys.stderr)
+        leave(done.code if isinstance(done.code, int) else int(done.code is not None))
+    leave(0)

@@ -1,5 +1,4 @@
-import sys
-
+from gyre_hpc.launch.leave import leave
 from gyre_hpc.runtime.main import main
 
-sys.exit(main())
+leave(main())

@@ -23,7 +23,6 @@ from gyre_hpc.diskspace import describe
 from gyre_hpc.faults.points import FaultPoints
 from gyre_hpc.launch.env import JobEnvironment
 from gyre_hpc.models.architecture import ModelConfig
-from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.observability import events as ev
 from gyre_hpc.observability.cell_time import CellHours
 from gyre_hpc.observability.events import EventLog
@@ -156,6 +155,7 @@ def transport_plan(layout: RankLayout, model_dir: Path, trainer: TrainerConfig) 
         numel = Shape.of(config).params
         grads = {layout.leader(cell): numel for cell in range(1, layout.cells)}
         return TransportPlan(numel, core=layout.leader(0), counter=CONTROLLER, grads=grads)
+    from gyre_hpc.models.flat import FlatLayout  # torch: a megatron world's ranks build models anyway
     from gyre_hpc.trainer.megatron_weights import MegatronLayout, slice_numel
 
     flat = FlatLayout.of(config)

@@ -62,6 +62,9 @@ log = logging.getLogger(__name__)
 UPDATED_NOT_FLUSHED = "Weights were updated, but the cache was not flushed"
 """SGLang's 400 when the update succeeded but calls were running, so the cache stayed."""
 
+STOP_GRACE_S = 1.0
+"""How long a stopped server has after SIGTERM before its group is killed."""
+
 CPU_TOKENS = 16384
 """KV cache tokens of a CPU server when ``engine.max_total_tokens`` is 0."""
 
@@ -785,9 +788,13 @@ class SGLangServer:
         if self.proc is None:
             return
         if self.proc.poll() is None:
+            # Nothing of ours is left in it (its calls were drained): a second for its logs, no
+            # more. Its group's SIGTERM ends its scheduler first, which the server reads as a
+            # crash and answers with 5 s "to let GPU activity settle"; a SIGTERM to the server
+            # alone drains for ~7 s.
             _signal(self.proc.pid, signal.SIGTERM)
             try:
-                self.proc.wait(30)
+                self.proc.wait(STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 pass
         _signal(self.proc.pid, signal.SIGKILL)  # its scheduler and detokenizer, whatever became of it

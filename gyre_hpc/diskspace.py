@@ -62,7 +62,9 @@ def is_disk_full(err: BaseException) -> bool:
         if isinstance(e, DiskFull) or (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)):
             return True
         text = str(e)
-        if "No space left on device" in text or "unexpected pos" in text:  # torch's zip writer
+        # torch's zip writer says "unexpected pos", or its stream's "basic_ios::clear" once a
+        # write failed (the optimizer state's torch.save on a full disk)
+        if "No space left on device" in text or "unexpected pos" in text or "basic_ios::clear" in text:
             return True
         e = e.__cause__ or e.__context__
     return False

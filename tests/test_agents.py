@@ -329,7 +329,7 @@ def test_a_built_in_model_s_build_shows_a_bar_and_a_cached_one_nothing(
         init_tiny(d, 0)
 
     monkeypatch.setenv("GYRE_CACHE", str(tmp_path))
-    monkeypatch.setattr(builtin_models, "builtins", lambda: {"tiny": build})
+    monkeypatch.setattr(builtin_models, "_build", lambda name, d, progress: build(d, progress))
     console = Console(record=True, width=120, force_terminal=False)
     assert (resolve_shown("tiny", console) / "config.json").exists()
     first = console.export_text()

@@ -211,3 +211,31 @@ def test_the_launcher_treats_sigterm_as_ctrl_c() -> None:
     finally:
         _restore_signals(previous)
     assert got == ["interrupt", "interrupt", "usr2"]
+
+
+def test_leaving_runs_what_the_way_out_needs_and_skips_the_teardown(tmp_path: Path) -> None:
+    """``launch.leave``: a thread still working is waited for, atexit hooks run, MPI (initialised
+    here) is finalized (mpirun counts a rank that skipped it as failed), unflushed output is
+    written, and the code is the process's."""
+    program = tmp_path / "leaving.py"
+    program.write_text(
+        "import atexit, sys, threading, time\n"
+        "from mpi4py import MPI\n"
+        "from gyre_hpc.launch.leave import leave\n"
+        f"out = {str(tmp_path)!r}\n"
+        "atexit.register(lambda: open(out + '/atexit', 'w').write(str(MPI.Is_finalized())))\n"
+        "late = lambda: (time.sleep(0.2), open(out + '/thread', 'w').write('done'))\n"
+        "threading.Thread(target=late).start()\n"
+        "sys.stdout.write('no newline, not flushed')\n"
+        "leave(3)\n"
+    )
+    proc = subprocess.run(
+        ["mpirun", "--oversubscribe", "-n", "1", sys.executable, str(program)],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "no newline, not flushed" in proc.stdout
+    assert "exiting improperly" not in proc.stdout + proc.stderr  # finalized before the end
+    assert (tmp_path / "thread").read_text() == "done"
+    assert (tmp_path / "atexit").read_text() == "False"  # the hooks ran first, MPI still up

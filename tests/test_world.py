@@ -59,6 +59,6 @@ def test_what_the_runtime_does_not_drive_is_refused_in_one_line() -> None:
     if importlib.util.find_spec("sglang") is None:  # this environment (.venv); .venv-sglang has it
         assert refusal(engine="sglang").startswith("engine.backend = 'sglang' needs SGLang beside gyre-hpc")
     assert refusal(tp_size=2) == (
-        "trainer.tp_size = 2, trainer.pp_size = 1: the torch trainer computes on one rank; valid with it: "
-        "1 and 1"
+        "trainer.tp_size = 2, trainer.pp_size = 1, trainer.ep_size = 1: the torch trainer computes on "
+        "one rank; valid with it: 1, 1 and 1"
     )

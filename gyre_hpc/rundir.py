@@ -376,10 +376,15 @@ def checkpoint_shard(path: Path, stage: int, tp_rank: int) -> Path:
 
 def checkpoint_shards(path: Path) -> dict[tuple[int, int], Path]:
     """A checkpoint's weight shards by (stage, TP rank); empty for one written whole."""
+    return _stage_files(path, "tp")
+
+
+def _stage_files(path: Path, axis: str) -> dict[tuple[int, int], Path]:
+    """``stage-<s>-<axis>-<r>.safetensors`` in a checkpoint's shards, by (s, r)."""
     out = {}
-    for f in (path / SHARDS).glob("stage-*-tp-*.safetensors"):
-        _, stage, _, tp_rank = f.name.removesuffix(".safetensors").split("-")
-        out[int(stage), int(tp_rank)] = f
+    for f in (path / SHARDS).glob(f"stage-*-{axis}-*.safetensors"):
+        _, stage, _, rank = f.name.removesuffix(".safetensors").split("-")
+        out[int(stage), int(rank)] = f
     return dict(sorted(out.items()))
 
 
@@ -391,11 +396,7 @@ def checkpoint_expert_shard(path: Path, stage: int, expert_rank: int) -> Path:
 
 def checkpoint_expert_shards(path: Path) -> dict[tuple[int, int], Path]:
     """A checkpoint's expert shards by (stage, expert-parallel rank); empty where none were split."""
-    out = {}
-    for f in (path / SHARDS).glob("stage-*-ep-*.safetensors"):
-        _, stage, _, expert_rank = f.name.removesuffix(".safetensors").split("-")
-        out[int(stage), int(expert_rank)] = f
-    return dict(sorted(out.items()))
+    return _stage_files(path, "ep")
 
 
 def checkpoint_recorded(path: Path) -> Path:

@@ -78,26 +78,16 @@ def check_model(model: str, trainer: TrainerConfig, engine: EngineConfig) -> Mod
             "embedding (config.json tie_word_embeddings = true); valid with engine.backend = 'sglang': "
             "an untied model, as published"
         )
-    if engine.ep_size > 1 and not shape.num_experts:
-        raise RecipeError(
-            f"run.model = {model!r}: engine.ep_size = {engine.ep_size} splits routed experts, and a "
-            f"{shape.model_type!r} model has none; valid for it: engine.ep_size = 1"
-        )
-    if shape.num_experts and shape.num_experts % engine.ep_size:
-        raise RecipeError(
-            f"run.model = {model!r}: engine.ep_size = {engine.ep_size} must divide its "
-            f"{shape.num_experts} routed experts"
-        )
-    if trainer.ep_size > 1 and not shape.num_experts:
-        raise RecipeError(
-            f"run.model = {model!r}: trainer.ep_size = {trainer.ep_size} splits routed experts, and a "
-            f"{shape.model_type!r} model has none; valid for it: trainer.ep_size = 1"
-        )
-    if shape.num_experts % trainer.ep_size:
-        raise RecipeError(
-            f"run.model = {model!r}: trainer.ep_size = {trainer.ep_size} must divide its "
-            f"{shape.num_experts} routed experts"
-        )
+    for key, ep in (("engine.ep_size", engine.ep_size), ("trainer.ep_size", trainer.ep_size)):
+        if ep > 1 and not shape.num_experts:
+            raise RecipeError(
+                f"run.model = {model!r}: {key} = {ep} splits routed experts, and a "
+                f"{shape.model_type!r} model has none; valid for it: {key} = 1"
+            )
+        if shape.num_experts % ep:
+            raise RecipeError(
+                f"run.model = {model!r}: {key} = {ep} must divide its {shape.num_experts} routed experts"
+            )
     if trainer.backend == "megatron" and shape.dense_layers:
         raise RecipeError(
             f"run.model = {model!r}: trainer.backend = 'megatron' trains models whose every layer routes "

@@ -93,8 +93,14 @@ class FlatLayout:
         which alone are read."""
         if not self.renames:
             return read_checkpoint(name)
-        parts = checkpoint_names(self._meta.hf, {name: torch.empty(self.slots[name][1], device="meta")})
+        parts = self._parts[name]
         return self.from_checkpoint({part: read_checkpoint(part) for part in parts})[name]
+
+    @cached_property
+    def _parts(self) -> dict[str, tuple[str, ...]]:
+        """Each of the layout's tensors → the checkpoint's names of it (worked out on the meta device)."""
+        meta = {name: torch.empty(shape, device="meta") for name, (_, shape) in self.slots.items()}
+        return {name: tuple(checkpoint_names(self._meta.hf, {name: t})) for name, t in meta.items()}
 
     @cached_property
     def numel(self) -> int:
@@ -105,8 +111,7 @@ class FlatLayout:
         """The tensors a checkpoint keeps as several (a layer's experts, fused by transformers)."""
         if not self.renames:
             return frozenset()
-        meta = lambda name: {name: torch.empty(self.slots[name][1], device="meta")}  # noqa: E731
-        return frozenset(n for n in self.slots if len(checkpoint_names(self._meta.hf, meta(n))) > 1)
+        return frozenset(n for n, parts in self._parts.items() if len(parts) > 1)
 
     def pieces(self, flat: np.ndarray | torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """``flat``'s tensors as views, one at a time, each fused tensor an expert at a time

@@ -139,9 +139,8 @@ class MemoryPlan:
         """Why the recipe cannot run on these GPUs (one line with the numbers), or None."""
         for phase in (self.sampling, self.training, self.start_up):
             if phase.total > self.gpu_bytes:
-                advice = ADVICE[phase.name]
-                if self.experts:
-                    advice = advice.replace("trainer.pp_size", "trainer.pp_size / trainer.ep_size")
+                sizes = "trainer.tp_size / trainer.pp_size" + (" / trainer.ep_size" if self.experts else "")
+                advice = ADVICE[phase.name].format(sizes=sizes)
                 return (
                     f"memory plan: {phase.line()} > {gib(self.gpu_bytes)} GiB, cells.gpu_memory_gib; {advice}"
                 )
@@ -162,10 +161,10 @@ class MemoryPlan:
 ADVICE = {
     "sampling": "lower engine.mem_fraction_static or engine.weight_bucket_mb",
     "training": 'set trainer.recompute = "full", lower trainer.micro_step_tokens or '
-    "agent.context_limit_tokens (a longer path is a micro-step of its own), or raise "
-    "trainer.tp_size / trainer.pp_size",
-    "start-up": "lower engine.mem_fraction_static, or raise trainer.tp_size / trainer.pp_size",
+    "agent.context_limit_tokens (a longer path is a micro-step of its own), or raise {sizes}",
+    "start-up": "lower engine.mem_fraction_static, or raise {sizes}",
 }
+"""What to change when a phase does not fit; ``{sizes}``: the parallel sizes that cut the model."""
 
 
 def gib(n: int) -> str:

@@ -426,9 +426,6 @@ class MegatronTrainer:
         self.expert_dp_rank = parallel_state.get_expert_data_parallel_rank()
         self.expert_rank = parallel_state.get_expert_model_parallel_rank()
         self.expert_group = parallel_state.get_expert_model_parallel_group()
-        self.sequence_parallel = bool(self.model_config.num_experts) and self.layout.tp > 1
-        """Each TP rank holds a 1/tp share of the positions between its attention blocks
-        (megatron trains experts beside TP only so): a forward's length is padded to a multiple of tp."""
         if self.layout.pp > 1:
             self.pp_group = parallel_state.get_pipeline_model_parallel_group()
             self.prev_rank = parallel_state.get_pipeline_model_parallel_prev_rank()
@@ -446,6 +443,10 @@ class MegatronTrainer:
             recompute=config.recompute, device=self.device,
             aux_loss=config.moe_aux_loss_coeff, z_loss=config.moe_z_loss_coeff,
         )  # fmt: skip
+        self.sequence_parallel = self.model.config.sequence_parallel
+        """Each TP rank holds a 1/tp share of the positions between its attention blocks
+        (``experts``: megatron trains experts beside TP only so): a forward's length is padded to
+        a multiple of tp."""
         self.pad_trees = on_cuda
         """Pad each tree to a bucket's length (``tree_attention.padded_length``), so the compiled
         block mask and attention see a bounded number of lengths."""
@@ -688,11 +689,7 @@ class MegatronTrainer:
         n = ids.shape[1]
         length = self._multiple(n)  # padding after the path: no real position sees it
         ids = F.pad(ids, (0, length - n))
-        # True = hidden: every position sees itself and what precedes it.
-        hidden = torch.triu(
-            torch.ones(1, 1, length, length, dtype=torch.bool, device=self.device), diagonal=1
-        )
-        positions = torch.arange(length, device=self.device)[None]
+        hidden, positions = self._causal(length), torch.arange(length, device=self.device)[None]
         c = self.config
 
         def loss(logits: torch.Tensor) -> tuple[torch.Tensor, TokenStats]:
@@ -739,12 +736,15 @@ class MegatronTrainer:
         gradient it adds."""
         n = self._multiple(1)
         ids = torch.zeros(1, n, dtype=torch.int64, device=self.device)
-        hidden = torch.triu(torch.ones(1, 1, n, n, dtype=torch.bool, device=self.device), diagonal=1)
 
         def loss(logits: torch.Tensor) -> tuple[torch.Tensor, TokenStats]:
             return logits.sum() * 0.0, TokenStats()
 
-        return _Unit(ids, torch.arange(n, device=self.device)[None], hidden, loss, 0)
+        return _Unit(ids, torch.arange(n, device=self.device)[None], self._causal(n), loss, 0)
+
+    def _causal(self, length: int) -> torch.Tensor:
+        """[1, 1, length, length], True = hidden: every position sees itself and what precedes it."""
+        return torch.triu(torch.ones(1, 1, length, length, dtype=torch.bool, device=self.device), diagonal=1)
 
     def _multiple(self, length: int) -> int:
         """``length`` padded to what a forward takes: a multiple of tp under sequence parallelism."""
@@ -1038,9 +1038,8 @@ class MegatronTrainer:
                         if me == first:
                             for host in away:
                                 dist.send(t.float().contiguous(), host)
-                        if (
-                            me in hosts and whole(name)[0] in self.slots
-                        ):  # a tied lm_head: the embedding's slot
+                        kept = whole(name)[0] in self.slots  # a tied lm_head is the embedding's slot
+                        if me in hosts and kept:
                             yield name, t
                 elif me in hosts:
                     for name, t in self._received(stage):

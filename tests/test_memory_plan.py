@@ -14,6 +14,7 @@ from gyre_hpc.models.catalog import KNOWN, TINY_FAMILIES, VOCAB_SIZE, model_shap
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.plan.memory import Shape, check_memory, plan
 from gyre_hpc.recipe import load_recipe
+from gyre_hpc.sim.config import PAPER_2_4T
 
 FLAGSHIP = REPO / "recipes" / "qwen3-8b-8cells.toml"
 
@@ -87,19 +88,7 @@ def lines(recipe_path, *sets: str) -> str:  # noqa: ANN001
         # The paper's 2.4T (``catalog.KNOWN["qwen3-moe-2.4t"]``): a cell of 128 nodes, tp 8 × pp 8,
         # its experts over the 128 ranks of a stage (4 of each layer's 512 a rank), two engine
         # replicas of eight nodes each.
-        (
-            "qwen3-moe-2.4t-tp8-pp8-ep128",
-            (
-                "run.model=qwen3-moe-2.4t",
-                "cells.ranks_per_cell=1024",
-                "slurm.nodes_per_cell=128",
-                "trainer.tp_size=8",
-                "trainer.pp_size=8",
-                "trainer.ep_size=128",
-                "engine.tp_size=64",
-                "engine.mem_fraction_static=0.7",
-            ),
-        ),  # fmt: skip
+        ("qwen3-moe-2.4t-tp8-pp8-ep128", PAPER_2_4T),  # the simulator's paper-2.4t
     ],
 )
 def test_the_plan_is_golden(name: str, sets: tuple[str, ...]) -> None:

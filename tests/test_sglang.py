@@ -29,6 +29,7 @@ import torch
 from conftest import REPO, SGLANG_PYTHON, flat_of, missing, recomputed
 from test_slurm_job import wait_for_event
 
+from gyre_hpc.engines.client import routed_experts
 from gyre_hpc.engines.colocation import State
 from gyre_hpc.engines.embedded import Engine
 from gyre_hpc.engines.hosted import SGLangHost
@@ -51,6 +52,7 @@ from gyre_hpc.models.catalog import TINY_FAMILIES, model_shape
 from gyre_hpc.models.causal_lm import CausalLM
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.hf_files import copy_model_files
+from gyre_hpc.models.routing import differing, routed
 from gyre_hpc.models.tiny import init_tiny
 from gyre_hpc.observability import events as ev
 from gyre_hpc.observability.events import read_events
@@ -83,10 +85,11 @@ def test_the_server_command_is_a_pure_function_of_the_engine_config() -> None:
         "--max-total-tokens 16384 --dtype float32 --disable-radix-cache"
     )  # no memory saver without CUDA: it cannot start there
     moe = EngineConfig(backend="sglang", tp_size=8, ep_size=8, attn_dp_size=2, moe_a2a_backend="deepep")
-    assert " ".join(sglang_command(moe, "/models/Qwen3-30B-A3B", 30003, python="python")) == (
+    assert " ".join(sglang_command(moe, "/models/Qwen3-30B-A3B", 30003, python="python", routes=True)) == (
         "python -m sglang.launch_server --model-path /models/Qwen3-30B-A3B --host 127.0.0.1 --port 30003 "
         "--tp-size 8 --weight-version 0 --skip-server-warmup --ep-size 8 --attn-dp-size 2 "
-        "--moe-a2a-backend deepep --base-gpu-id 0 --mem-fraction-static 0.8 --enable-memory-saver"
+        "--moe-a2a-backend deepep --enable-return-routed-experts --base-gpu-id 0 --mem-fraction-static 0.8 "
+        "--enable-memory-saver"
     )
 
 
@@ -906,8 +909,9 @@ def test_each_family_with_experts_serves_under_sglang_with_the_trainer_s_log_pro
     SGLang's Mistral is its Llama): a tiny random model of each starts under real SGLang on this
     CPU, takes a pushed version by reference (its experts one tensor each, as SGLang loads them,
     from a flat snapshot or from a stream of fused tensors),
-    and serves it with the log-probs transformers' implementation computes here. Both servers
-    at once: a start mostly waits on imports."""
+    and serves it with the log-probs transformers' implementation computes here, returning the
+    experts it routed every position to — a prefix-cached call's complete — as transformers routes
+    them (``served_routes``). Both servers at once: a start mostly waits on imports."""
     families = [f for f, shape in TINY_FAMILIES.items() if shape.get("num_experts")]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         worst = dict(
@@ -920,7 +924,9 @@ def served_after_a_push(work: Path, family: str) -> float:
     """The largest log-prob difference of two greedy replies after one push."""
     model_dir = init_tiny(work / "model", seed=0, family=family)
     engine = EngineConfig(backend="sglang", dtype="float32")
-    server = SGLangServer(engine, model_dir, work / "sglang", device="cpu", python=str(SGLANG_PYTHON))
+    server = SGLangServer(
+        engine, model_dir, work / "sglang", device="cpu", python=str(SGLANG_PYTHON), routes=True
+    )
     server.start()
     try:
         layout, model = FlatLayout.of(ModelConfig.load(model_dir)), CausalLM.from_pretrained(model_dir)
@@ -938,6 +944,32 @@ def served_after_a_push(work: Path, family: str) -> float:
             assert reply["meta_info"]["weight_version"] == "3", family
             theirs = np.array([lp for lp, _, _ in reply["meta_info"]["output_token_logprobs"]])
             worst = max(worst, float(np.abs(theirs - recomputed(model, prompt, reply["output_ids"])).max()))
+        served_routes(server.url, model)
         return worst
     finally:
         server.stop()
+
+
+def served_routes(url: str, model: CausalLM) -> None:
+    """SGLang's routed experts of a call: every position but the last generated one, as
+    transformers routes them; a second call that extends the first finds its prefix cached and
+    still gets its routes, the same; asked from a position on, it gets those alone."""
+    c = model.config
+    shape = (c.num_hidden_layers, c.num_experts_per_tok)
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    first = call(url, lambda e: e.generate(PROMPTS[1], params, routes_from=0))
+    routes1 = routed_experts(first["meta_info"], *shape)
+    sequence = PROMPTS[1] + first["output_ids"]
+    assert routes1.shape == (len(sequence) - 1, *shape)
+    with routed(model) as capture:
+        model(torch.tensor([sequence[:-1]]))
+    alike = ~differing(torch.from_numpy(routes1.astype(np.int64)), capture.routes())
+    assert alike.float().mean() >= 0.95, alike.float().mean()  # float32 both: ties aside, the same
+    longer = sequence + [7, 8, 9]
+    second = call(url, lambda e: e.generate(longer, params, routes_from=0))
+    assert second["meta_info"]["cached_tokens"] >= len(PROMPTS[1])
+    routes2 = routed_experts(second["meta_info"], *shape)
+    assert routes2.shape == (len(longer) + 6 - 1, *shape)
+    np.testing.assert_array_equal(routes2[: len(routes1)], routes1)  # the cached prefix's, complete
+    third = call(url, lambda e: e.generate(longer, params, routes_from=len(sequence)))
+    np.testing.assert_array_equal(routed_experts(third["meta_info"], *shape), routes2[len(sequence) :])

@@ -365,3 +365,23 @@ def test_a_replay_charges_no_execution_the_wait_for_a_slot_as_overhead() -> None
     assert measured_costs([*burst, *alone, step], cells, 0.1)["exec_overhead_s"] == pytest.approx(0.2)
     # Both cells sampling: four slots, none of the four waited.
     assert set(uncontended_dispatches(burst[2:], cells)) == set(runs)
+
+
+def test_the_simulated_paper_run_is_the_shape_the_memory_plan_fits() -> None:
+    """``paper-2.4t`` stands for the 2.4T MoE on H200 cells the memory plan lays out: the plan
+    fits, and a cell's engine replicas hold a full context for each execution it serves."""
+    from conftest import REPO
+
+    from gyre_hpc.models.catalog import model_shape
+    from gyre_hpc.plan.memory import plan
+    from gyre_hpc.recipe import load_recipe
+    from gyre_hpc.sim.config import CONFIGS, PAPER_2_4T
+
+    sim = CONFIGS["paper-2.4t"]
+    assert sim.shape == PAPER_2_4T
+    r = load_recipe(REPO / "recipes" / "qwen3-8b-8cells.toml", list(sim.shape))
+    p = plan(model_shape(r.run.model), r.cells, r.engine, r.trainer, r.agent, r.slurm.nodes_per_cell)
+    assert p is not None and p.refusal() is None
+    assert "2491.29B parameters (56.04B active a token)" in p.model
+    replicas = r.cells.ranks_per_cell // r.engine.tp_size
+    assert sim.capacity <= replicas * (p.kv_tokens // p.context_tokens)

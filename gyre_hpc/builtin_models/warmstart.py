@@ -121,12 +121,14 @@ def warmstart(
     batch: int = 4,
     lr: float = 2e-3,
     progress: Callable[[int, int], None] = lambda done, total: None,
+    family: str = "qwen3",
 ) -> Path:
     """Build the warm-started model into ``model_dir``; ``progress(done, total)`` after each of
-    its ``steps`` optimizer steps (the CLI draws a bar: the build takes minutes)."""
+    its ``steps`` optimizer steps (the CLI draws a bar: the build takes minutes). ``family``: the
+    tiny model's (``qwen3_moe`` for the routed-expert one)."""
     if suite != "smoke":
         raise ValueError(f"no warm start for suite {suite!r} (only smoke)")
-    model_dir = init_tiny(model_dir, seed, WORDS)
+    model_dir = init_tiny(model_dir, seed, WORDS, family)
     tok = ChatTokenizer(model_dir)
     torch.manual_seed(seed)
     rng = random.Random(seed)

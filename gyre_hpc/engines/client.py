@@ -6,11 +6,13 @@ One method per verb, so a role switch reads as a sequence of them: ``pause`` →
 
 from __future__ import annotations
 
+import base64
 import inspect
 from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import numpy as np
 
 
 class EngineError(RuntimeError):
@@ -84,8 +86,11 @@ class EngineClient:
         rid: str | None = None,
         return_logprob: bool = True,
         extra_key: str | None = None,
+        routes_from: int | None = None,
     ) -> dict[str, Any]:
-        """``extra_key``: the request's prefix-cache key (it reuses only prefixes of its key)."""
+        """``extra_key``: the request's prefix-cache key (it reuses only prefixes of its key).
+        ``routes_from``: a MoE model's routed experts of positions from there on are returned
+        (``routed_experts``, read with ``routed_experts``)."""
         body: dict[str, Any] = {
             "input_ids": input_ids,
             "sampling_params": sampling_params or {},
@@ -95,6 +100,9 @@ class EngineClient:
             body["rid"] = rid
         if extra_key is not None:
             body["extra_key"] = extra_key
+        if routes_from is not None:
+            body["return_routed_experts"] = True
+            body["routed_experts_start_len"] = routes_from
         return await self._post("/generate", body)
 
     async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
@@ -222,3 +230,15 @@ class EngineClient:
 
     async def release_kv(self, handle: str) -> None:
         await self._post("/release_kv", {"handle": handle})
+
+
+def routed_experts(meta_info: dict[str, Any], layers: int, top_k: int) -> np.ndarray | None:
+    """A response's routed experts [positions, layers, top-k] (SGLang's base64 of int32); None
+    when it carries none. A payload of another shape is the engine's fault, not the caller's."""
+    data = meta_info.get("routed_experts")
+    if not data:
+        return None
+    flat = np.frombuffer(base64.b64decode(data), dtype="<i4")
+    if layers * top_k == 0 or flat.size % (layers * top_k):
+        raise EngineError(f"routed_experts of {flat.size} ids is not [positions, {layers}, {top_k}]", 502)
+    return flat.reshape(-1, layers, top_k)

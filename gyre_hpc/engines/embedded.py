@@ -13,6 +13,10 @@ GPU) with the behaviour of SGLang that the proxy and the scheduler rely on.
   a new request reuses the longest cached prefix — multi-turn agents resend their whole
   context, so most of it is cached — and reports it as ``cached_tokens``.
 - Log-probs are those of the distribution each token was sampled from.
+- A mixture-of-experts model's routed experts are captured for every position it forwards
+  (``models.routing``), kept with the keys/values (prefix cache, KV migration) and returned as
+  SGLang returns them (``routed_experts``: base64 int32 [positions, layers, top-k] of positions
+  ``routed_experts_start_len`` to the last but one), so a prefix-cached call's are complete.
 - Weights load from a checkpoint directory or from a flat buffer with a version number.
 
 The engine works on token ids; its tokenizer is used only to return ``text`` and match stop
@@ -21,6 +25,8 @@ strings. It knows nothing about chats, runs or roles.
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import logging
 import threading
 import time
@@ -38,6 +44,7 @@ from gyre_hpc.engines import kv_transfer
 from gyre_hpc.engines.sampling import BadRequest, SamplingParams, sample
 from gyre_hpc.models.causal_lm import CausalLM
 from gyre_hpc.models.flat import FlatLayout, whole
+from gyre_hpc.models.routing import routed
 from gyre_hpc.models.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
@@ -63,6 +70,10 @@ class Sequence:
     """The request's cache key (SGLang's ``extra_key``): it reuses only prefixes of the same key."""
     kv_version: str | None = None
     """The weight version its keys/values were computed at (set at prefill)."""
+    routes: list[torch.Tensor] = field(default_factory=list)
+    """A MoE model's routed experts of the positions it has forwarded, in pieces [n, layers, k]."""
+    routes_from: int | None = None
+    """The first position whose routes the response returns; None: none asked for."""
 
     @property
     def tokens(self) -> list[int]:
@@ -77,6 +88,8 @@ class _CacheEntry:
     used: float
     key: tuple[str, str] = ("", "")
     """(the request's ``extra_key``, the weight version the keys/values were computed at)"""
+    routes: torch.Tensor | None = None
+    """A MoE model's routed experts of the same positions."""
 
 
 class PrefixCache:
@@ -86,12 +99,15 @@ class PrefixCache:
         self.max_tokens = max_tokens
         self.entries: list[_CacheEntry] = []
 
-    def lookup(self, tokens: list[int], key: tuple[str, str] = ("", "")) -> tuple[_CacheEntry | None, int]:
-        """The longest cached prefix of ``tokens`` under ``key`` (no entry of another key matches)."""
+    def lookup(
+        self, tokens: list[int], key: tuple[str, str] = ("", ""), routes: bool = False
+    ) -> tuple[_CacheEntry | None, int]:
+        """The longest cached prefix of ``tokens`` under ``key`` (no entry of another key matches;
+        with ``routes`` none without them)."""
         arr = np.asarray(tokens, dtype=np.int32)
         best, best_len = None, 0
         for e in self.entries:
-            if e.key != key:
+            if e.key != key or (routes and e.routes is None):
                 continue
             n = min(len(arr), len(e.tokens))
             if n <= best_len:
@@ -105,7 +121,12 @@ class PrefixCache:
         return best, best_len
 
     def insert(
-        self, tokens: list[int], keys: torch.Tensor, values: torch.Tensor, key: tuple[str, str] = ("", "")
+        self,
+        tokens: list[int],
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        key: tuple[str, str] = ("", ""),
+        routes: torch.Tensor | None = None,
     ) -> None:
         if not tokens or self.max_tokens <= 0:
             return
@@ -118,7 +139,7 @@ class PrefixCache:
                 e.key == key and len(e.tokens) <= len(arr) and np.array_equal(e.tokens, arr[: len(e.tokens)])
             )
         ]
-        self.entries.append(_CacheEntry(arr, keys.clone(), values.clone(), time.monotonic(), key))
+        self.entries.append(_CacheEntry(arr, keys.clone(), values.clone(), time.monotonic(), key, routes))
         while sum(len(e.tokens) for e in self.entries) > self.max_tokens and len(self.entries) > 1:
             self.entries.remove(min(self.entries, key=lambda e: e.used))
 
@@ -145,6 +166,7 @@ class Engine:
         self.model = CausalLM.from_pretrained(self.model_dir, dtype).to(self.device)
         self.dtype = dtype
         self.config = self.model.config
+        self.moe = bool(self.config.num_experts)
         self.flat_layout = FlatLayout.of(self.config)
         self.tokenizer = ChatTokenizer(self.model_dir)
         self.max_running = max_running
@@ -170,10 +192,21 @@ class Engine:
         rid: str | None = None,
         on_token: Callable[[Sequence], None] | None = None,
         extra_key: str = "",
+        routes_from: int | None = None,
     ) -> Sequence:
+        """``routes_from``: return the routed experts of positions from there (SGLang's
+        ``routed_experts_start_len``); a dense model has none to return."""
         self.check(input_ids, params)
+        if routes_from is not None and not 0 <= routes_from <= len(input_ids):
+            raise BadRequest(f"routed_experts_start_len must be in [0, {len(input_ids)}]")
         seq = Sequence(
-            rid or uuid.uuid4().hex, list(input_ids), params, on_done, on_token, extra_key=extra_key
+            rid or uuid.uuid4().hex,
+            list(input_ids),
+            params,
+            on_done,
+            on_token,
+            extra_key=extra_key,
+            routes_from=routes_from if self.moe else None,
         )
         if params.sampling_seed is not None:
             seq.generator = torch.Generator().manual_seed(params.sampling_seed)
@@ -237,17 +270,17 @@ class Engine:
             handle = uuid.uuid4().hex
             n = seq.length
             keys, values = seq.keys[:, :, :n].cpu(), seq.values[:, :, :n].cpu()
-            self.pinned[handle] = kv_transfer.pack(seq.tokens[:n], keys, values)
+            self.pinned[handle] = kv_transfer.pack(seq.tokens[:n], keys, values, self._routes(seq))
             return handle, n
 
     def import_kv(self, data: bytes, extra_key: str = "") -> int:
         """Keys/values moved from another engine go into the prefix cache, under ``extra_key`` and
         the version served now (the router moves them only between engines of one version);
         returns their tokens."""
-        tokens, keys, values = kv_transfer.unpack(data)
+        tokens, keys, values, routes = kv_transfer.unpack(data)
         with self.lock:
             at = keys.to(self.device, self.dtype), values.to(self.device, self.dtype)
-            self.cache.insert(tokens, *at, (extra_key, self.weight_version))
+            self.cache.insert(tokens, *at, (extra_key, self.weight_version), routes)
         return len(tokens)
 
     def release_kv(self, handle: str) -> None:
@@ -353,7 +386,7 @@ class Engine:
     def _prefill(self, seq: Sequence) -> None:
         tokens = seq.tokens  # a retracted sequence resumes with what it had generated
         seq.kv_version = self.weight_version
-        entry, hit = self.cache.lookup(tokens, (seq.extra_key, seq.kv_version))
+        entry, hit = self.cache.lookup(tokens, (seq.extra_key, seq.kv_version), routes=self.moe)
         hit = min(hit, len(tokens) - 1)  # the last token must run to give the next logits
         c = self.config
         cap = len(tokens) + min(seq.params.max_new_tokens, 256) + 1  # grows by doubling when needed
@@ -370,8 +403,12 @@ class Engine:
             ]
         seq.length = hit
         seq.cached_tokens = hit if not seq.output_ids else seq.cached_tokens
+        seq.routes = [entry.routes[:hit]] if entry is not None and entry.routes is not None and hit else []
         new = torch.tensor([tokens[hit:]], device=self.device)
-        logits, kv = self.model(new, past=past)
+        with self._routing() as capture:
+            logits, kv = self.model(new, past=past)
+        if capture is not None:
+            seq.routes.append(capture.routes().to(torch.int16))
         self._append_kv(seq, kv, 0)
         self.stats["prompt_tokens"] += len(seq.input_ids) if not seq.output_ids else 0
         self.stats["cached_tokens"] += hit if not seq.output_ids else 0
@@ -395,12 +432,29 @@ class Engine:
         mask[:, 0, longest] = True
         last = torch.tensor([[s.tokens[-1]] for s in batch], device=self.device)
         positions = torch.tensor([[n] for n in lengths], device=self.device)
-        logits, kv = self.model(last, positions=positions, past=past, mask=mask)
+        with self._routing() as capture:
+            logits, kv = self.model(last, positions=positions, past=past, mask=mask)
+        routes = None if capture is None else capture.routes().to(torch.int16)  # [batch, layers, k]
         self.stats["decode_steps"] += 1
         on_host = logits[:, -1].cpu()  # one device-to-host copy (and sync) a step, not one a sequence
         for i, seq in enumerate(batch):
+            if routes is not None:
+                seq.routes.append(routes[i : i + 1])
             self._append_kv(seq, kv, i)
             self._emit(seq, on_host[i])
+
+    def _routing(self):  # noqa: ANN202 - a context manager yielding a Capture or None
+        """Capture the routed experts of a forward, for a MoE model."""
+        return routed(self.model) if self.moe else contextlib.nullcontext()
+
+    @staticmethod
+    def _routes(seq: Sequence) -> torch.Tensor | None:
+        """Its routes, one piece, [length, layers, k]; None for a dense model."""
+        if not seq.routes:
+            return None
+        if len(seq.routes) > 1:
+            seq.routes = [torch.cat(seq.routes)]
+        return seq.routes[0]
 
     def _reserve(self, seq: Sequence, positions: int) -> None:
         """Room for ``positions`` keys/values (doubling), zero beyond what the sequence holds."""
@@ -459,7 +513,8 @@ class Engine:
         if seq.keys is not None and seq.length and seq.kv_version == self.weight_version:
             tokens = seq.tokens[: seq.length]
             key = (seq.extra_key, seq.kv_version)
-            self.cache.insert(tokens, seq.keys[:, :, : seq.length], seq.values[:, :, : seq.length], key)
+            kv = seq.keys[:, :, : seq.length], seq.values[:, :, : seq.length]
+            self.cache.insert(tokens, *kv, key, self._routes(seq))
         seq.keys = seq.values = None
         seq.length = 0
 
@@ -482,5 +537,14 @@ class Engine:
                     [lp, t, None] for lp, t in zip(seq.logprobs, seq.output_ids, strict=True)
                 ],
                 "e2e_latency": time.monotonic() - seq.started,
+                **self._routes_info(seq),
             },
         }
+
+    def _routes_info(self, seq: Sequence) -> dict[str, Any]:
+        """SGLang's ``routed_experts``: positions ``routes_from`` up to the last forwarded one."""
+        routes = self._routes(seq)
+        if seq.routes_from is None or routes is None:
+            return {}
+        data = routes[seq.routes_from :].to(torch.int32).numpy().tobytes()
+        return {"routed_experts": base64.b64encode(data).decode()}

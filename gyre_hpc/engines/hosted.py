@@ -109,15 +109,18 @@ def host_engine(
     span: Span | None = None,
     group_host: str = "127.0.0.1",
     peers: HeadPeers | PartPeers | None = None,
+    routes: bool = False,
 ) -> HostedEngine:
     """The engine ``engine.backend`` names, for one replica of a cell: ``gpu`` is the first GPU
     it may use, ``span`` its part's place when the replica spans nodes (SGLang only), ``peers``
-    its other parts (its head, for a part) where weights go by reference."""
+    its other parts (its head, for a part) where weights go by reference; ``routes``: a MoE
+    model's server is started able to return routed experts (the embedded engine always is)."""
     device = resolve_device(engine.device)
     if engine.backend == "sglang":
         head = span is None or span.head
         server = SGLangServer(engine, model_dir, work_dir, host, device, gpu, span=span,
-                              group_host=group_host, peers=peers if head else None)  # type: ignore[arg-type]  # fmt: skip
+                              group_host=group_host, peers=peers if head else None,  # type: ignore[arg-type]
+                              routes=routes)  # fmt: skip
         if not head:
             return PartHost(server, peers)  # type: ignore[arg-type]
         return SGLangHost(server, current, engine.restart_attempts, engine.restart_backoff_s)

@@ -33,16 +33,21 @@ class HttpKVTransfer:
             return await resp.read()
 
 
-def pack(tokens: list[int], keys: torch.Tensor, values: torch.Tensor) -> bytes:
-    return save(
-        {
-            "tokens": torch.tensor(tokens, dtype=torch.int32),
-            "keys": keys.contiguous(),
-            "values": values.contiguous(),
-        }
-    )
+def pack(
+    tokens: list[int], keys: torch.Tensor, values: torch.Tensor, routes: torch.Tensor | None = None
+) -> bytes:
+    """``routes``: a mixture-of-experts model's routed experts of the same positions, which move
+    with them (the destination returns them for its cached prefix)."""
+    tensors = {
+        "tokens": torch.tensor(tokens, dtype=torch.int32),
+        "keys": keys.contiguous(),
+        "values": values.contiguous(),
+    }
+    if routes is not None:
+        tensors["routes"] = routes.contiguous()
+    return save(tensors)
 
 
-def unpack(data: bytes) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+def unpack(data: bytes) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor | None]:
     t = load(data)
-    return np.asarray(t["tokens"]).tolist(), t["keys"], t["values"]
+    return np.asarray(t["tokens"]).tolist(), t["keys"], t["values"], t.get("routes")

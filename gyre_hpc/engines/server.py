@@ -95,14 +95,20 @@ async def generate(request: web.Request) -> web.StreamResponse:
         if len(jobs) != 1:
             raise BadRequest("streaming takes one prompt with n = 1")
         return await _stream(request, engine, jobs[0], params, return_logprob, _extra_key(body))
+    routes_from = _routes_from(body)
     for ids, _ in jobs:  # every prompt refused or none: nothing half-submitted
         engine.check(ids, params)
+        if routes_from is not None and routes_from > len(ids):
+            raise BadRequest(f"routed_experts_start_len must be in [0, {len(ids)}]")
     loop = asyncio.get_running_loop()
     futures: list[asyncio.Future[dict[str, Any]]] = []
     seqs: list[Sequence] = []
     for ids, r in jobs:
         fut = loop.create_future()
-        seqs.append(engine.submit(ids, params, _resolver(loop, fut), rid=r, extra_key=_extra_key(body)))
+        done = _resolver(loop, fut)
+        seqs.append(
+            engine.submit(ids, params, done, rid=r, extra_key=_extra_key(body), routes_from=routes_from)
+        )
         futures.append(fut)
     try:
         results = await asyncio.gather(*futures)
@@ -114,6 +120,17 @@ async def generate(request: web.Request) -> web.StreamResponse:
     ids = body.get("input_ids")
     batch = bool(ids) and isinstance(ids[0], list) or isinstance(body.get("text"), list)
     return web.json_response(results if batch or params.n > 1 else results[0])
+
+
+def _routes_from(body: dict[str, Any]) -> int | None:
+    """SGLang's ``return_routed_experts`` and ``routed_experts_start_len``: the first position
+    whose routed experts the response carries; None when not asked."""
+    if not body.get("return_routed_experts"):
+        return None
+    start = body.get("routed_experts_start_len", 0)
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise BadRequest(f"routed_experts_start_len = {start!r} must be an integer ≥ 0")
+    return start
 
 
 def _extra_key(body: dict[str, Any]) -> str:

@@ -78,9 +78,11 @@ def sglang_command(
     device: str = "cuda",
     gpu: int = 0,
     span: Span | None = None,
+    routes: bool = False,
 ) -> list[str]:
     """The server's command line; ``device`` is resolved (cpu | cuda), ``gpu`` its first GPU,
-    ``span`` this part's place in a replica across nodes."""
+    ``span`` this part's place in a replica across nodes; ``routes``: it returns the experts it
+    routed each token to when a call asks (a MoE model under ``trainer.routing_replay``)."""
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model, "--host", host, "--port", str(port)]
     cmd += ["--tp-size", str(engine.tp_size), "--weight-version", "0", "--skip-server-warmup"]
     if engine.ep_size > 1:
@@ -89,6 +91,8 @@ def sglang_command(
         cmd += ["--attn-dp-size", str(engine.attn_dp_size)]
     if engine.moe_a2a_backend != "none":
         cmd += ["--moe-a2a-backend", engine.moe_a2a_backend]
+    if routes:
+        cmd.append("--enable-return-routed-experts")
     if span is not None:
         cmd += ["--nnodes", str(span.nnodes), "--node-rank", str(span.node_rank)]
         cmd += ["--dist-init-addr", span.dist_init_addr]
@@ -675,15 +679,17 @@ class SGLangServer:
         span: Span | None = None,
         group_host: str = "127.0.0.1",
         peers: HeadPeers | None = None,
+        routes: bool = False,
     ) -> None:
         """``group_host``: where this rank's end of the weight group listens (its node's name
         when the replica spans nodes, so their ranks reach it); ``peers``: the other parts of
-        a replica across nodes that takes its weights by reference (``PartPush``)."""
+        a replica across nodes that takes its weights by reference (``PartPush``); ``routes``:
+        it can return routed experts (``sglang_command``)."""
         self.engine, self.model_dir, self.work_dir, self.device = engine, model_dir, work_dir, device
         self.gpu, self.span, self.group_host, self.peers = gpu, span, group_host, peers
         self.port = port or free_port(host)
         self.url = f"http://127.0.0.1:{self.port}"  # the cell and its server share a node
-        self.cmd = sglang_command(engine, str(model_dir), self.port, host, python, device, gpu, span)
+        self.cmd = sglang_command(engine, str(model_dir), self.port, host, python, device, gpu, span, routes)
         self.log = work_dir / "sglang.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.group: WeightGroup | TensorPush | None = None

@@ -136,6 +136,8 @@ def model_shape(model: str) -> ModelConfig | None:
     gyre-hpc does not run raises ``UnsupportedFamily``."""
     if model in ("tiny", "tiny-warm"):
         return tiny_config(VOCAB_SIZE, [])
+    if model == "tiny-moe-warm":
+        return tiny_config(VOCAB_SIZE, [], "qwen3_moe")
     if model == "smollm2":
         return KNOWN["smollm2-135m"]
     path = Path(model)

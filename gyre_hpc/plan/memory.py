@@ -105,9 +105,12 @@ class MemoryPlan:
     ranks_per_node: int = 1
     """A cell's ranks on one node (``cells.ranks_per_cell`` / ``slurm.nodes_per_cell``)."""
     node_host_bytes: int = 0
+    """One node's host memory (``cells.host_memory_gib``); 0: not planned."""
     experts: bool = False
     """The model routes experts: ``trainer.ep_size`` splits them."""
-    """One node's host memory (``cells.host_memory_gib``); 0: not planned."""
+    route_bytes: int = 0
+    """Bytes the TITO log keeps a token for its routed experts (routing replay; 0: none kept)
+    against the 4 of its id; in the controller's memory too, while its run's tree is held."""
 
     @property
     def host_node(self) -> int:
@@ -133,6 +136,16 @@ class MemoryPlan:
             f"  {self.start_up.line()}",
             f"  KV cache {self.kv_tokens:,} tokens a replica (one context: {self.context_tokens:,})",
             f"  {self.host_line()}" + (f", of {gib(self.node_host_bytes)}" if self.node_host_bytes else ""),
+            *self.routes_line(),
+        ]
+
+    def routes_line(self) -> list[str]:
+        if not self.route_bytes:
+            return []
+        run = self.route_bytes * self.context_tokens
+        return [
+            f"  routes (routing replay): {self.route_bytes:,} B a token in the TITO log and the controller "
+            f"(its id: 4 B), {run / 2**20:,.0f} MiB one context; SGLang's host pool of them counted above"
         ]
 
     def refusal(self) -> str | None:
@@ -292,6 +305,7 @@ def plan(
     step = 128 * trainer.tp_size if trainer.backend == "megatron" else 1
     t = replace(s, vocab=-(-s.vocab // step) * step)
     tp, pp, ep = trainer.tp_size, trainer.pp_size, trainer.ep_size
+    replay = trainer.routing_replay and bool(t.experts)
     # Where the engine serves its static pool holds its weights; the rest is KV cache.
     static = int(engine.mem_fraction_static * gpu)
     served = BYTES[engine_dtype(engine)]
@@ -341,8 +355,10 @@ def plan(
         # one layer's token exchange in flight: its positions' copies, each routed to ``active``
         # experts, sent and received (megatron's all-to-all dispatcher)
         exchange = 2 * tokens // tp * t.active * t.hidden * train_dtype if t.experts else 0
+        # the routes replayed, int64 a choice, for this stage's layers
+        replayed = tokens * layers * t.active * 8 if replay else 0
         parts = (state, grads, optimizer, activations, logits, Part("all-to-all buffers", exchange),
-                 Part("released engine", CUDA_CONTEXT))  # fmt: skip
+                 Part("replayed routes", replayed), Part("released engine", CUDA_CONTEXT))  # fmt: skip
         stages.append(Phase("training", parts))
         # The trainer is built, and the core restores and publishes, while the engine already
         # holds its pool: its weights and fp32 masters, and the largest tensor gathered whole in
@@ -375,6 +391,10 @@ def plan(
     # a replica), and the server rank's on this GPU (at tp > 1 nearly all of it: sharded).
     engine_copy = 2 * s.params * served if engine.weight_sync == "delta" else 0
     heads = per_node // engine.tp_size if engine.tp_size <= per_node else 1  # the leader's node
+    # SGLang keeps every KV slot's routed experts on the host, int32, in each server rank
+    kv_tokens = max(0, static - engine_weights) // kv_per_token
+    sglang = replay and engine.backend == "sglang"
+    route_pool = kv_tokens * t.layers * t.active * 4 * min(engine.tp_size, per_node) if sglang else 0
     return MemoryPlan(
         gpu_bytes=gpu,
         model=s.line(model),
@@ -382,15 +402,16 @@ def plan(
         training=training,
         start_up=start_up,
         micro_step_tokens=tokens,
-        kv_tokens=max(0, static - engine_weights) // kv_per_token,
+        kv_tokens=kv_tokens,
         context_tokens=context,
-        host_leader=state + 2 * whole + staging + engine_copy,
+        host_leader=state + 2 * whole + staging + engine_copy + route_pool,
         host_member=state,
-        host_engine_member=state + whole + staging + engine_copy,
+        host_engine_member=state + whole + staging + engine_copy + route_pool,
         engine_members=max(0, heads - 1),
         ranks_per_node=per_node,
         node_host_bytes=int(cells.host_memory_gib * GIB),
         experts=bool(t.experts),
+        route_bytes=t.layers * t.active * (1 if t.experts <= 256 else 2) if replay else 0,
     )
 
 

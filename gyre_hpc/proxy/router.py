@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import aiohttp
+import numpy as np
 
-from gyre_hpc.engines.client import EngineClient, EngineError
+from gyre_hpc.engines.client import EngineClient, EngineError, routed_experts
 from gyre_hpc.engines.sampling import BadRequest
 
 DrainMode = Literal["continue", "restart"]
@@ -109,6 +110,18 @@ class Completion:
     t_end: float
     segments: list[tuple[int, int]] = field(default_factory=list)
     """(output tokens, the version that generated them) for each part, in order."""
+    routes: np.ndarray | None = None
+    """A MoE model's routed experts [positions, layers, top-k] of positions ``RouteAsk.start``
+    on: each position's from the first part that forwarded it."""
+
+
+@dataclass(frozen=True)
+class RouteAsk:
+    """Routes a call asks its engines for: positions from ``start``, [layers, top_k] each."""
+
+    start: int
+    layers: int
+    top_k: int
 
 
 PROBE_S = 0.5
@@ -198,14 +211,18 @@ class Router:
         async with self._changed:
             self._changed.notify_all()
 
-    async def complete(self, run_id: str, input_ids: list[int], params: dict[str, Any]) -> Completion:
-        """Generate for one call, through any number of drains and engine failures."""
+    async def complete(
+        self, run_id: str, input_ids: list[int], params: dict[str, Any], routes: RouteAsk | None = None
+    ) -> Completion:
+        """Generate for one call, through any number of drains and engine failures; with
+        ``routes``, collect the routed experts its parts report."""
         deadline = time.monotonic() + self.timeout_s
         started = time.time()
         output: list[int] = []
         logprobs: list[float] = []
         segments: list[tuple[int, int]] = []
         rerouted, cached, moved_kv = False, None, None
+        got: list[np.ndarray] = []  # routes of positions routes.start … in order
         budget = int(params.get("max_new_tokens", 128))
         while True:
             slot = await self.acquire(run_id, deadline)
@@ -218,15 +235,19 @@ class Router:
                     await self._import_kv(slot, *moved_kv)
                     moved_kv = None
                 left = dict(params, max_new_tokens=budget - len(output))
+                start = None if routes is None else routes.start + sum(len(r) for r in got)
                 res = await slot.client.generate(
-                    input_ids + output, left, rid=flight.rid, extra_key=f"v{version}"
+                    input_ids + output, left, rid=flight.rid, extra_key=f"v{version}", routes_from=start
+                )
+                part = (
+                    None if routes is None else routed_experts(res["meta_info"], routes.layers, routes.top_k)
                 )
             except (EngineError, aiohttp.ClientError, TimeoutError) as err:
                 if isinstance(err, EngineError) and err.refused:  # never the engine's fault:
                     raise Refused(_reason(err)) from None  # the client hears it at once
                 slot.down_until = time.monotonic() + self.retry_down_s  # try the others first
                 self._unsure(slot)
-                output, logprobs, segments, rerouted = [], [], [], True
+                output, logprobs, segments, rerouted, got = [], [], [], True, []
                 if time.monotonic() >= deadline:
                     raise NoEngine(f"engine {slot.url} failed and no other served in time") from None
                 continue
@@ -245,6 +266,8 @@ class Router:
                 output += res["output_ids"]
                 logprobs += [lp for lp, _, _ in meta["output_token_logprobs"]]
                 segments = _segment(segments, len(res["output_ids"]), served, version)
+                if part is not None:
+                    got.append(part)
             if finished or (flight.drained == "continue" and len(output) >= budget):
                 reason = meta["finish_reason"] if finished else {"type": "length", "length": len(output)}
                 return Completion(
@@ -258,13 +281,16 @@ class Router:
                     t_start=started,
                     t_end=time.time(),
                     segments=segments,
+                    routes=None
+                    if routes is None
+                    else np.concatenate(got or [np.zeros((0, routes.layers, routes.top_k), np.int32)]),
                 )
             rerouted = True
             if flight.drained == "continue":
                 if flight.kv_handle:
                     moved_kv = (slot, flight.kv_handle, flight.kv_version)
             else:
-                output, logprobs, segments = [], [], []
+                output, logprobs, segments, got = [], [], [], []
 
     def occupancy(self) -> dict[str, float]:
         """Each engine's busy slot-seconds so far (∫ calls in flight dt; a cell's slots are busy

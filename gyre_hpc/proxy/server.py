@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import time
 import uuid
@@ -33,6 +34,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 
 from gyre_hpc.diskspace import write_all
@@ -49,14 +51,15 @@ from gyre_hpc.proxy import responses as openai_responses
 from gyre_hpc.proxy.chat import RunChats, parse_reply
 from gyre_hpc.proxy.keys import KeyRing
 from gyre_hpc.proxy.request import BadChat, bounded, chat_request, token_request
-from gyre_hpc.proxy.router import EngineSlot, NoEngine, Router
+from gyre_hpc.proxy.router import EngineSlot, NoEngine, RouteAsk, Router
 from gyre_hpc.proxy.run_shard import shard_of
 from gyre_hpc.proxy.tito_log import TitoLog
 from gyre_hpc.recipe.schema import ProxyConfig
 from gyre_hpc.rundir import RunDir
-from gyre_hpc.trajectory.records import CallMeta, TitoRecord
+from gyre_hpc.trajectory.records import CallMeta, TitoRecord, as_routes
 
 PROXY = web.AppKey("proxy", object)
+log = logging.getLogger(__name__)
 OVERHEAD_HEADER = "X-Gyre-Proxy-Ms"
 LARGE_BODY = 256 << 10
 """Requests larger than this are tokenised off the event loop, so they never stall other runs."""
@@ -73,16 +76,24 @@ class Proxy:
         limits: Mapping[str, int] | None = None,
         worker: int = 0,
         workers: int = 1,
+        routes: bool = True,
     ) -> None:
         """``capacity``: calls in flight an engine admits, unless ``limits`` says per engine URL
         (``proxy.admission_limit`` overrides both). As ``worker`` of ``workers`` (``proxy.worker``)
-        it serves only the runs of its shard (``run_shard``), into its own TITO segment."""
+        it serves only the runs of its shard (``run_shard``), into its own TITO segment.
+        ``routes``: record a mixture-of-experts model's routed experts (``trainer.routing_replay``
+        replays them); a dense model has none."""
         self.run_dir = Path(run_dir)
         self.config = config
         self.tokenizer = ChatTokenizer(model_dir)
         self.model_name = Path(model_dir).name
         model = ModelConfig.load(model_dir)  # the engines serve this model
         self.context, self.vocab_size = model.max_position_embeddings, model.vocab_size
+        self.experts = model.num_experts
+        self.route_shape = (
+            (model.num_hidden_layers, model.num_experts_per_tok) if routes and model.num_experts else None
+        )
+        """[layers, top-k] of the routes each call records; None: none recorded."""
         self.max_chars = self.context * self.tokenizer.max_token_chars
         """The most text a prompt that fits the context can hold: any more is refused unread."""
         files = RunDir(self.run_dir)
@@ -178,7 +189,10 @@ class Proxy:
     ) -> tuple[TitoRecord, int, int, float]:
         """Serve one model call and make it durable: (record, index, cached tokens, seconds in engines)."""
         started = time.perf_counter()
-        done = await self.router.complete(run_id, input_ids, params)
+        ask = None
+        if self.route_shape is not None:  # only positions the run's tree has no route for yet
+            ask = RouteAsk(self.tito.tree(run_id).routes_from(np.asarray(input_ids)), *self.route_shape)
+        done = await self.router.complete(run_id, input_ids, params, ask)
         self.faults.reach("proxy")
         engine_s = time.perf_counter() - started
         version = done.weight_version
@@ -194,7 +208,23 @@ class Proxy:
             segments=tuple(done.segments) if len(done.segments) > 1 else (),
             cached_tokens=done.cached_tokens,
         )
-        record = TitoRecord(run_id, call_id, role, input_ids, done.output_ids, done.logprobs, meta)
+        routes = None
+        if done.routes is not None:
+            try:
+                routes = as_routes(done.routes, self.experts)
+            except ValueError as err:  # the engine's fault: the call is kept, its routes are not
+                log.warning("run %s %s: %s; recorded without them", run_id, call_id, err)
+        record = TitoRecord(
+            run_id,
+            call_id,
+            role,
+            input_ids,
+            done.output_ids,
+            done.logprobs,
+            meta,
+            routes,
+            0 if ask is None else ask.start,
+        )
         index = await self.tito.append(record)
         return record, index, done.cached_tokens, engine_s
 

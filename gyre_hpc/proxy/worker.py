@@ -96,9 +96,19 @@ def admin_routes(app: web.Application, proxy: Proxy, token: str) -> None:
 
 async def serve(run_dir: RunDir, index: int) -> int:
     spec = WorkerSpec.read(run_dir.proxy_spec)
-    config = run_dir.read_recipe().proxy
-    config = dataclasses.replace(config, admission_limit=0)  # the spec's limits are this worker's share
-    proxy = Proxy(run_dir.path, spec.model_dir, spec.engines, config, 1, spec.limits, index, spec.workers)
+    recipe = run_dir.read_recipe()
+    config = dataclasses.replace(recipe.proxy, admission_limit=0)  # the spec's limits are this worker's share
+    proxy = Proxy(
+        run_dir.path,
+        spec.model_dir,
+        spec.engines,
+        config,
+        1,
+        spec.limits,
+        index,
+        spec.workers,
+        routes=recipe.trainer.routing_replay,
+    )
     proxy.faults = FaultPoints.of(tuple(spec.faults), index, run_dir.fault_markers)
     app = proxy.app()
     admin_routes(app, proxy, spec.token)

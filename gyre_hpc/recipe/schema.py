@@ -290,6 +290,12 @@ class TrainerConfig:
         min=0.0,
         max=1.0,
     )
+    routing_replay: bool = knob(
+        True,
+        "Routed-expert models: the proxy records the experts the engines routed every token to, and "
+        "training sends each token through them (rollout routing replay), so sampling and training "
+        "route alike; false lets the trainer's router choose. No effect on a dense model.",
+    )
     recompute: Literal["none", "full"] = knob(
         "none",
         "megatron: activation recomputation; full keeps only each layer's input for backward and "

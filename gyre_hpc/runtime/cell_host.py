@@ -29,6 +29,7 @@ from gyre_hpc.engines.sglang import Span
 from gyre_hpc.engines.staging import Tensors
 from gyre_hpc.faults.points import FaultPoints
 from gyre_hpc.launch.ports import free_port
+from gyre_hpc.models.architecture import ModelConfig
 from gyre_hpc.observability.events import EngineRestart
 from gyre_hpc.plan.placement import EnginePart, EnginePlan, engine_plan, replica_capacity
 from gyre_hpc.plan.ranks import CONTROLLER
@@ -183,6 +184,7 @@ class CellHost:
             self.span,
             env.hostname if self.span is not None else "127.0.0.1",
             peers,
+            routes=self.trainer_cfg.routing_replay and bool(ModelConfig.load(s.model_dir).num_experts),
         )
         port = self.engine.start()
         if self.span is not None and not self.span.head:

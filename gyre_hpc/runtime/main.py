@@ -244,6 +244,7 @@ def controller(
             executors=recipe.executors,
             emit=events.emit,
             faults=world.env.faults,
+            routes=recipe.trainer.routing_replay,
         )
         fleet.liveness.append(serving.check)  # a dead proxy worker fails the controller's wait
         return serving

@@ -73,6 +73,7 @@ class Serving:
         executors: ExecutorsConfig | None = None,
         emit: Callable[[ev.Event], None] = lambda event: None,
         faults: tuple[str, ...] = (),
+        routes: bool = True,
     ) -> None:
         self.run_dir, self.model_dir = run_dir, model_dir
         self.engine_urls, self.limits = list(engines), engines
@@ -82,6 +83,8 @@ class Serving:
         self.sandbox = sandbox
         self.executors, self.emit = executors or ExecutorsConfig(), emit
         self.faults = faults
+        self.routes = routes
+        """Record a mixture-of-experts model's routed experts (``trainer.routing_replay``)."""
         """The fault points a test armed, for the proxy workers (``faults.points``)."""
         self.proxy: Proxy | None = None
         self.workers: ProxyWorkers | None = None
@@ -125,6 +128,7 @@ class Serving:
                 self.proxy_cfg,
                 self.capacity,
                 self.limits,
+                routes=self.routes,
             )
             # In-flight calls get a few seconds at shutdown, never longer: a run that ends (or
             # fails) does not wait on executions it will not train.

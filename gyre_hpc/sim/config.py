@@ -56,6 +56,9 @@ class SimConfig:
     """In-flight: the share of the next step's prompts each step dispatches with its own."""
     checkpoint_every: int = 0
     """Steps that write a checkpoint train their whole tail (as ``trainer.checkpoint_every``)."""
+    shape: tuple[str, ...] = ()
+    """The model and layout it stands for, as recipe settings (over ``recipes/qwen3-8b-8cells.toml``):
+    the memory plan of that recipe holds a cell's ``capacity`` contexts (``tests/test_sim.py``)."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -76,6 +79,20 @@ class SimConfig:
     def with_(self, **changes: Any) -> SimConfig:
         return replace(self, **changes)
 
+
+PAPER_2_4T = (
+    "run.model=qwen3-moe-2.4t",
+    "cells.ranks_per_cell=1024",
+    "slurm.nodes_per_cell=128",
+    "trainer.tp_size=8",
+    "trainer.pp_size=8",
+    "trainer.ep_size=128",
+    "engine.tp_size=64",
+    "engine.mem_fraction_static=0.7",
+)
+"""The paper's 2.4T model (``catalog.KNOWN["qwen3-moe-2.4t"]``) on H200 nodes: a cell of 128 nodes,
+tp 8 × pp 8, its experts over the 128 ranks of a stage (4 of each layer's 512 a rank), engine
+replicas of eight nodes each; the memory plan's golden layout and the simulator's."""
 
 CONFIGS: dict[str, SimConfig] = {
     # The smoke recipe's shape on this machine: 2 cells of 8, 8 prompts × 4, ~2 s executions.
@@ -99,8 +116,10 @@ CONFIGS: dict[str, SimConfig] = {
     # fills the cluster (32 prompts × 4), a 1.5 h timeout with durations log-normal around 0.5×
     # the timeout (σ 0.5, ~8 % cut), one execution's tokens cost 160 cell-seconds to train in
     # 20 s micro-steps, 30 s to publish a version. The paper gives no async split: every split
-    # is simulated and the best one is the baseline.
+    # is simulated and the best one is the baseline. A cell is ``PAPER_2_4T``'s: 1024 GPUs whose
+    # 16 engine replicas hold 64 full contexts; 16 executions a cell leave room for the long tail.
     "paper-2.4t": SimConfig(
+        shape=PAPER_2_4T,
         cells=8,
         capacity=16,
         prompts=32,

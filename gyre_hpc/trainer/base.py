@@ -111,20 +111,20 @@ class SlicedTrainer(Trainer, Protocol):
 
 def policy_micro_step(
     sequences: list[TrainSequence],
-    logits_of: Callable[[torch.Tensor], torch.Tensor],
+    logits_of: Callable[[torch.Tensor, TrainSequence], torch.Tensor],
     clip_low: float,
     clip_high: float,
     version: int | None = None,
     device: torch.device | None = None,
 ) -> MicroStats:
     """Forward/backward every sequence with the weighted policy loss, whatever the model:
-    ``logits_of(ids [1, T])`` gives the logits of each position [T, V]. Gradients accumulate
+    ``logits_of(ids [1, T], sequence)`` gives the logits of each position [T, V]. Gradients accumulate
     where autograd puts them; the backend moves them to its flat buffer. ``version`` is the one
     the model holds: tokens it sampled are the ones the log-prob mismatch is measured on."""
     loss_sum, stats = 0.0, TokenStats()
     for s in sequences:
         ids = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))[None].to(device)
-        logp, entropy = logprobs_and_entropy(logits_of(ids), ids[0])
+        logp, entropy = logprobs_and_entropy(logits_of(ids, s), ids[0])
         loss, out = sequence_loss(s, logp, clip_low, clip_high, version, entropy)
         loss.backward()
         loss_sum += float(loss.detach())

@@ -177,6 +177,7 @@ def experts(
         "expert_model_parallel_size": layout.ep,
         "expert_tensor_parallel_size": 1,
         "sequence_parallel": layout.tp > 1,
+        "moe_enable_routing_replay": True,  # its hook only: ``replay_hooks`` decides what it replays
     }
 
 
@@ -253,6 +254,44 @@ class RMSNorm:
         return norm
 
 
+class RouteReplay:
+    """One router's replay, in megatron's own hook for it (``TopKRouter.router_replay``, which
+    ``moe_enable_routing_replay`` creates): its top-k, then the given experts wherever one is
+    given (-1: none), their scores gathered from the router's, so the router still learns.
+    megatron's own ``RouterReplay`` keeps every instance in a class-wide list and replays every
+    token; this one is per router and leaves a position without a route to the router."""
+
+    def __init__(self) -> None:
+        self.given: torch.Tensor | None = None
+        """[tokens, top-k] of the forward under way (set by the trainer per unit)."""
+
+    def get_replay_topk(
+        self, scores: torch.Tensor, topk: int, num_groups: Any = None, group_topk: Any = None,
+        default_compute_topk: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        assert default_compute_topk is not None
+        probs, chosen = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        if self.given is None:
+            return probs, chosen
+        if self.given.shape != chosen.shape:
+            raise ValueError(f"replayed routes {tuple(self.given.shape)} for {tuple(chosen.shape)} routed")
+        chosen = torch.where(self.given >= 0, self.given, chosen)
+        return scores.gather(1, chosen), chosen
+
+
+def replay_hooks(model: torch.nn.Module) -> dict[int, RouteReplay]:
+    """A ``RouteReplay`` in each routed layer's router of this stage, by global layer index."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    hooks = {}
+    for layer in model.decoder.layers:  # type: ignore[union-attr]
+        router = getattr(layer.mlp, "router", None)
+        if router is not None:
+            router.router_replay = hooks[layer.layer_number - 1] = RouteReplay()
+    RouterReplay.clear_global_router_replay_instances()  # megatron's, replaced: not kept alive
+    return hooks
+
+
 def rope_scaling(c: ModelConfig) -> dict[str, Any]:
     """megatron's arguments for ``c``'s scaled rotary frequencies: Llama 3's (megatron applies
     them with Llama 3.1's constants, checked here); any other scaling is refused in one line."""
@@ -326,6 +365,9 @@ class _Unit:
     loss: Callable[[torch.Tensor], tuple[torch.Tensor, TokenStats]]
     tokens: int
     """The tokens it trains on: its length less the padding a tree is given on CUDA."""
+    routes: torch.Tensor | None = None
+    """[length, layers, top-k]: the experts to route each position to (-1: the router's own
+    choice), under ``trainer.routing_replay``; None routes freely."""
 
     @property
     def length(self) -> int:
@@ -451,6 +493,8 @@ class MegatronTrainer:
         """Pad each tree to a bucket's length (``tree_attention.padded_length``), so the compiled
         block mask and attention see a bounded number of lengths."""
         self.rotary = self.model.rotary_pos_emb = PositionedRotary(self.model.rotary_pos_emb)
+        self.replays = replay_hooks(self.model) if config.routing_replay else {}
+        """Global layer index → the replay its router consults (routed-expert models only)."""
         self.model.train()
         self.params = dict(self.model.named_parameters())
         # bfloat16 parameters compute; the core steps fp32 master copies and casts them back.
@@ -684,11 +728,20 @@ class MegatronTrainer:
         self.pending = True
         return stats
 
+    def _replayed(self, routes: np.ndarray | None, length: int) -> torch.Tensor | None:
+        """``routes`` [n ≤ length, layers, k] padded with free rows to ``length``; None when not
+        replaying."""
+        if not self.replays or routes is None:
+            return None
+        given = torch.from_numpy(np.asarray(routes, dtype=np.int64))
+        return F.pad(given, (0, 0, 0, 0, 0, length - len(given)), value=-1).to(self.device)
+
     def _path_unit(self, s: TrainSequence) -> _Unit:
         ids = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))[None].to(self.device)
         n = ids.shape[1]
         length = self._multiple(n)  # padding after the path: no real position sees it
         ids = F.pad(ids, (0, length - n))
+        routes = self._replayed(s.routes, length)
         hidden, positions = self._causal(length), torch.arange(length, device=self.device)[None]
         c = self.config
 
@@ -698,7 +751,7 @@ class MegatronTrainer:
             entropy = None if entropy is None else F.pad(entropy, (1, 0))
             return sequence_loss(s, F.pad(logp, (1, 0)), c.clip_low, c.clip_high, self.version, entropy)
 
-        return _Unit(ids, positions, hidden, loss, n)
+        return _Unit(ids, positions, hidden, loss, n, routes)
 
     def _tree_unit(self, tree: PackedTree) -> _Unit:
         ids, positions = tree_inputs(tree, self.device)
@@ -721,7 +774,7 @@ class MegatronTrainer:
             entropy = None if entropy is None else torch.where(has_parent, entropy, 0.0)
             return packed_loss(tree, logp, c.clip_low, c.clip_high, self.version, entropy)
 
-        return _Unit(ids, positions, hidden, loss, len(tree))
+        return _Unit(ids, positions, hidden, loss, len(tree), self._replayed(tree.routes, length))
 
     def _as_many(self, units: list[_Unit]) -> list[_Unit]:
         """``units`` and, after them, idle ones, so that every replica forwards as many: each
@@ -762,8 +815,17 @@ class MegatronTrainer:
             self.rotary.positions = None
 
     def _attend(self, unit: _Unit) -> bool:
-        """Hand ``unit``'s block mask to the attention, for its forward and for the layers
-        recomputed in its backward; False (nothing handed) for a dense mask."""
+        """Hand ``unit``'s block mask to the attention, and its routes to the routers, for its
+        forward and for the layers recomputed in its backward; False (nothing handed) for a dense
+        mask."""
+        if self.replays:
+            # each rank's routers see its share of the positions under sequence parallelism
+            routes = unit.routes
+            if routes is not None and self.sequence_parallel:
+                share = unit.length // self.layout.tp
+                routes = routes[self.tp_rank * share : (self.tp_rank + 1) * share]
+            for layer, replay in self.replays.items():
+                replay.given = None if routes is None else routes[:, layer]
         blocks = is_block_mask(unit.hidden)
         self.model.tree_mask.mask = unit.hidden if blocks else None
         return blocks

@@ -9,6 +9,7 @@ core without a copy. On a GPU the host buffers are mirrors, written when asked (
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch
 from gyre_hpc.loss.diagnostics import entropy_from_logprobs
 from gyre_hpc.models.causal_lm import KV, CausalLM
 from gyre_hpc.models.flat import FlatLayout
+from gyre_hpc.models.routing import routed
 from gyre_hpc.recipe.schema import TrainerConfig
 from gyre_hpc.rundir import checkpoint_optimizer
 from gyre_hpc.step.claims import MicroStats, micro_stats
@@ -65,6 +67,7 @@ class TorchTrainer:
         layout.bind(self.model, self.flat, self.grad)
         self.grad.zero_()
         self.version = 0
+        self.replay = config.routing_replay and bool(self.model.config.num_experts)
         self.offload = Offload()
         params = list(self.model.parameters())  # tied ones once
         self.optimizer = (
@@ -100,8 +103,20 @@ class TorchTrainer:
         c = self.config
         if self.packing == "tree":
             return self._tree_micro_step(sequences)
-        logits = lambda ids: self.model(ids)[0][0]  # noqa: E731
+
+        def logits(ids: torch.Tensor, s: TrainSequence) -> torch.Tensor:
+            with self._replaying(s.routes):
+                return self.model(ids)[0][0]
+
         return policy_micro_step(sequences, logits, c.clip_low, c.clip_high, self.version, self.device)
+
+    def _replaying(self, routes: np.ndarray | None):  # noqa: ANN202 - a context manager
+        """Send each token through the experts the engine routed it to (``trainer.routing_replay``):
+        ``routes`` [tokens, layers, top-k] of the forward inside, -1 where none is known."""
+        if routes is None or not self.replay:
+            return contextlib.nullcontext()
+        given = torch.from_numpy(np.asarray(routes, dtype=np.int64)).to(self.device)
+        return routed(self.model, given, self.model.config.renormalizes_topk)
 
     def _tree_micro_step(self, sequences: list[TrainSequence]) -> MicroStats:
         c = self.config
@@ -131,7 +146,8 @@ class TorchTrainer:
                 whole = [(torch.cat([c[i][0] for c in layers], 2), torch.cat([c[i][1] for c in layers], 2))
                          for i in range(len(layers[0]))]  # fmt: skip
                 past = [(k.index_select(2, seen), v.index_select(2, seen)) for k, v in whole]
-            logits, kv = self.model(ids[:, start:end], positions[:, start:end], past=past)
+            with self._replaying(None if tree.routes is None else tree.routes[start:end]):
+                logits, kv = self.model(ids[:, start:end], positions[:, start:end], past=past)
             layers.append(kv)
             out.append(logits[0])
         return torch.cat(out)

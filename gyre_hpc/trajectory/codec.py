@@ -3,6 +3,7 @@
 ```
  frame   = b"GT" | u32 payload length | u32 crc32(payload) | payload
  payload = u32 header length | header (JSON) | new_ids int32[] | output_ids int32[] | logprobs float32[]
+           | routes uint8/uint16[positions, layers, top-k]   (a MoE call; header "rt")
 ```
 
 Inputs are stored as ``EncodedRecord`` (reference, shared length, new ids), so a run's file
@@ -26,9 +27,16 @@ from gyre_hpc.trajectory.records import CallMeta, EncodedRecord
 MAGIC = b"GT"
 _FRAME = struct.Struct("<2sII")
 _U32 = struct.Struct("<I")
+_ROUTES = {1: "<u1", 2: "<u2"}
 
 
 def encode_frame(enc: EncodedRecord) -> bytes:
+    routes = b""
+    extra = {}
+    if enc.routes is not None:
+        n, layers, k = enc.routes.shape
+        extra["rt"] = [enc.routes_from, n, layers, k, enc.routes.dtype.itemsize]
+        routes = np.ascontiguousarray(enc.routes, dtype=_ROUTES[enc.routes.dtype.itemsize]).tobytes()
     header = json.dumps(
         {
             "run": enc.run_id,
@@ -40,6 +48,7 @@ def encode_frame(enc: EncodedRecord) -> bytes:
             "new": len(enc.new_ids),
             "out": len(enc.output_ids),
             "meta": enc.meta.stored(),
+            **extra,
         },
         separators=(",", ":"),
     ).encode()
@@ -50,6 +59,7 @@ def encode_frame(enc: EncodedRecord) -> bytes:
             np.ascontiguousarray(enc.new_ids, dtype="<i4").tobytes(),
             np.ascontiguousarray(enc.output_ids, dtype="<i4").tobytes(),
             np.ascontiguousarray(enc.output_logprobs, dtype="<f4").tobytes(),
+            routes,
         ]
     )
     return _FRAME.pack(MAGIC, len(payload), zlib.crc32(payload)) + payload
@@ -63,6 +73,11 @@ def decode_payload(payload: bytes) -> EncodedRecord:
     at += 4 * h["new"]
     out = np.frombuffer(payload, dtype="<i4", count=h["out"], offset=at)
     lp = np.frombuffer(payload, dtype="<f4", count=h["out"], offset=at + 4 * h["out"])
+    routes, start = None, 0
+    if "rt" in h:
+        start, n, layers, k, size = h["rt"]
+        flat = np.frombuffer(payload, dtype=_ROUTES[size], count=n * layers * k, offset=at + 8 * h["out"])
+        routes = flat.reshape(n, layers, k).astype(_ROUTES[size][1:])
     return EncodedRecord(
         h["run"],
         h["i"],
@@ -74,6 +89,8 @@ def decode_payload(payload: bytes) -> EncodedRecord:
         out.astype(np.int32),
         lp.astype(np.float32),
         CallMeta(**h["meta"]),
+        routes,
+        start,
     )
 
 

@@ -57,6 +57,9 @@ class PackedTree:
     """Tokens the paths would forward one by one."""
     versions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     """[M] int64: the version that sampled each entry's token (-1: not known)."""
+    routes: np.ndarray | None = None
+    """[N, layers, top-k] int16: each packed token's routed experts (-1: none known; of two
+    sequences that lay the same token, the first's); None when no sequence has routes."""
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -164,8 +167,14 @@ def pack_tree(sequences: Sequence[TrainSequence]) -> PackedTree:
         trie.add(a)
     tokens, positions, parents, ends = trie.layout()
     targets, behaviour, advantages, weights, versions = [], [], [], [], []
+    shape = next((s.routes.shape[1:] for s in sequences if s.routes is not None), None)
+    routes = None if shape is None else np.full((len(tokens), *shape), -1, dtype=np.int16)
     for s, a in zip(sequences, arrays, strict=True):
         index = np.concatenate([seg.start + np.arange(len(seg.tokens)) for seg in trie.chain(a)] or [[]])
+        index = index.astype(np.int64)
+        if routes is not None and s.routes is not None:
+            free = (routes[index, 0, 0] < 0) & (s.routes[:, 0, 0] >= 0)
+            routes[index[free]] = s.routes[free]
         loss = np.flatnonzero(np.asarray(s.loss_mask) > 0)
         targets.append(index[loss].astype(np.int64))
         behaviour.append(np.asarray(s.behaviour_logprobs, dtype=np.float32)[loss])
@@ -185,6 +194,7 @@ def pack_tree(sequences: Sequence[TrainSequence]) -> PackedTree:
         len(sequences),
         sum(len(s) for s in sequences),
         cat(versions, np.int64),
+        routes,
     )
 
 

@@ -1,9 +1,11 @@
 """The contract between capture (the proxy's TITO log) and training: one record per model call.
 
 A ``TitoRecord`` holds exactly the token ids the model saw and produced, and the behaviour
-log-probs of the produced ones. An ``EncodedRecord`` is the same call as stored on disk: its
-input is not repeated but expressed against an earlier record of the same run, so a run that
-re-sends a growing context 800 times stores each token once.
+log-probs of the produced ones; of a mixture-of-experts model also the experts each position was
+routed to (``routes``), so training can send every token through the experts that sampled it.
+An ``EncodedRecord`` is the same call as stored on disk: its input is not repeated but expressed
+against an earlier record of the same run, so a run that re-sends a growing context 800 times
+stores each token once (and its routes once).
 """
 
 from __future__ import annotations
@@ -20,6 +22,20 @@ ROLE_PRIORITY = (MAIN, MAIN_SUMMARY, SUB_AGENT, SUB_AGENT_SUMMARY)
 def as_ids(values: Any) -> np.ndarray:
     """Token ids as a read-only int32 array."""
     arr = np.array(values, dtype=np.int32).reshape(-1)
+    arr.flags.writeable = False
+    return arr
+
+
+def as_routes(values: Any, experts: int) -> np.ndarray:
+    """Routed experts [positions, layers, top-k] as a read-only array of the narrowest type that
+    holds ``experts`` ids: one byte an id up to 256 experts, two beyond. An id outside
+    [0, experts) is refused (a trainer replaying it would fail)."""
+    wide = np.asarray(values, dtype=np.int64)
+    if wide.ndim != 3:
+        raise ValueError(f"routes must be [positions, layers, top-k], not {wide.shape}")
+    if wide.size and (wide.min() < 0 or wide.max() >= experts):
+        raise ValueError(f"routes hold expert ids outside [0, {experts})")
+    arr = wide.astype(np.uint8 if experts <= 256 else np.uint16)
     arr.flags.writeable = False
     return arr
 
@@ -84,6 +100,11 @@ class TitoRecord:
     output_ids: np.ndarray
     output_logprobs: np.ndarray
     meta: CallMeta = field(default_factory=CallMeta)
+    routes: np.ndarray | None = None
+    """[positions, layers, top-k]: the experts the engine routed positions ``routes_from`` on of
+    input + output to (the last output position is never forwarded, so has none); None for a
+    dense model, or when not asked for."""
+    routes_from: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_ids", as_ids(self.input_ids))
@@ -92,6 +113,7 @@ class TitoRecord:
         n_ids, n_lp = len(self.output_ids), len(self.output_logprobs)
         if n_ids != n_lp:
             raise ValueError(f"call {self.call_id}: {n_ids} output ids but {n_lp} log-probs")
+        _check_routes(self.call_id, self.routes, self.routes_from, len(self.input_ids) + n_ids)
 
     @property
     def policy_version(self) -> int:
@@ -129,7 +151,18 @@ class EncodedRecord:
     output_ids: np.ndarray
     output_logprobs: np.ndarray
     meta: CallMeta = field(default_factory=CallMeta)
+    routes: np.ndarray | None = None
+    """As ``TitoRecord.routes``: positions ``routes_from`` on of its sequence."""
+    routes_from: int = 0
+
+    def __post_init__(self) -> None:
+        _check_routes(self.call_id, self.routes, self.routes_from, self.input_len + len(self.output_ids))
 
     @property
     def input_len(self) -> int:
         return self.shared + len(self.new_ids)
+
+
+def _check_routes(call_id: str, routes: np.ndarray | None, start: int, length: int) -> None:
+    if routes is not None and not (routes.ndim == 3 and 0 <= start and start + len(routes) <= length):
+        raise ValueError(f"call {call_id}: routes {routes.shape} from {start} do not fit {length} positions")

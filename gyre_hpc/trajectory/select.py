@@ -35,6 +35,8 @@ class SelectedPath:
     """Behaviour log-probs where ``loss_mask`` is set (0 elsewhere)."""
     versions: np.ndarray
     """The policy version that generated each position where ``loss_mask`` is set (0 elsewhere)."""
+    routes: np.ndarray | None = None
+    """``TrajectoryTree.path_routes``: each position's routed experts (-1: none held)."""
 
     @property
     def num_loss_tokens(self) -> int:
@@ -66,7 +68,16 @@ def select_paths(
         logprobs = np.where(mask, np.concatenate([n.logprobs for n in nodes]), np.float32(0))
         versions = np.where(mask, np.concatenate([n.versions for n in nodes]), np.int32(0))
         chosen.append(
-            SelectedPath(tree.run_id, pick.role, pick, tree.path_tokens(pick), mask, logprobs, versions)
+            SelectedPath(
+                tree.run_id,
+                pick.role,
+                pick,
+                tree.path_tokens(pick),
+                mask,
+                logprobs,
+                versions,
+                tree.path_routes(pick),
+            )
         )
         masked.update(n.id for n in nodes)
     return chosen

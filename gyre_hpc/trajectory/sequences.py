@@ -39,6 +39,9 @@ class TrainSequence:
     """``1/T_run``: T_run = the run's selected trainable tokens over all its paths."""
     versions: np.ndarray | None = None
     """The policy version that generated each loss token (where ``loss_mask`` is set)."""
+    routes: np.ndarray | None = None
+    """[len, layers, top-k]: the experts the engine routed each position to (-1: none known),
+    which a trainer replaying routes sends it through; None for a dense model."""
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -71,7 +74,14 @@ def build_batch(paths_by_run: Mapping[str, Sequence[SelectedPath]], advantages: 
             if p.num_loss_tokens:
                 sequences.append(
                     TrainSequence(
-                        run_id, p.tokens, p.loss_mask, p.logprobs, advantages[run_id], 1.0 / total, p.versions
+                        run_id,
+                        p.tokens,
+                        p.loss_mask,
+                        p.logprobs,
+                        advantages[run_id],
+                        1.0 / total,
+                        p.versions,
+                        p.routes,
                     )
                 )
     return Batch(sequences, runs)

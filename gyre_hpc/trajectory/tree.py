@@ -13,6 +13,12 @@ it diverges; no common prefix makes a new child of the root. A position is *trai
 lies in the output of some record at exactly that position: the policy generated it in that
 context. Harness tokens (system, user, tool results) are context only.
 
+A mixture-of-experts run's nodes also keep the experts each position was routed to, once per
+position as its id is: the first call that reports a position's route sets it (a later call that
+re-prefilled the position at another version, or routed it otherwise, does not change it), and a
+position no call reported (the last of an output, until a later call forwards it) has none.
+``routes_from`` tells the proxy from which position a call's routes are still needed.
+
 Adding a record is also how it is encoded for disk (``EncodedRecord``): the tree finds the
 longest prefix the input shares with any earlier sequence of the run. To keep that linear in the
 new tokens rather than in the whole context, the most recent record of each role is tried
@@ -46,6 +52,9 @@ class _Node:
         "first_record",
         "ended",
         "n_trainable",
+        "routes",
+        "routed",
+        "n_routed",
     )
 
     def __init__(
@@ -70,6 +79,10 @@ class _Node:
         self.first_record = first_record
         self.ended: list[int] = []
         self.n_trainable = 0
+        self.routes: np.ndarray | None = None
+        """[len, layers, top-k] experts of each position (``routed`` says which hold one)."""
+        self.routed = np.zeros(len(tokens), dtype=bool)
+        self.n_routed = 0
 
     @property
     def depth_end(self) -> int:
@@ -155,6 +168,8 @@ class TrajectoryTree:
             record.output_ids,
             record.output_logprobs,
             record.meta,
+            record.routes,
+            record.routes_from,
         )
         self._insert(node, off, np.concatenate([new_ids, out]), shared, len(x), enc)
         self._recent[record.role] = self._recent["*"] = (x, out, enc.index)
@@ -219,6 +234,8 @@ class TrajectoryTree:
         lp = enc.output_logprobs
         versions = enc.meta.output_versions(len(lp))
         self._mark_trainable(node, input_end, base + len(tail), lp, input_end, versions)
+        if enc.routes is not None and len(enc.routes):
+            self._fill_routes(node, enc.routes_from, enc.routes)
         self._records.append(_RecordInfo(enc.call_id, enc.role, input_end, lp, enc.meta))
         self._end.append(node)
         self.encoded.append(enc)
@@ -244,6 +261,12 @@ class TrajectoryTree:
         upper.trainable, upper.logprobs = node.trainable[:off], node.logprobs[:off]
         upper.versions = node.versions[:off]
         upper.n_trainable = int(upper.trainable.sum())
+        upper.routed = node.routed[:off]
+        upper.n_routed = int(upper.routed.sum())
+        if node.routes is not None:
+            upper.routes, node.routes = node.routes[:off], node.routes[off:]
+        node.routed = node.routed[off:]
+        node.n_routed -= upper.n_routed
         assert node.parent is not None
         node.parent.children[int(node.tokens[0])] = upper
         node.tokens, node.trainable, node.logprobs, node.versions = (
@@ -278,6 +301,43 @@ class TrajectoryTree:
                     node.n_trainable += int(fresh.sum())
             node = node.parent
 
+    def _fill_routes(self, end: _Node, lo: int, routes: np.ndarray) -> None:
+        """Positions [lo, lo + len(routes)) on the path to ``end`` that have no route yet take
+        ``routes``'."""
+        hi = lo + len(routes)
+        node: _Node | None = end
+        while node is not None and node.depth_end > lo:
+            a, b = max(lo, node.depth_start), min(hi, node.depth_end)
+            if a < b and node.n_routed < len(node.tokens):
+                sl = slice(a - node.depth_start, b - node.depth_start)
+                fresh = ~node.routed[sl]
+                if fresh.any():
+                    if node.routes is None or node.routes.itemsize < routes.itemsize:
+                        old = node.routes
+                        node.routes = np.zeros((len(node.tokens), *routes.shape[1:]), routes.dtype)
+                        if old is not None:
+                            node.routes[:] = old
+                    node.routes[sl][fresh] = routes[a - lo : b - lo][fresh]
+                    node.routed[sl] |= True
+                    node.n_routed += int(fresh.sum())
+            node = node.parent
+
+    def routes_from(self, input_ids: np.ndarray) -> int:
+        """The first position of a call with ``input_ids`` whose route the tree does not hold:
+        the engine need return routes only from there (a growing context's are held already)."""
+        x = np.asarray(input_ids, dtype=np.int32)
+        node, off = self._best_recent_point(x)
+        node, off, shared = self._descend(node, off, x, node.depth_start + off)
+        first = shared
+        path: _Node | None = node
+        while path is not None and path.parent is not None:
+            if path.n_routed < min(len(path.tokens), shared - path.depth_start):
+                gap = np.flatnonzero(~path.routed[: shared - path.depth_start])
+                if len(gap):
+                    first = path.depth_start + int(gap[0])
+            path = path.parent
+        return first
+
     # ---- reading ----------------------------------------------------------------------------
 
     def leaves(self) -> list[Leaf]:
@@ -306,6 +366,29 @@ class TrajectoryTree:
 
     def path_versions(self, leaf: Leaf | int) -> np.ndarray:
         return _concat([n.versions for n in self.path_nodes(leaf)], np.int32)
+
+    def path_routes(self, leaf: Leaf | int) -> np.ndarray | None:
+        """[path, layers, top-k] int16: each position's routed experts, -1 where none is held;
+        None when the run holds no routes (a dense model)."""
+        nodes = self.path_nodes(leaf)
+        shape = next((n.routes.shape[1:] for n in nodes if n.routes is not None), None)
+        if shape is None:
+            return None
+        out = np.full((sum(len(n.tokens) for n in nodes), *shape), -1, dtype=np.int16)
+        at = 0
+        for n in nodes:
+            if n.routes is not None:
+                out[at : at + len(n.tokens)][n.routed] = n.routes[n.routed]
+            at += len(n.tokens)
+        return out
+
+    @property
+    def num_routed_positions(self) -> int:
+        return sum(n.n_routed for n in self.nodes)
+
+    def route_bytes(self) -> int:
+        """Host bytes the tree's routes take."""
+        return sum(n.routes.nbytes for n in self.nodes if n.routes is not None)
 
     def path_positions(self, leaf: Leaf | int) -> np.ndarray:
         """A unique id per tree position along the path (the same position has the same id on every path)."""

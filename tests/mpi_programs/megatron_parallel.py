@@ -51,8 +51,10 @@ def run(
         packing=packing,
     )
     before = trainer.weights().copy()
-    vocab = ModelConfig.load(model_dir).vocab_size
-    stats = trainer.micro_step(forked_sequences(vocab) if packing == "tree" else sequences(vocab, count))
+    config = ModelConfig.load(model_dir)
+    vocab = config.vocab_size
+    seqs = forked_sequences(vocab) if packing == "tree" else sequences(vocab, count, routed=config)
+    stats = trainer.micro_step(seqs)
     grad = trainer.hf_gradient().copy()
     norm = trainer.apply(3).grad_norm
     after = trainer.weights().copy()

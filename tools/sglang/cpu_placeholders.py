@@ -3,8 +3,14 @@
 Installed by ``tools/setup.sh --sglang`` into ``.venv-sglang`` only, and only where torch sees no
 GPU. SGLang imports both while it starts (multimodal configs; its CUDA kernels), but its CPU
 serving path with ``--attention-backend torch_native --sampling-backend pytorch`` calls
-neither, and neither has a CPU build that installs beside torch 2.13.0+cpu. Nothing of SGLang's
-serving path is replaced: any use beyond the import raises, naming this file.
+neither, and neither has a CPU build that installs beside torch 2.13.0+cpu. Any use of them
+beyond the import raises, naming this file.
+
+One defect of SGLang 0.5.23's CPU path is mended where it bites: with
+``--enable-return-routed-experts`` its host buffer of routed experts is pinned through
+``cudaHostRegister`` whatever the device, so a CPU server dies at start ("Torch not compiled
+with CUDA enabled"). On the CPU that buffer is plain host memory (``HostBuffers``); nothing
+else of SGLang's serving path is replaced.
 """
 
 from __future__ import annotations
@@ -63,5 +69,36 @@ class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
+HOST_POOLS = "sglang.srt.mem_cache.pool_host.common"
+
+
+def _plain_host_buffer(dims: tuple, dtype: Any, device: str, pin_memory: bool, allocator: Any,
+                       registration_granularity_bytes: int | None = None) -> Any:  # fmt: skip
+    """SGLang's host-buffer allocator for ``cpu``, without registering the memory with CUDA."""
+    return allocator.allocate(dims, dtype=dtype, device=device)
+
+
+class HostBuffers(importlib.abc.MetaPathFinder):
+    """Once SGLang's host-pool module is imported, its allocator for ``cpu`` allocates plain memory."""
+
+    def find_spec(
+        self, fullname: str, path: Any, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != HOST_POOLS:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        run = spec.loader.exec_module
+
+        def exec_module(module: types.ModuleType) -> None:
+            run(module)
+            module.ALLOC_MEMORY_FUNCS["cpu"] = _plain_host_buffer
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
 if not any(isinstance(f, Finder) for f in sys.meta_path):
     sys.meta_path.append(Finder())  # last: a real installation, where one exists, wins
+    sys.meta_path.insert(0, HostBuffers())

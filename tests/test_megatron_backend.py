@@ -189,13 +189,43 @@ def test_a_data_tensor_or_pipeline_parallel_trainer_matches_one_rank(
     assert resharded.version == 9 and np.array_equal(resharded.weights(), got["after"])
 
 
+SLICED = [(2, 2, 1, "float32"), (2, 1, 2, "float32"), (2, 1, 1, "float32"), (2, 2, 1, "bfloat16")]
+"""(ranks a cell, tp, pp, dtype) of ``test_two_cells_sum_their_gradients…``: one world runs them all."""
+
+
+@pytest.fixture(scope="module")
+def sliced(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, tuple[Path, Path]]:
+    """Each case of ``SLICED`` run by ``mpi_programs/sliced_gradients.py``, one after another in one
+    world of 1 + 2 cells (a rank's start-up is most of a case's time): case → (its results, its model)."""
+    base = tmp_path_factory.mktemp("sliced")
+    model_dir = init_tiny(base / "tiny")
+    runs = {case: (base / f"{n}" / "sliced.npz", model_dir) for n, case in enumerate(SLICED)}
+    todo = []
+    for (_, tp, pp, dtype), (out, _) in runs.items():
+        out.parent.mkdir()
+        todo.append({"model": str(model_dir), "out": str(out), "tp": tp, "pp": pp, "dtype": dtype})
+    (base / "cases.json").write_text(json.dumps(todo))
+    proc = subprocess.run(
+        ["mpirun", "--oversubscribe", "-n", str(1 + 2 * SLICED[0][0]), sys.executable,
+         str(HERE / "mpi_programs" / "sliced_gradients.py"), "--cases", str(base / "cases.json")],
+        capture_output=True, text=True, timeout=120 + 60 * len(todo),
+        # UCX's windows, as between nodes: a Get completes only when its epoch does (shared
+        # memory's complete at once, and would hide a read of a header before its flush).
+        env={**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+             "OMPI_MCA_osc": "ucx"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return runs
+
+
 @pytest.mark.mpi
-@pytest.mark.parametrize(
-    ("ranks", "tp", "pp", "dtype"),
-    [(2, 2, 1, "float32"), (2, 1, 2, "float32"), (2, 1, 1, "float32"), (2, 2, 1, "bfloat16")],
-)
+@pytest.mark.parametrize(("ranks", "tp", "pp", "dtype"), SLICED)
 def test_two_cells_sum_their_gradients_and_move_their_weights_slice_by_slice(
-    tmp_path: Path, ranks: int, tp: int, pp: int, dtype: str
+    sliced,  # noqa: ANN001
+    ranks: int,
+    tp: int,
+    pp: int,
+    dtype: str,
 ) -> None:
     """A core and a satellite of TP 2, PP 2 (tied embedding: a copy on each end) or DP 2: each
     rank pulls its counterpart's gradient slice, never the whole model; the norm from the
@@ -204,19 +234,7 @@ def test_two_cells_sum_their_gradients_and_move_their_weights_slice_by_slice(
     of fp32; the fp32 masters stay on the core)."""
     from gyre_hpc.trainer import megatron_backend
 
-    model_dir = init_tiny(tmp_path / "tiny")
-    out = tmp_path / "sliced.npz"
-    proc = subprocess.run(
-        ["mpirun", "--oversubscribe", "-n", str(1 + 2 * ranks), sys.executable,
-         str(HERE / "mpi_programs" / "sliced_gradients.py"), str(model_dir), str(out), str(tp), str(pp),
-         dtype],
-        capture_output=True, text=True, timeout=240,
-        # UCX's windows, as between nodes: a Get completes only when its epoch does (shared
-        # memory's complete at once, and would hide a read of a header before its flush).
-        env={**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-             "OMPI_MCA_osc": "ucx"},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out, model_dir = sliced[(ranks, tp, pp, dtype)]
     got, satellite = np.load(out), np.load(out.with_suffix(".satellite.npz"))
     # What each rank registered with the transport: its slice (weights on the core's ranks,
     # gradient on the satellite's), and no whole snapshot: a cell whose leader alone hosts its

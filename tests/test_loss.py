@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from gyre_hpc.loss.policy_loss import ppo_clip_loss, token_logprobs, weighted_policy_loss
+from gyre_hpc.loss.policy_loss import (
+    Surrogate,
+    policy_loss,
+    ppo_clip_loss,
+    token_logprobs,
+    weighted_policy_loss,
+)
 from gyre_hpc.trajectory import TitoRecord, TrajectoryTree, select_paths
 from gyre_hpc.trajectory.sequences import Batch, TrainSequence, build_batch, pack_micro_steps
 
@@ -27,7 +33,7 @@ def sequence_loss(model: torch.nn.Module, seq: TrainSequence) -> torch.Tensor:
     behaviour = torch.as_tensor(seq.behaviour_logprobs)
     adv = torch.full_like(logp, seq.advantage)
     return weighted_policy_loss(
-        logp, behaviour, adv, torch.full_like(logp, seq.token_weight), mask, 0.2, 0.28
+        logp, behaviour, adv, torch.full_like(logp, seq.token_weight), mask, Surrogate()
     )
 
 
@@ -88,7 +94,12 @@ def test_unsplit_loss_is_the_mean_over_runs_of_the_mean_over_tokens() -> None:
         tokens = torch.as_tensor(seq.tokens, dtype=torch.long)
         logp = token_logprobs(model(tokens), tokens)
         loss = ppo_clip_loss(
-            logp, torch.as_tensor(seq.behaviour_logprobs), torch.full_like(logp, seq.advantage), 0.2, 0.28
+            logp,
+            torch.as_tensor(seq.behaviour_logprobs),
+            torch.full_like(logp, seq.advantage),
+            0.2,
+            0.28,
+            3.0,
         )
         per_run.setdefault(seq.run_id, []).append(loss[torch.as_tensor(seq.loss_mask)])
     expected = np.mean([float(torch.cat(v).mean().detach()) for v in per_run.values()])
@@ -102,3 +113,46 @@ def test_ppo_clip() -> None:
     adv = torch.ones(3)
     assert ppo_clip_loss(logp, behaviour, adv, 0.2, 0.28).tolist() == pytest.approx([-0.5, -1.0, -1.28])
     assert ppo_clip_loss(logp, behaviour, -adv, 0.2, 0.28).tolist() == pytest.approx([0.8, 1.0, 2.0])
+
+
+def test_dual_clip_bounds_a_negative_advantage_s_loss() -> None:
+    """PPO's clip leaves −r·A unbounded when A < 0 and r ≫ 1; the dual clip caps it at c·|A|
+    (and leaves positive advantages alone)."""
+    behaviour = torch.zeros(4)
+    logp = torch.log(torch.tensor([0.5, 1.0, 2.0, 5.0]))
+    neg, pos = -torch.ones(4), torch.ones(4)
+    assert ppo_clip_loss(logp, behaviour, neg, 0.2, 0.28).tolist() == pytest.approx([0.8, 1.0, 2.0, 5.0])
+    assert ppo_clip_loss(logp, behaviour, neg, 0.2, 0.28, 3.0).tolist() == pytest.approx([0.8, 1.0, 2.0, 3.0])
+    assert ppo_clip_loss(logp, behaviour, 2 * neg, 0.2, 0.28, 3.0)[3] == pytest.approx(6.0)  # c·|A|
+    assert ppo_clip_loss(logp, behaviour, pos, 0.2, 0.28, 3.0).tolist() == pytest.approx(
+        [-0.5, -1.0, -1.28, -1.28]
+    )
+
+
+def test_tis_trains_same_version_tokens_on_policy_weighted_by_the_truncated_ratio() -> None:
+    """A token sampled at the version trained: loss −min(π/μ, C)·A, its gradient −min(π/μ, C)·A
+    with respect to log π (the clip cannot bind: its ratio to the weights trained is 1); a stale
+    token keeps the clip against μ."""
+    behaviour = torch.zeros(4)
+    logp = torch.log(torch.tensor([0.5, 3.0, 0.5, 3.0])).requires_grad_()
+    adv = torch.ones(4)
+    fresh = torch.tensor([True, True, False, False])
+    rule = Surrogate(mismatch_correction="tis", mismatch_cap=2.0)
+    loss = policy_loss(logp, behaviour, adv, rule, fresh)
+    assert loss.tolist() == pytest.approx([-0.5, -2.0, -0.5, -1.28])
+    loss.sum().backward()
+    # fresh: −w·A; stale: d(−r·A)/d log π = −r·A inside the clip, 0 once clipped (r = 3 > 1.28)
+    assert logp.grad.tolist() == pytest.approx([-0.5, -2.0, -0.5, 0.0])
+    # without the correction every token is under the clip, fresh or not
+    plain = policy_loss(logp.detach(), behaviour, adv, Surrogate(), fresh)
+    assert plain.tolist() == pytest.approx([-0.5, -1.28, -0.5, -1.28])
+
+
+def test_a_dual_clip_of_one_or_less_is_refused_in_one_line() -> None:
+    from conftest import REPO
+
+    from gyre_hpc.errors import RecipeError
+    from gyre_hpc.recipe import load_recipe
+
+    with pytest.raises(RecipeError, match=r"trainer.dual_clip = 0.5 must be 0 \(off\) or above 1"):
+        load_recipe(REPO / "recipes" / "smoke.toml", ["trainer.dual_clip=0.5"])

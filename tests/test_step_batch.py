@@ -66,6 +66,12 @@ def test_step_batch_advantages_drops_and_packing() -> None:
     assert [len(mb) for mb in batch.queue] == [2]  # 15 + 15 tokens fit one 30-token micro-step
     assert batch.stats["dropped"] == 1 and batch.stats["pass_rate"] == 1 / 5
     assert all(s.token_weight == 1 / 5 for mb in batch.queue for s in mb)
+    assert batch.stats["placeholders"] == 1
+    # A placeholder is the infrastructure's failure, not the policy's: excluded, it leaves the
+    # group's statistics (a0, a1 alone), and is still counted in the step.
+    excluded = step_batch(outcomes, trees, TrajectoryConfig(placeholders="exclude"), 30, seed=0, step=1)
+    adv = {s.run_id: s.advantage for mb in excluded.queue for s in mb}
+    assert adv == {"a0": 0.5, "a1": -0.5} and excluded.stats["placeholders"] == 1
 
 
 def test_tree_packing_fills_micro_steps_by_unique_tokens() -> None:

@@ -284,6 +284,9 @@ class Step(Event):
     reward_mean: float = 0.0
     pass_rate: float = 0.0
     dropped: int = 0
+    placeholders: int = 0
+    """Executions scored as placeholders (nothing of theirs to score: the infrastructure failed,
+    not the policy); ``trajectory.placeholders`` says whether their groups counted them."""
     trained_runs: int = 0
     sequences: int = 0
     micro_steps: int = 0

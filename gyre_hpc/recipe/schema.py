@@ -257,6 +257,25 @@ class TrainerConfig:
     grad_clip: float = knob(1.0, "Global gradient-norm clip; 0 disables.", min=0.0, max=1e6)
     clip_low: float = knob(0.2, "PPO ratio clip below 1.", min=0.0, max=1.0)
     clip_high: float = knob(0.28, "PPO ratio clip above 1.", min=0.0, max=100.0)
+    dual_clip: float = knob(
+        3.0,
+        "Dual clip: a token of negative advantage loses at most dual_clip × |advantage| however far "
+        "its ratio to the behaviour policy runs (PPO's clip leaves r·A unbounded there); 0 off, "
+        "else above 1.",
+        min=0.0,
+        max=100.0,
+    )
+    mismatch_correction: Literal["none", "tis"] = knob(
+        "none",
+        "Tokens sampled at the version being trained (their gap to the behaviour log-prob is the "
+        "engine's numerics, not staleness): none treats them as any other (PPO clip against the "
+        "behaviour log-prob); tis trains them on-policy (the ratio to the weights being trained) "
+        "weighted by the truncated importance ratio min(π/μ, mismatch_cap). Stale tokens keep the "
+        "clip either way.",
+    )
+    mismatch_cap: float = knob(
+        2.0, "tis: the largest importance weight π/μ a token gets (truncated above).", min=1.0, max=100.0
+    )
     micro_step_tokens: int = knob(8192, "Tokens packed into one micro-step.", min=16, max=1 << 26)
     tp_size: int = knob(
         1,
@@ -466,6 +485,12 @@ class TrajectoryConfig:
     jmax: int = knob(8, "Paths selected per run at most.", min=1, max=100_000)
     priority: list[str] = knob(list(ROLE_PRIORITY), "Role classes in selection priority order.")
     std_normalize: bool = knob(False, "Divide group-relative advantages by the group's std.")
+    placeholders: Literal["zero", "exclude"] = knob(
+        "zero",
+        "A run that left nothing to score (it never reached the model, its workspace vanished: the "
+        "infrastructure failed, not the policy): zero counts it in its group's advantages with "
+        "reward 0, as the paper does; exclude leaves it out of the group's statistics.",
+    )
     packing: Literal["tree", "paths"] = knob(
         "tree",
         "tree: a micro-step's paths forwarded as one packed tree, each shared prefix once; "
@@ -643,6 +668,8 @@ class Recipe:
                 f"cells.ranks_per_cell = {cells.ranks_per_cell} must be a multiple of "
                 f"trainer.tp_size * trainer.pp_size = {trainer.tp_size * trainer.pp_size}"
             )
+        if 0 < trainer.dual_clip <= 1:
+            raise RecipeError(f"trainer.dual_clip = {trainer.dual_clip} must be 0 (off) or above 1")
         stage_ranks = cells.ranks_per_cell // (trainer.tp_size * trainer.pp_size) * trainer.tp_size
         if stage_ranks % trainer.ep_size:
             raise RecipeError(

@@ -6,7 +6,7 @@ the schedule or where the executions ran.
 
 ```
  finished executions + their TITO trees ─▶ per prompt group (group_sequences):
-     group advantages (dropped runs left out, placeholders count as reward 0)
+     group advantages (dropped runs left out, placeholders count as reward 0 or are left out)
      ─▶ Jmax path selection per trainable run ─▶ weighted sequences ─▶ micro-steps
      all groups at once (step_batch), or each group as it completes (StreamingBatch)
 ```
@@ -59,10 +59,14 @@ def group_sequences(
 ) -> tuple[list[TrainSequence], int]:
     """One prompt's finished runs → weighted sequences, and how many runs contribute tokens.
 
-    Dropped runs are left out of the group, placeholders count with reward 0 but train nothing;
-    a run whose advantage is 0 carries no gradient and is not trained.
+    Dropped runs are left out of the group, placeholders count with reward 0 (or, with
+    ``trajectory.placeholders = "exclude"``, not at all) but train nothing; a run whose advantage
+    is 0 carries no gradient and is not trained.
     """
-    counted = [o for o in group if o.score.counts_in_group]
+    exclude = trajectory.placeholders == "exclude"
+    counted = [
+        o for o in group if o.score.counts_in_group and not (exclude and o.score.kind == "placeholder")
+    ]
     adv = group_advantages([o.score.reward or 0.0 for o in counted], trajectory.std_normalize)
     advantages = {o.execution.run_id: a for o, a in zip(counted, adv, strict=True)}
     paths = {

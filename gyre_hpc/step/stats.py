@@ -30,6 +30,7 @@ def step_stats(
         "reward_mean": mean_reward(rewards),
         "pass_rate": pass_rate(rewards),
         "dropped": len(outcomes) - len(rewards),
+        "placeholders": sum(o.score.kind == "placeholder" for o in outcomes),
         "trained_runs": runs,
         "sequences": len(sequences),
         "micro_steps": len(queue),

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from gyre_hpc.loss.diagnostics import entropy_from_logprobs, token_stats
-from gyre_hpc.loss.policy_loss import weighted_policy_loss
+from gyre_hpc.loss.policy_loss import Surrogate, weighted_policy_loss
 from gyre_hpc.loss.token_stats import TokenStats
 from gyre_hpc.step.claims import MicroStats, micro_stats
 from gyre_hpc.trajectory.packing import PackedTree
@@ -112,8 +112,7 @@ class SlicedTrainer(Trainer, Protocol):
 def policy_micro_step(
     sequences: list[TrainSequence],
     logits_of: Callable[[torch.Tensor, TrainSequence], torch.Tensor],
-    clip_low: float,
-    clip_high: float,
+    rule: Surrogate,
     version: int | None = None,
     device: torch.device | None = None,
 ) -> MicroStats:
@@ -125,7 +124,7 @@ def policy_micro_step(
     for s in sequences:
         ids = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))[None].to(device)
         logp, entropy = logprobs_and_entropy(logits_of(ids, s), ids[0])
-        loss, out = sequence_loss(s, logp, clip_low, clip_high, version, entropy)
+        loss, out = sequence_loss(s, logp, rule, version, entropy)
         loss.backward()
         loss_sum += float(loss.detach())
         stats += out
@@ -144,30 +143,30 @@ def logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[to
 def sequence_loss(
     s: TrainSequence,
     logp: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
+    rule: Surrogate,
     version: int | None = None,
     entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, TokenStats]:
-    """One sequence's weighted policy loss from its token log-probs [T], and its token stats
-    (the mismatch on tokens sampled at ``version``; entropy where given)."""
+    """One sequence's weighted policy loss under ``rule`` from its token log-probs [T], and its
+    token stats (the mismatch on tokens sampled at ``version``, the weights trained; entropy
+    where given)."""
     device = logp.device
     mask = torch.from_numpy(np.asarray(s.loss_mask, dtype=np.float32)).to(device)
     behaviour = torch.from_numpy(np.asarray(s.behaviour_logprobs, dtype=np.float32)).to(device)
     adv = torch.full_like(logp, s.advantage)
     weights = torch.full_like(logp, s.token_weight)
-    loss = weighted_policy_loss(logp, behaviour, adv, weights, mask, clip_low, clip_high)
     matched = None
     if version is not None and s.versions is not None:
         matched = torch.from_numpy(np.asarray(s.versions) == version).to(device)
-    return loss, token_stats(logp.detach(), behaviour, mask, clip_low, clip_high, matched, entropy)
+    loss = weighted_policy_loss(logp, behaviour, adv, weights, mask, rule, matched)
+    stats = token_stats(logp.detach(), behaviour, mask, rule.clip_low, rule.clip_high, matched, entropy)
+    return loss, stats
 
 
 def packed_loss(
     tree: PackedTree,
     logp: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
+    rule: Surrogate,
     version: int | None = None,
     entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, TokenStats]:
@@ -178,9 +177,9 @@ def packed_loss(
     adv = torch.from_numpy(tree.advantages).to(device)
     weights = torch.from_numpy(tree.weights).to(device)
     ones = torch.ones_like(logp)
-    loss = weighted_policy_loss(logp, behaviour, adv, weights, ones, clip_low, clip_high)
     matched = None if version is None else torch.from_numpy(tree.versions == version).to(device)
-    return loss, token_stats(logp.detach(), behaviour, ones, clip_low, clip_high, matched, entropy)
+    loss = weighted_policy_loss(logp, behaviour, adv, weights, ones, rule, matched)
+    return loss, token_stats(logp.detach(), behaviour, ones, rule.clip_low, rule.clip_high, matched, entropy)
 
 
 def entry_rows(tree: PackedTree, device: torch.device | None = None) -> tuple[torch.Tensor, ...]:

@@ -63,6 +63,7 @@ from safetensors import safe_open
 
 from gyre_hpc.launch.ports import free_port
 from gyre_hpc.loss.diagnostics import entropy_from_logprobs
+from gyre_hpc.loss.policy_loss import Surrogate
 from gyre_hpc.loss.token_stats import TokenStats
 from gyre_hpc.models.architecture import ModelConfig
 from gyre_hpc.models.flat import FlatLayout, whole
@@ -749,7 +750,7 @@ class MegatronTrainer:
             rows = torch.arange(n - 1, device=self.device)
             logp, entropy = self._logprobs(logits, rows, ids[0, 1:n])
             entropy = None if entropy is None else F.pad(entropy, (1, 0))
-            return sequence_loss(s, F.pad(logp, (1, 0)), c.clip_low, c.clip_high, self.version, entropy)
+            return sequence_loss(s, F.pad(logp, (1, 0)), Surrogate.of(c), self.version, entropy)
 
         return _Unit(ids, positions, hidden, loss, n, routes)
 
@@ -772,7 +773,7 @@ class MegatronTrainer:
             logp, entropy = self._logprobs(logits, rows, tokens)
             logp = torch.where(has_parent, logp, 0.0)
             entropy = None if entropy is None else torch.where(has_parent, entropy, 0.0)
-            return packed_loss(tree, logp, c.clip_low, c.clip_high, self.version, entropy)
+            return packed_loss(tree, logp, Surrogate.of(c), self.version, entropy)
 
         return _Unit(ids, positions, hidden, loss, len(tree), self._replayed(tree.routes, length))
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from gyre_hpc.loss.diagnostics import entropy_from_logprobs
+from gyre_hpc.loss.policy_loss import Surrogate
 from gyre_hpc.models.causal_lm import KV, CausalLM
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.routing import routed
@@ -108,7 +109,7 @@ class TorchTrainer:
             with self._replaying(s.routes):
                 return self.model(ids)[0][0]
 
-        return policy_micro_step(sequences, logits, c.clip_low, c.clip_high, self.version, self.device)
+        return policy_micro_step(sequences, logits, Surrogate.of(c), self.version, self.device)
 
     def _replaying(self, routes: np.ndarray | None):  # noqa: ANN202 - a context manager
         """Send each token through the experts the engine routed it to (``trainer.routing_replay``):
@@ -128,7 +129,7 @@ class TorchTrainer:
         all_logp = torch.log_softmax(logits[rows].float(), -1)
         logp = torch.where(has_parent, all_logp.gather(-1, targets[:, None])[:, 0], 0.0)
         entropy = torch.where(has_parent, entropy_from_logprobs(all_logp.detach()), 0.0)
-        loss, stats = packed_loss(tree, logp, c.clip_low, c.clip_high, self.version, entropy)
+        loss, stats = packed_loss(tree, logp, Surrogate.of(c), self.version, entropy)
         loss.backward()
         return micro_stats(sequences, float(loss.detach()), stats, len(tree))
 

@@ -15,6 +15,7 @@ to write; W&B is imported only when asked for (``pip install gyre-hpc[wandb]``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any, Protocol
@@ -148,6 +149,8 @@ class Trackers:
                 why = describe(err, getattr(w, "directory", Path.cwd()))
                 log.warning("tracker %s failed, dropped: %s", type(w).__name__, why)
                 self.writers.remove(w)
+                with contextlib.suppress(Exception):  # its own threads stop now, not later
+                    w.close()
 
     def close(self) -> None:
         for w in self.writers:

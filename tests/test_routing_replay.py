@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 from pathlib import Path
 
 import aiohttp
@@ -106,8 +107,6 @@ def test_tree_keeps_each_route_once_and_the_log_round_trips(tmp_path: Path) -> N
 
 
 def _without_routes(enc):  # noqa: ANN001, ANN202
-    import dataclasses
-
     return dataclasses.replace(enc, routes=None, routes_from=0)
 
 

@@ -178,7 +178,6 @@ def experts(
         "expert_model_parallel_size": layout.ep,
         "expert_tensor_parallel_size": 1,
         "sequence_parallel": layout.tp > 1,
-        "moe_enable_routing_replay": True,  # its hook only: ``replay_hooks`` decides what it replays
     }
 
 
@@ -257,10 +256,11 @@ class RMSNorm:
 
 class RouteReplay:
     """One router's replay, in megatron's own hook for it (``TopKRouter.router_replay``, which
-    ``moe_enable_routing_replay`` creates): its top-k, then the given experts wherever one is
-    given (-1: none), their scores gathered from the router's, so the router still learns.
-    megatron's own ``RouterReplay`` keeps every instance in a class-wide list and replays every
-    token; this one is per router and leaves a position without a route to the router."""
+    its routing consults whenever set): its top-k, then the given experts wherever one is given
+    (-1: none), their scores gathered from the router's, so the router still learns. megatron's
+    own ``RouterReplay`` (``moe_enable_routing_replay``) keeps every instance in a class-wide list
+    and replays every token; this one is per router and leaves a position without a route to the
+    router."""
 
     def __init__(self) -> None:
         self.given: torch.Tensor | None = None
@@ -282,14 +282,11 @@ class RouteReplay:
 
 def replay_hooks(model: torch.nn.Module) -> dict[int, RouteReplay]:
     """A ``RouteReplay`` in each routed layer's router of this stage, by global layer index."""
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
     hooks = {}
     for layer in model.decoder.layers:  # type: ignore[union-attr]
         router = getattr(layer.mlp, "router", None)
         if router is not None:
             router.router_replay = hooks[layer.layer_number - 1] = RouteReplay()
-    RouterReplay.clear_global_router_replay_instances()  # megatron's, replaced: not kept alive
     return hooks
 
 

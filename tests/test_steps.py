@@ -212,7 +212,7 @@ def test_the_step_reports_the_tokens_its_trainers_forwarded() -> None:
         started=0.0,
         sampled=1.0,
         stats={"executions": 2, "tokens": 60},
-        loss_runs=2,
+        loss_divisor=2,
         done=done,
         applied=applied,
         skipped=False,

@@ -4,6 +4,7 @@ and gradient, on the torch backend (chain by chain over cached keys and values) 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -185,6 +186,36 @@ def test_the_torch_tree_micro_step_gives_the_paths_loss_and_gradient(
 ) -> None:
     seqs = draw(spec, ModelConfig.load(tiny).vocab_size)
     assert_same_step(*torch_pair, seqs, unique_tokens(seqs))  # one forest, chain by chain
+
+
+RULES = {
+    "gspo, geometric mask": dict(policy_loss="gspo", mismatch_correction="geometric-mask", mismatch_low=0.9,
+                                 mismatch_cap=1.1),
+    "cispo, mis": dict(policy_loss="cispo", mismatch_correction="mis", mismatch_low=0.2, mismatch_cap=5.0),
+    "ppo, sequence tis": dict(mismatch_correction="sequence-tis"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_path_level_rules_give_the_same_step_on_a_tree(tiny: Path, rule: str) -> None:
+    """Sequence ratios, sequence weights and rejections read each entry's own path in a tree:
+    the packed step equals the paths' (the forest's paths are all sampled at the version trained,
+    their behaviour log-probs near the model's so that some tokens are kept and some rejected)."""
+    cfg = dataclasses.replace(CFG, **RULES[rule])
+    paths, tree = TorchTrainer(tiny, cfg, core=True), TorchTrainer(tiny, cfg, core=True, packing="tree")
+    rng = np.random.default_rng(5)
+    seqs = []
+    for s in forked_sequences(ModelConfig.load(tiny).vocab_size):
+        near = np.where(
+            s.loss_mask > 0, -np.log(ModelConfig.load(tiny).vocab_size) + rng.normal(0, 1, len(s)), 0
+        )
+        seqs.append(
+            dataclasses.replace(s, behaviour_logprobs=near.astype(np.float32), versions=np.zeros(len(s), int))
+        )
+    assert_same_step(paths, tree, seqs, unique_tokens(seqs))
+    stats = paths.micro_step(seqs).token_stats
+    if RULES[rule]["mismatch_correction"] != "sequence-tis":
+        assert 0 < stats.masked < stats.tokens
 
 
 # ---- gradients: megatron ------------------------------------------------------------------------

@@ -31,6 +31,9 @@ class TokenStats:
     mismatch_max: float = 0.0
     mismatch_over: int = 0
     """Of ``matched``, those above ``MISMATCH_AT``."""
+    masked: int = 0
+    """Loss tokens the mismatch correction rejected (``trainer.mismatch_correction`` mis,
+    geometric-mask)."""
 
     def __add__(self, other: TokenStats) -> TokenStats:
         return TokenStats(
@@ -63,4 +66,5 @@ class TokenStats:
             "mismatch_max": round(self.mismatch_max, 6) if self.matched else None,
             "mismatch_share": mean(self.mismatch_over, self.matched),
             "mismatch_tokens": self.matched,
+            "mask_fraction": mean(self.masked, self.tokens),
         }

@@ -340,7 +340,8 @@ class Step(Event):
     """Over the trained tokens (``loss.diagnostics``): ``clip_fraction``, ``approx_kl`` to the
     behaviour policy, ``entropy`` (null where the trainer's logits are sharded), and the
     trainer/rollout log-prob mismatch on tokens trained at the version that sampled them:
-    ``mismatch_mean``, ``mismatch_max``, ``mismatch_share`` (above 0.1), ``mismatch_tokens``."""
+    ``mismatch_mean``, ``mismatch_max``, ``mismatch_share`` (above 0.1), ``mismatch_tokens``,
+    ``mask_fraction`` (loss tokens the mismatch correction rejected)."""
     claims: dict[str, int] = field(default_factory=dict)
     """Micro-steps each training cell claimed."""
     train_seconds: float = 0.0

@@ -265,17 +265,35 @@ class TrainerConfig:
         min=0.0,
         max=100.0,
     )
-    mismatch_correction: Literal["none", "tis"] = knob(
+    policy_loss: str = knob(
+        "ppo",
+        "The objective: ppo (clipped ratio per token, dual clip), gspo (one clipped ratio per path: "
+        "exp of the mean log-ratio; use a narrow clip_low/clip_high, e.g. 3e-4/4e-4), cispo (the "
+        "clipped ratio weights log π, every token keeps its gradient), or module:function "
+        "(path/file.py:function) taking (logprobs, anchor, advantages, segments, rule) and "
+        "returning the per-token loss (see loss.policy_loss).",
+    )
+    mismatch_correction: Literal["none", "tis", "mis", "sequence-tis", "geometric-mask"] = knob(
         "none",
         "Tokens sampled at the version being trained (their gap to the behaviour log-prob is the "
-        "engine's numerics, not staleness): none treats them as any other (PPO clip against the "
-        "behaviour log-prob); tis trains them on-policy (the ratio to the weights being trained) "
-        "weighted by the truncated importance ratio min(π/μ, mismatch_cap). Stale tokens keep the "
-        "clip either way.",
+        "engine's numerics, not staleness): none treats them as any other (the objective against "
+        "the behaviour log-prob); the others train them against the weights being trained (ratio 1) "
+        "times an importance weight: tis min(π/μ, mismatch_cap); mis π/μ, the token rejected "
+        "outside [mismatch_low, mismatch_cap]; sequence-tis the path's min(Π π/μ, mismatch_cap); "
+        "geometric-mask 1, the path rejected when (Π π/μ)^(1/n) lies outside [mismatch_low, "
+        "mismatch_cap] (use a narrow band, e.g. 0.99–1.01). Stale tokens keep the objective "
+        "against μ either way; a rejected token leaves its path's denominator.",
     )
     mismatch_cap: float = knob(
-        2.0, "tis: the largest importance weight π/μ a token gets (truncated above).", min=1.0, max=100.0
+        2.0,
+        "The largest importance weight (tis, sequence-tis) or ratio kept (mis, geometric-mask).",
+        min=1.0,
+        max=100.0,
     )
+    mismatch_low: float = knob(
+        0.5, "mis, geometric-mask: the smallest ratio kept (below it the token or path is rejected).",
+        min=0.0, max=1.0,
+    )  # fmt: skip
     micro_step_tokens: int = knob(8192, "Tokens packed into one micro-step.", min=16, max=1 << 26)
     tp_size: int = knob(
         1,
@@ -484,7 +502,18 @@ class TrajectoryConfig:
 
     jmax: int = knob(8, "Paths selected per run at most.", min=1, max=100_000)
     priority: list[str] = knob(list(ROLE_PRIORITY), "Role classes in selection priority order.")
+    baseline: Literal["mean", "rloo"] = knob(
+        "mean",
+        "A run's advantage: its reward less its group's mean (mean), or less the mean of the "
+        "group's other runs (rloo: leave-one-out, unbiased; n/(n−1) times the mean's).",
+    )
     std_normalize: bool = knob(False, "Divide group-relative advantages by the group's std.")
+    loss_mean: Literal["run", "token", "sequence"] = knob(
+        "run",
+        "How token losses are averaged: run (the paper's: mean over a run's selected tokens, then "
+        "over runs), token (over every loss token of the update), sequence (over a path's tokens, "
+        "then over paths).",
+    )
     placeholders: Literal["zero", "exclude"] = knob(
         "zero",
         "A run that left nothing to score (it never reached the model, its workspace vanished: the "
@@ -670,6 +699,10 @@ class Recipe:
             )
         if 0 < trainer.dual_clip <= 1:
             raise RecipeError(f"trainer.dual_clip = {trainer.dual_clip} must be 0 (off) or above 1")
+        if trainer.policy_loss not in ("ppo", "gspo", "cispo"):
+            from gyre_hpc.loss.policy_loss import objective
+
+            objective(trainer.policy_loss)  # one line if it does not import or has the wrong signature
         stage_ranks = cells.ranks_per_cell // (trainer.tp_size * trainer.pp_size) * trainer.tp_size
         if stage_ranks % trainer.ep_size:
             raise RecipeError(

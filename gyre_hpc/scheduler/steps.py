@@ -59,7 +59,7 @@ from gyre_hpc.scheduler.policy import (
 )
 from gyre_hpc.step.batch import Pending, StepBatch, StreamingBatch, step_batch
 from gyre_hpc.step.stats import staleness, token_staleness
-from gyre_hpc.trajectory.sequences import StepQueue
+from gyre_hpc.trajectory.sequences import StepQueue, loss_divisor
 from gyre_hpc.trajectory.tree import TrajectoryTree
 
 T = TypeVar("T")
@@ -167,8 +167,9 @@ class StepRecord:
     """When its burst ended."""
     stats: dict[str, Any]
     """``step_stats.step_stats`` of its batch."""
-    loss_runs: int
-    """The runs the loss is averaged over."""
+    loss_divisor: int
+    """What the summed loss is divided by: the runs it is averaged over, or its tokens or paths
+    (``trajectory.loss_mean``)."""
     done: dict[int, TrainDone]
     applied: StepApplied
     skipped: bool
@@ -193,7 +194,7 @@ def step_event(r: StepRecord, now: float, roles: dict[int, Role]) -> ev.Step:
         forwarded_tokens=sum(d.tokens for d in done),  # as each trainer forwarded it (forest or trees)
         staleness=r.staleness,
         staleness_tokens=r.staleness_tokens,
-        loss=sum(d.loss_sum for d in done) / max(r.loss_runs, 1),
+        loss=sum(d.loss_sum for d in done) / max(r.loss_divisor, 1),
         grad_norm=round(r.applied.grad_norm, 6),
         clipped_tokens=sum(d.stats.clipped for d in done),
         token_stats=sum((d.stats for d in done), TokenStats()).summary(),
@@ -324,12 +325,12 @@ class StepKind:
         return done
 
     def apply(
-        self, step: int, done: dict[int, TrainDone], num_runs: int, tito_bytes: dict[str, int]
+        self, step: int, done: dict[int, TrainDone], divisor: int, tito_bytes: dict[str, int]
     ) -> StepApplied:
         c = self.ctx
         # A checkpoint counts once its step is recorded: the controller marks it after the record.
         state = {"tito_bytes": tito_bytes, "awaits_record": True}
-        return c.fleet.apply(step, done, num_runs, self.checkpoint_due(step), state)
+        return c.fleet.apply(step, done, divisor, self.checkpoint_due(step), state)
 
     def checkpoint_due(self, step: int) -> bool:
         """The recipe's schedule, or now: a checkpoint was asked for (SIGUSR2, a time limit near)."""
@@ -367,18 +368,18 @@ class StepKind:
         counters = StepCounters(dispatched=n, finished=n, packed=len(batch.queue), open=True)
         trained_from = c.fleet.version
         done = self.train_queue(step, batch.queue, counters)
-        runs = batch.num_runs if batch.queue else 0
-        applied = self.apply(step, done, runs, tito_bytes)
+        divisor = batch.divisor if batch.queue else 0
+        applied = self.apply(step, done, divisor, tito_bytes)
         self.close(step, counters)
         return StepRecord(
             step=step,
             started=started,
             sampled=sampled,
             stats=batch.stats,
-            loss_runs=batch.num_runs,
+            loss_divisor=divisor,
             done=done,
             applied=applied,
-            skipped=runs == 0,
+            skipped=divisor == 0,
             staleness=staleness(batch.trees.values(), trained_from),
             switches=self.switches,
             staleness_tokens=token_staleness(batch.queue, trained_from),
@@ -517,11 +518,11 @@ class StreamingStep(StepKind):
             stopped=b.stopped,
         )
 
-    def finish(self, b: Burst, started: float, runs: int, trained: StepQueue, **carry: int) -> StepRecord:
+    def finish(self, b: Burst, started: float, divisor: int, trained: StepQueue, **carry: int) -> StepRecord:
         """Apply what the cells trained (``trained``: those micro-steps), close the step, and
         record it."""
         _, tito_bytes = self.burst_ended()
-        applied = self.apply(b.step, b.done, runs, tito_bytes)
+        applied = self.apply(b.step, b.done, divisor, tito_bytes)
         self.close(b.step, self.counters(b))
         early = b.closed_at - min(b.trainers.values()) if b.trainers and b.closed_at else None
         return StepRecord(
@@ -529,10 +530,10 @@ class StreamingStep(StepKind):
             started=started,
             sampled=b.closed_at or self.ctx.clock(),
             stats=b.batch.stats(),
-            loss_runs=b.batch.num_runs,
+            loss_divisor=divisor,
             done=b.done,
             applied=applied,
-            skipped=runs == 0,
+            skipped=divisor == 0,
             staleness=staleness(b.batch.trees.values(), b.trained_from),
             switches=self.switches,
             staleness_tokens=token_staleness(trained, b.trained_from),
@@ -572,7 +573,7 @@ class ElasticStep(StreamingStep):
         return self.finish(
             b,
             started,
-            self.runs_trained(b, trained, carried_in),
+            self.divisor_trained(b, trained, carried_in),
             [b.queue[i] for i in sorted(trained)],
             carried_in=carried_in,
             carried_out=len(self.carried),
@@ -590,16 +591,16 @@ class ElasticStep(StreamingStep):
             stale_left=max(carried_in - c.fleet.claimed(), 0),  # claims go in queue order
         )
 
-    @staticmethod
-    def runs_trained(b: Burst, trained: set[int], carried_in: int) -> int:
-        """The runs the loss is averaged over: the batch's, or, where micro-steps were carried in
-        or out, the runs whose sequences this update trained (a run split by a stop counts in
-        both updates that train part of it)."""
+    def divisor_trained(self, b: Burst, trained: set[int], carried_in: int) -> int:
+        """What the loss is divided by: the batch's divisor, or, where micro-steps were carried in
+        or out, that of the sequences this update trained (a run split by a stop counts in both
+        updates that train part of it)."""
         if not b.queue:
             return 0
         if carried_in or b.stopped:
-            return len({s.run_id for i in trained for s in b.queue[i]})
-        return b.batch.num_runs
+            seqs = [s for i in trained for s in b.queue[i]]
+            return loss_divisor(seqs, self.ctx.trajectory.loss_mean)
+        return b.batch.divisor
 
 
 class InFlightStep(StreamingStep):
@@ -655,8 +656,7 @@ class InFlightStep(StreamingStep):
                 self.close_at_quota(b, barrier)
             self.join_cells(b)
             self.await_report(b, self.ended)
-        runs = b.batch.num_runs if b.queue else 0
-        return self.finish(b, started, runs, b.queue)
+        return self.finish(b, started, b.batch.divisor if b.queue else 0, b.queue)
 
     def take_ended(self, b: Burst, barrier: bool) -> None:
         """The executions that ended, one at a time with the quota checked after each: those that

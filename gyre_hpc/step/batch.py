@@ -25,6 +25,7 @@ from gyre_hpc.step.stats import step_stats
 from gyre_hpc.trajectory.packing import pack_tree_micro_steps, run_chunks
 from gyre_hpc.trajectory.select import select_paths
 from gyre_hpc.trajectory.sequences import (
+    Batch,
     StepQueue,
     TrainSequence,
     build_batch,
@@ -46,6 +47,8 @@ def group_of(outcome: Outcome) -> tuple[int, str]:
 class StepBatch:
     queue: StepQueue
     num_runs: int
+    divisor: int
+    """What the step's summed loss is divided by (``trajectory.sequences.loss_divisor``)."""
     stats: dict[str, object] = field(default_factory=dict)
     trees: Mapping[str, TrajectoryTree] = field(default_factory=dict)
     """The trees of the step's runs."""
@@ -56,8 +59,9 @@ def group_sequences(
     trees: Mapping[str, TrajectoryTree],
     trajectory: TrajectoryConfig,
     rng: random.Random,
-) -> tuple[list[TrainSequence], int]:
-    """One prompt's finished runs → weighted sequences, and how many runs contribute tokens.
+) -> Batch:
+    """One prompt's finished runs → weighted sequences, how many runs contribute tokens and the
+    loss's divisor.
 
     Dropped runs are left out of the group, placeholders count with reward 0 (or, with
     ``trajectory.placeholders = "exclude"``, not at all) but train nothing; a run whose advantage
@@ -67,15 +71,15 @@ def group_sequences(
     counted = [
         o for o in group if o.score.counts_in_group and not (exclude and o.score.kind == "placeholder")
     ]
-    adv = group_advantages([o.score.reward or 0.0 for o in counted], trajectory.std_normalize)
+    rewards = [o.score.reward or 0.0 for o in counted]
+    adv = group_advantages(rewards, trajectory.std_normalize, baseline=trajectory.baseline)
     advantages = {o.execution.run_id: a for o, a in zip(counted, adv, strict=True)}
     paths = {
         o.execution.run_id: select_paths(trees[o.execution.run_id], trajectory.jmax, rng, trajectory.priority)
         for o in group
         if o.score.trainable and o.execution.run_id in trees and advantages.get(o.execution.run_id)
     }
-    batch = build_batch(paths, advantages)
-    return batch.sequences, batch.num_runs
+    return build_batch(paths, advantages, trajectory.loss_mean)
 
 
 def pack(sequences: Sequence[TrainSequence], micro_step_tokens: int, packing: str = "paths") -> StepQueue:
@@ -97,16 +101,16 @@ def step_batch(
 ) -> StepBatch:
     """The whole step at once (colocate, async): groups in order, then one packing."""
     sequences: list[TrainSequence] = []
-    runs = 0
+    runs = divisor = 0
     work = []
     for task_id, group in by_task(outcomes).items():
-        seqs, n = group_sequences(group, trees, trajectory, group_rng(seed, step, task_id))
-        sequences += seqs
-        runs += n
-        work.append(group_work(group, trees, seqs, trajectory.packing, micro_step_tokens))
+        batch = group_sequences(group, trees, trajectory, group_rng(seed, step, task_id))
+        sequences += batch.sequences
+        runs, divisor = runs + batch.num_runs, divisor + batch.divisor
+        work.append(group_work(group, trees, batch.sequences, trajectory.packing, micro_step_tokens))
     queue = pack(sequences, micro_step_tokens, trajectory.packing)
     stats = step_stats(outcomes, queue, runs, work, trees.values())
-    return StepBatch(queue, runs, stats, trees)
+    return StepBatch(queue, runs, divisor, stats, trees)
 
 
 class StreamingBatch:
@@ -138,6 +142,8 @@ class StreamingBatch:
         self.queue: StepQueue = list(carried)
         """Micro-steps carried from the previous step (``scheduler.carry_tail``) come first."""
         self.num_runs = 0
+        self.divisor = 0
+        """What the summed loss of the groups completed is divided by."""
         self.work: list[dict[str, object]] = []
 
     def add(self, outcome: Outcome, tree: TrajectoryTree | None) -> StepQueue:
@@ -154,10 +160,11 @@ class StreamingBatch:
         self.outcomes += group
         self.trees |= {o.execution.run_id: t for o, t in runs if t is not None}
         rng = group_rng(self.seed, key[0], outcome.execution.task_id)
-        seqs, n = group_sequences(group, self.trees, self.trajectory, rng)
-        self.num_runs += n
-        self.work.append(group_work(group, self.trees, seqs, self.trajectory.packing, self.tokens))
-        new = pack(seqs, self.tokens, self.trajectory.packing)
+        batch = group_sequences(group, self.trees, self.trajectory, rng)
+        self.num_runs += batch.num_runs
+        self.divisor += batch.divisor
+        self.work.append(group_work(group, self.trees, batch.sequences, self.trajectory.packing, self.tokens))
+        new = pack(batch.sequences, self.tokens, self.trajectory.packing)
         self.queue += new
         return new
 

@@ -158,9 +158,9 @@ def sequence_loss(
     matched = None
     if version is not None and s.versions is not None:
         matched = torch.from_numpy(np.asarray(s.versions) == version).to(device)
-    loss = weighted_policy_loss(logp, behaviour, adv, weights, mask, rule, matched)
+    loss, rejected = weighted_policy_loss(logp, behaviour, adv, weights, mask, rule, matched)
     stats = token_stats(logp.detach(), behaviour, mask, rule.clip_low, rule.clip_high, matched, entropy)
-    return loss, stats
+    return loss, stats + TokenStats(masked=int(rejected.sum()))
 
 
 def packed_loss(
@@ -178,8 +178,10 @@ def packed_loss(
     weights = torch.from_numpy(tree.weights).to(device)
     ones = torch.ones_like(logp)
     matched = None if version is None else torch.from_numpy(tree.versions == version).to(device)
-    loss = weighted_policy_loss(logp, behaviour, adv, weights, ones, rule, matched)
-    return loss, token_stats(logp.detach(), behaviour, ones, rule.clip_low, rule.clip_high, matched, entropy)
+    paths = torch.from_numpy(tree.entry_paths).to(device)
+    loss, rejected = weighted_policy_loss(logp, behaviour, adv, weights, ones, rule, matched, paths)
+    stats = token_stats(logp.detach(), behaviour, ones, rule.clip_low, rule.clip_high, matched, entropy)
+    return loss, stats + TokenStats(masked=int(rejected.sum()))
 
 
 def entry_rows(tree: PackedTree, device: torch.device | None = None) -> tuple[torch.Tensor, ...]:

@@ -60,6 +60,8 @@ class PackedTree:
     routes: np.ndarray | None = None
     """[N, layers, top-k] int16: each packed token's routed experts (-1: none known; of two
     sequences that lay the same token, the first's); None when no sequence has routes."""
+    entry_paths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    """[M] int64: the packed sequence (0..paths−1) each entry belongs to."""
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -166,10 +168,10 @@ def pack_tree(sequences: Sequence[TrainSequence]) -> PackedTree:
     for a in arrays:
         trie.add(a)
     tokens, positions, parents, ends = trie.layout()
-    targets, behaviour, advantages, weights, versions = [], [], [], [], []
+    targets, behaviour, advantages, weights, versions, owners = [], [], [], [], [], []
     shape = next((s.routes.shape[1:] for s in sequences if s.routes is not None), None)
     routes = None if shape is None else np.full((len(tokens), *shape), -1, dtype=np.int16)
-    for s, a in zip(sequences, arrays, strict=True):
+    for k, (s, a) in enumerate(zip(sequences, arrays, strict=True)):
         index = np.concatenate([seg.start + np.arange(len(seg.tokens)) for seg in trie.chain(a)] or [[]])
         index = index.astype(np.int64)
         if routes is not None and s.routes is not None:
@@ -181,6 +183,7 @@ def pack_tree(sequences: Sequence[TrainSequence]) -> PackedTree:
         advantages.append(np.full(len(loss), s.advantage, dtype=np.float32))
         weights.append(np.full(len(loss), s.token_weight, dtype=np.float32))
         versions.append(np.full(len(loss), -1) if s.versions is None else np.asarray(s.versions)[loss])
+        owners.append(np.full(len(loss), k))
     cat = lambda parts, dtype: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)  # noqa: E731
     return PackedTree(
         tokens,
@@ -195,6 +198,7 @@ def pack_tree(sequences: Sequence[TrainSequence]) -> PackedTree:
         sum(len(s) for s in sequences),
         cat(versions, np.int64),
         routes,
+        cat(owners, np.int64),
     )
 
 

@@ -1,10 +1,17 @@
 """From selected paths and rewards to weighted training sequences packed into micro-steps.
 
 Advantages are group-relative over the runs of one prompt and inherited by every selected
-path of a run. The loss is the paper's two-level mean — mean over a run's selected trainable
-tokens, then mean over runs — written as per-token weights ``1/T_run`` and one ``1/R`` factor
-applied when the batch gradient is complete. A sum over any partition of the sequences into
-micro-steps, trained on any cells, then equals the unsplit loss.
+path of a run. The loss is a mean written as per-token weights and one divisor applied when the
+batch gradient is complete (``trajectory.loss_mean``):
+
+```
+ run (the paper's two-level mean)   weight 1/T_run    divisor R, runs with loss tokens
+ token                              weight 1          divisor T, loss tokens
+ sequence                           weight 1/T_path   divisor P, paths
+```
+
+A sum over any partition of the sequences into micro-steps, trained on any cells, then equals
+the unsplit loss.
 """
 
 from __future__ import annotations
@@ -17,12 +24,17 @@ import numpy as np
 from gyre_hpc.trajectory.select import SelectedPath
 
 
-def group_advantages(rewards: Sequence[float], std_normalize: bool = False, eps: float = 1e-6) -> list[float]:
-    """Mean-centred rewards of one prompt's group (optionally divided by the group's std)."""
+def group_advantages(
+    rewards: Sequence[float], std_normalize: bool = False, eps: float = 1e-6, baseline: str = "mean"
+) -> list[float]:
+    """Rewards of one prompt's group less a baseline — the group's mean, or (``rloo``) the mean
+    of the other runs' — optionally divided by the group's std."""
     r = np.asarray(rewards, dtype=np.float64)
     if r.size == 0:
         return []
     adv = r - r.mean()
+    if baseline == "rloo":
+        adv = adv * r.size / (r.size - 1) if r.size > 1 else adv * 0.0
     if std_normalize:
         adv = adv / (r.std() + eps)
     return adv.tolist()
@@ -36,7 +48,8 @@ class TrainSequence:
     behaviour_logprobs: np.ndarray
     advantage: float
     token_weight: float
-    """``1/T_run``: T_run = the run's selected trainable tokens over all its paths."""
+    """``1/T_run`` (T_run = the run's selected trainable tokens over all its paths), or as
+    ``trajectory.loss_mean`` says."""
     versions: np.ndarray | None = None
     """The policy version that generated each loss token (where ``loss_mask`` is set)."""
     routes: np.ndarray | None = None
@@ -59,10 +72,26 @@ StepQueue = list[MicroStep]
 class Batch:
     sequences: list[TrainSequence]
     num_runs: int
-    """R: runs that contribute tokens; the summed gradient is divided by it once, at the end."""
+    """R: runs that contribute tokens."""
+    divisor: int = 0
+    """What the summed gradient is divided by once, at the end (``loss_divisor``)."""
 
 
-def build_batch(paths_by_run: Mapping[str, Sequence[SelectedPath]], advantages: Mapping[str, float]) -> Batch:
+def loss_divisor(sequences: Sequence[TrainSequence], loss_mean: str = "run") -> int:
+    """The divisor of the summed loss of ``sequences`` under ``trajectory.loss_mean``: runs, loss
+    tokens or paths (a run split between two updates counts in both)."""
+    if loss_mean == "token":
+        return int(sum(int(np.count_nonzero(s.loss_mask)) for s in sequences))
+    if loss_mean == "sequence":
+        return len(sequences)
+    return len({s.run_id for s in sequences})
+
+
+def build_batch(
+    paths_by_run: Mapping[str, Sequence[SelectedPath]],
+    advantages: Mapping[str, float],
+    loss_mean: str = "run",
+) -> Batch:
     sequences = []
     runs = 0
     for run_id, paths in paths_by_run.items():
@@ -79,12 +108,12 @@ def build_batch(paths_by_run: Mapping[str, Sequence[SelectedPath]], advantages: 
                         p.loss_mask,
                         p.logprobs,
                         advantages[run_id],
-                        1.0 / total,
+                        {"run": 1.0 / total, "token": 1.0, "sequence": 1.0 / p.num_loss_tokens}[loss_mean],
                         p.versions,
                         p.routes,
                     )
                 )
-    return Batch(sequences, runs)
+    return Batch(sequences, runs, loss_divisor(sequences, loss_mean))
 
 
 def pack_micro_steps(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:

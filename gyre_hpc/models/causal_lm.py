@@ -123,6 +123,19 @@ class CausalLM(nn.Module):
         (True = attend) for batches whose sequences differ in length. Without a mask the
         attention is causal over past + new.
         """
+        hidden, kv = self.hidden(input_ids, positions, past, mask)
+        return self.lm_head(hidden), kv
+
+    def hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        past: list[KV] | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list[KV]]:
+        """``forward`` before the output layer: the last hidden states [batch, time, hidden] (a
+        trainer turns the rows it needs into log-probs with ``lm_head.weight``,
+        ``loss.vocab_logprobs``) and the new keys/values."""
         b, t = input_ids.shape
         start = 0 if past is None else past[0][0].shape[2]
         if positions is None:
@@ -135,7 +148,7 @@ class CausalLM(nn.Module):
             use_cache=True,
             **{self._cache_kw: cache},
         )
-        return self.lm_head(out.last_hidden_state), cache.new  # type: ignore[return-value]
+        return out.last_hidden_state, cache.new  # type: ignore[return-value]
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> CausalLM:

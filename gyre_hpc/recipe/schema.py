@@ -295,6 +295,14 @@ class TrainerConfig:
         min=0.0, max=1.0,
     )  # fmt: skip
     micro_step_tokens: int = knob(8192, "Tokens packed into one micro-step.", min=16, max=1 << 26)
+    logprob_chunk: int = knob(
+        1024,
+        "Loss tokens whose logits exist at once: the output layer and softmax run over this many "
+        "rows at a time, forward and again in the backward, never over a whole micro-step "
+        "(memory: chunk × vocabulary / tp × 4 bytes, a few times).",
+        min=1,
+        max=1 << 20,
+    )
     tp_size: int = knob(
         1,
         "Tensor-parallel size inside a cell (megatron; ranks beyond tp × pp are data-parallel).",

@@ -21,7 +21,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from gyre_hpc.loss.diagnostics import entropy_from_logprobs, token_stats
+from gyre_hpc.loss.diagnostics import token_stats
 from gyre_hpc.loss.policy_loss import Surrogate, weighted_policy_loss
 from gyre_hpc.loss.token_stats import TokenStats
 from gyre_hpc.step.claims import MicroStats, micro_stats
@@ -109,21 +109,30 @@ class SlicedTrainer(Trainer, Protocol):
         """This rank's weights from a counterpart's ``weight_slice``."""
 
 
+Head = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""(hidden states of some rows [M, H], the token after each [M]) → (their log-probs [M], with the
+gradient; the entropies of their distributions [M], without): the output layer and softmax in
+chunks (``loss.vocab_logprobs``)."""
+
+
 def policy_micro_step(
     sequences: list[TrainSequence],
-    logits_of: Callable[[torch.Tensor, TrainSequence], torch.Tensor],
+    hidden_of: Callable[[torch.Tensor, TrainSequence], torch.Tensor],
+    head: Head,
     rule: Surrogate,
     version: int | None = None,
     device: torch.device | None = None,
 ) -> MicroStats:
     """Forward/backward every sequence with the weighted policy loss, whatever the model:
-    ``logits_of(ids [1, T], sequence)`` gives the logits of each position [T, V]. Gradients accumulate
-    where autograd puts them; the backend moves them to its flat buffer. ``version`` is the one
-    the model holds: tokens it sampled are the ones the log-prob mismatch is measured on."""
+    ``hidden_of(ids [1, T], sequence)`` gives the last hidden state of each position [T, H], and
+    ``head`` the log-probs of the loss tokens from the rows before them, so no [T, vocab] logits
+    exist. Gradients accumulate where autograd puts them; the backend moves them to its flat
+    buffer. ``version`` is the one the model holds: tokens it sampled are the ones the log-prob
+    mismatch is measured on."""
     loss_sum, stats = 0.0, TokenStats()
     for s in sequences:
         ids = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))[None].to(device)
-        logp, entropy = logprobs_and_entropy(logits_of(ids, s), ids[0])
+        logp, entropy = loss_logprobs(hidden_of(ids, s), ids[0], s.loss_mask, head)
         loss, out = sequence_loss(s, logp, rule, version, entropy)
         loss.backward()
         loss_sum += float(loss.detach())
@@ -131,13 +140,17 @@ def policy_micro_step(
     return micro_stats(sequences, loss_sum, stats)
 
 
-def logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``loss.policy.token_logprobs`` (with its gradient) and the entropy of the distribution
-    each token was drawn from (without), from one log-softmax: [T] each, position 0 gets 0."""
-    logp = torch.log_softmax(logits[..., :-1, :].float(), dim=-1)
-    picked = logp.gather(-1, tokens[..., 1:].unsqueeze(-1)).squeeze(-1)
-    pad = torch.nn.functional.pad
-    return pad(picked, (1, 0)), pad(entropy_from_logprobs(logp.detach()), (1, 0))
+def loss_logprobs(
+    hidden: torch.Tensor, tokens: torch.Tensor, loss_mask: np.ndarray, head: Head
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-prob (with its gradient) and entropy (without) of each loss token of a path [T]
+    from the hidden states [T, H] of the positions before them; 0 elsewhere (position 0
+    included, as ``loss.policy_loss.token_logprobs`` gives it)."""
+    where = np.flatnonzero(np.asarray(loss_mask)[1:] > 0) + 1
+    at = torch.from_numpy(where).to(hidden.device)
+    picked, entropy = head(hidden[at - 1], tokens[at])
+    zeros = torch.zeros(len(tokens), dtype=torch.float32, device=hidden.device)
+    return zeros.scatter(0, at, picked), zeros.scatter(0, at, entropy)
 
 
 def sequence_loss(

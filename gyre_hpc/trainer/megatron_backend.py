@@ -62,9 +62,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from gyre_hpc.launch.ports import free_port
-from gyre_hpc.loss.diagnostics import entropy_from_logprobs
 from gyre_hpc.loss.policy_loss import Surrogate
 from gyre_hpc.loss.token_stats import TokenStats
+from gyre_hpc.loss.vocab_logprobs import selected_logprobs
 from gyre_hpc.models.architecture import ModelConfig
 from gyre_hpc.models.flat import FlatLayout, whole
 from gyre_hpc.models.hf_files import hf_weight_files
@@ -75,6 +75,7 @@ from gyre_hpc.trainer import weight_shards
 from gyre_hpc.trainer.base import (
     ApplyStats,
     entry_rows,
+    loss_logprobs,
     mean_gradient_scale,
     packed_loss,
     sequence_loss,
@@ -491,6 +492,10 @@ class MegatronTrainer:
         """Pad each tree to a bucket's length (``tree_attention.padded_length``), so the compiled
         block mask and attention see a bounded number of lengths."""
         self.rotary = self.model.rotary_pos_emb = PositionedRotary(self.model.rotary_pos_emb)
+        self.head_weight: torch.Tensor | None = None
+        """The output layer's weight (this rank's vocabulary shard) of the last forward."""
+        if self.stage == self.layout.pp - 1:
+            self._emit_hidden(self.model.output_layer)
         self.replays = replay_hooks(self.model) if config.routing_replay else {}
         """Global layer index → the replay its router consults (routed-expert models only)."""
         self.model.train()
@@ -743,11 +748,10 @@ class MegatronTrainer:
         hidden, positions = self._causal(length), torch.arange(length, device=self.device)[None]
         c = self.config
 
-        def loss(logits: torch.Tensor) -> tuple[torch.Tensor, TokenStats]:
-            rows = torch.arange(n - 1, device=self.device)
-            logp, entropy = self._logprobs(logits, rows, ids[0, 1:n])
-            entropy = None if entropy is None else F.pad(entropy, (1, 0))
-            return sequence_loss(s, F.pad(logp, (1, 0)), Surrogate.of(c), self.version, entropy)
+        def loss(hidden: torch.Tensor) -> tuple[torch.Tensor, TokenStats]:
+            head = lambda h, t: self._logprobs(h[None], torch.arange(len(h), device=self.device), t)  # noqa: E731
+            logp, entropy = loss_logprobs(hidden[0, :n], ids[0, :n], s.loss_mask, head)
+            return sequence_loss(s, logp, Surrogate.of(c), self.version, entropy)
 
         return _Unit(ids, positions, hidden, loss, n, routes)
 
@@ -765,11 +769,10 @@ class MegatronTrainer:
             hidden = ~dense_mask(ends, self.device)[None, None]
         c = self.config
 
-        def loss(logits: torch.Tensor) -> tuple[torch.Tensor, TokenStats]:
+        def loss(hidden: torch.Tensor) -> tuple[torch.Tensor, TokenStats]:
             rows, tokens, has_parent = entry_rows(tree, self.device)
-            logp, entropy = self._logprobs(logits, rows, tokens)
-            logp = torch.where(has_parent, logp, 0.0)
-            entropy = None if entropy is None else torch.where(has_parent, entropy, 0.0)
+            logp, entropy = self._logprobs(hidden, rows, tokens)
+            logp, entropy = torch.where(has_parent, logp, 0.0), torch.where(has_parent, entropy, 0.0)
             return packed_loss(tree, logp, Surrogate.of(c), self.version, entropy)
 
         return _Unit(ids, positions, hidden, loss, len(tree), self._replayed(tree.routes, length))
@@ -788,8 +791,8 @@ class MegatronTrainer:
         n = self._multiple(1)
         ids = torch.zeros(1, n, dtype=torch.int64, device=self.device)
 
-        def loss(logits: torch.Tensor) -> tuple[torch.Tensor, TokenStats]:
-            return logits.sum() * 0.0, TokenStats()
+        def loss(hidden: torch.Tensor) -> tuple[torch.Tensor, TokenStats]:
+            return hidden.sum() * 0.0, TokenStats()
 
         return _Unit(ids, torch.arange(n, device=self.device)[None], self._causal(n), loss, 0)
 
@@ -803,8 +806,8 @@ class MegatronTrainer:
         return -(-length // tp) * tp
 
     def _forward(self, unit: _Unit) -> torch.Tensor:
-        """This stage's output: the last stage's logits over this rank's vocabulary shard
-        [1, T, padded vocab / tp]; hidden states [T, 1, H] before it."""
+        """This stage's output: on the last stage the final hidden states [1, T, H], whole on
+        every TP rank (``_emit_hidden``); hidden states [T, 1, H] (this rank's share) before it."""
         self.rotary.positions = unit.positions[0]
         blocks = self._attend(unit)
         try:
@@ -876,23 +879,41 @@ class MegatronTrainer:
         return float(totals[0]), TokenStats.from_list(totals[1:].tolist()), sum(u.tokens for u in units)
 
     def _logprobs(
-        self, logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The log-prob of ``tokens`` [M] under the logits of ``rows`` [M], from this rank's
-        vocabulary shard: the softmax is reduced over the tensor-parallel group, so no rank holds
-        the whole vocabulary. Padding columns are excluded, as the engines' logits have none.
-        With the whole vocabulary here (tp 1) also each row's entropy; None across shards."""
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+        self, hidden: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The log-prob of ``tokens`` [M] after the hidden states of ``rows`` [M] and their
+        distributions' entropies, from this rank's vocabulary shard in chunks of rows
+        (``loss.vocab_logprobs``): the softmax is reduced over the tensor-parallel group, so no
+        rank holds the whole vocabulary, nor a micro-step's logits. Padding columns are excluded,
+        as the engines' logits have none."""
+        weight = self.head_weight
+        assert weight is not None, "the output layer has not run"
+        tp = self.layout.tp > 1
+        return selected_logprobs(
+            hidden[0, rows], weight, tokens, chunk=self.config.logprob_chunk,
+            vocab=self.model_config.vocab_size, first=self.tp_rank * weight.shape[0] if tp else 0,
+            group=self.tp_group if tp else None,
+        )  # fmt: skip
 
-        vocab = self.model_config.vocab_size
-        if self.layout.tp == 1:
-            logp = torch.log_softmax(logits[0, rows, :vocab].float(), -1)
-            return logp.gather(-1, tokens[:, None])[:, 0], entropy_from_logprobs(logp.detach())
-        shard = logits[0, rows].float()
-        first = self.tp_rank * shard.shape[-1]
-        padding = torch.arange(first, first + shard.shape[-1], device=shard.device) >= vocab
-        shard = shard.masked_fill(padding, float("-inf"))
-        return -vocab_parallel_cross_entropy(shard[:, None], tokens[:, None])[:, 0], None
+    def _emit_hidden(self, layer: Any) -> None:
+        """The output layer hands on its input, made whole on every TP rank as it would make it
+        (gathered from the sequence-parallel shares, or copied: its gradient summed back), and
+        keeps the weight it would multiply it by: log-probs are taken in chunks from there
+        (``_logprobs``), never as [positions × vocabulary] logits."""
+        from megatron.core.tensor_parallel import (
+            copy_to_tensor_model_parallel_region,
+            gather_from_sequence_parallel_region,
+        )
+
+        def forward(hidden: torch.Tensor, weight: torch.Tensor | None = None, **unused: Any) -> tuple:
+            self.head_weight = layer.weight if weight is None else weight
+            if self.layout.tp > 1:
+                whole = gather_from_sequence_parallel_region if layer.sequence_parallel else (
+                    copy_to_tensor_model_parallel_region)  # fmt: skip
+                hidden = whole(hidden, group=self.tp_group)
+            return hidden, None
+
+        layer.forward = forward
 
     def _sum_over_replicas(self, sequences: list[TrainSequence], mine: MicroStats) -> MicroStats:
         """The micro-step's loss and counts summed over the data-parallel replicas of the cell

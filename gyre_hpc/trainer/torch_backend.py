@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gyre_hpc.loss.diagnostics import entropy_from_logprobs
 from gyre_hpc.loss.policy_loss import Surrogate
+from gyre_hpc.loss.vocab_logprobs import selected_logprobs
 from gyre_hpc.models.causal_lm import KV, CausalLM
 from gyre_hpc.models.flat import FlatLayout
 from gyre_hpc.models.routing import routed
@@ -105,11 +105,15 @@ class TorchTrainer:
         if self.packing == "tree":
             return self._tree_micro_step(sequences)
 
-        def logits(ids: torch.Tensor, s: TrainSequence) -> torch.Tensor:
+        def hidden(ids: torch.Tensor, s: TrainSequence) -> torch.Tensor:
             with self._replaying(s.routes):
-                return self.model(ids)[0][0]
+                return self.model.hidden(ids)[0][0]
 
-        return policy_micro_step(sequences, logits, Surrogate.of(c), self.version, self.device)
+        return policy_micro_step(sequences, hidden, self._head, Surrogate.of(c), self.version, self.device)
+
+    def _head(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies of ``targets`` from the rows before them (``base.Head``)."""
+        return selected_logprobs(hidden, self.model.lm_head.weight, targets, chunk=self.config.logprob_chunk)
 
     def _replaying(self, routes: np.ndarray | None):  # noqa: ANN202 - a context manager
         """Send each token through the experts the engine routed it to (``trainer.routing_replay``):
@@ -124,17 +128,16 @@ class TorchTrainer:
         tree = pack_tree(sequences)
         if not len(tree):
             return micro_stats(sequences, 0.0, tokens=0)
-        logits = self._tree_logits(tree)
+        hidden = self._tree_hidden(tree)
         rows, targets, has_parent = entry_rows(tree, self.device)
-        all_logp = torch.log_softmax(logits[rows].float(), -1)
-        logp = torch.where(has_parent, all_logp.gather(-1, targets[:, None])[:, 0], 0.0)
-        entropy = torch.where(has_parent, entropy_from_logprobs(all_logp.detach()), 0.0)
+        picked, entropy = self._head(hidden[rows], targets)
+        logp, entropy = torch.where(has_parent, picked, 0.0), torch.where(has_parent, entropy, 0.0)
         loss, stats = packed_loss(tree, logp, Surrogate.of(c), self.version, entropy)
         loss.backward()
         return micro_stats(sequences, float(loss.detach()), stats, len(tree))
 
-    def _tree_logits(self, tree: PackedTree) -> torch.Tensor:
-        """Logits of every packed token [N, V]: the chains in order, each forwarded over the keys
+    def _tree_hidden(self, tree: PackedTree) -> torch.Tensor:
+        """Last hidden state of every packed token [N, H]: the chains in order, each forwarded over the keys
         and values its ancestors left (gathered, so gradients flow back to them), causal inside.
         No N × N mask: each token attends to exactly its ancestors, as in its paths."""
         ids, positions = tree_inputs(tree, self.device)
@@ -148,9 +151,9 @@ class TorchTrainer:
                          for i in range(len(layers[0]))]  # fmt: skip
                 past = [(k.index_select(2, seen), v.index_select(2, seen)) for k, v in whole]
             with self._replaying(None if tree.routes is None else tree.routes[start:end]):
-                logits, kv = self.model(ids[:, start:end], positions[:, start:end], past=past)
+                hidden, kv = self.model.hidden(ids[:, start:end], positions[:, start:end], past=past)
             layers.append(kv)
-            out.append(logits[0])
+            out.append(hidden[0])
         return torch.cat(out)
 
     def apply(self, num_runs: int) -> ApplyStats:

@@ -5,6 +5,7 @@ refusal a recipe that does not fit gets from `recipe check`."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from conftest import REPO, assert_golden, gyre
@@ -128,19 +129,21 @@ def test_the_flagship_fits_only_with_recomputation_and_says_so_in_one_line() -> 
 
 def test_the_longest_micro_step_is_one_context_and_the_start_is_planned() -> None:
     """A path longer than ``trainer.micro_step_tokens`` is a micro-step of its own: the plan sizes
-    the training phase at one context (139,264 tokens), which refuses the flagship at trainer tp 4
-    (154.1 GiB; at 65,536 tokens it was 93.2 and passed). The start-up phase, the trainer built
-    and the core restored beside the engine's pool, refuses a pool of 0.9 of the GPU."""
-    r = load_recipe(FLAGSHIP, ["trainer.tp_size=4"])
+    the training phase at one context (139,264 tokens), which refuses the flagship with its
+    trainer on one GPU (214.2 GiB; at 65,536 tokens 184.6). Its logits are a chunk of rows at a
+    time (4.6 GiB of it; whole, 139,264 × 152K logits were 276 GiB here). The start-up phase, the
+    trainer built and the core restored beside the engine's pool, refuses a pool of 0.9 of the GPU."""
+    r = load_recipe(FLAGSHIP, ["trainer.tp_size=1"])
     shape = model_shape(r.run.model)
     with pytest.raises(RecipeError) as err:
         check_memory(shape, r.cells, r.engine, r.trainer, r.agent)
     said = str(err.value)
-    assert said.startswith("memory plan: training 154.1 GiB") and "agent.context_limit_tokens" in said
+    assert said.startswith("memory plan: training 214.2 GiB") and "agent.context_limit_tokens" in said
+    assert "logits 4.6," in said
     short = replace(r.agent, context_limit_tokens=r.trainer.micro_step_tokens - r.engine.max_new_tokens)
     shorter = plan(shape, r.cells, r.engine, r.trainer, short)
     assert shorter is not None and shorter.micro_step_tokens == r.trainer.micro_step_tokens
-    assert shorter.training.line().startswith("training 93.2 GiB")
+    assert shorter.training.line().startswith("training 184.6 GiB")
     full = replace(load_recipe(FLAGSHIP, []).engine, mem_fraction_static=0.9)
     with pytest.raises(RecipeError, match=r"^memory plan: start-up 141\.4 GiB .* engine.mem_fraction_static"):
         check_memory(shape, r.cells, full, load_recipe(FLAGSHIP, []).trainer, r.agent)
@@ -203,3 +206,21 @@ def test_a_node_whose_ranks_hold_more_host_memory_than_it_has_is_refused_in_one_
     said = str(err.value)
     assert said.startswith("memory plan: host 281.5 GiB a node of 8 ranks (leader 37.7") and "\n" not in said
     assert "> 256.0 GiB, cells.host_memory_gib" in said
+
+
+@pytest.mark.megatron
+def test_context_parallelism_is_planned_and_refused_in_one_line_naming_megatron_s_source() -> None:
+    """megatron-core 0.16 asserts cp == 1 outside Transformer Engine's attention (the line quoted);
+    the plan still divides a micro-step's activations over cp ranks."""
+    import megatron.core.transformer.dot_product_attention as dpa
+
+    line = Path(dpa.__file__).read_text().splitlines()[57:59]
+    assert "context_parallel_size == 1" in line[0] and "only supported by TEDotProductAttention" in line[1]
+    with pytest.raises(RecipeError, match=r"trainer.cp_size = 2: .*dot_product_attention.py:58.*valid: 1"):
+        load_recipe(FLAGSHIP, ["trainer.cp_size=2"])
+    r = load_recipe(FLAGSHIP, [])
+    shape = model_shape(r.run.model)
+    whole = plan(shape, r.cells, r.engine, r.trainer, r.agent)
+    split = plan(shape, r.cells, r.engine, replace(r.trainer, cp_size=4), r.agent)
+    act = lambda p: next(x.bytes for x in p.training.parts if x.what == "activations")  # noqa: E731
+    assert act(split) == pytest.approx(act(whole) / 4, rel=1e-3)

@@ -11,7 +11,7 @@ A pure function of the model's shape, the engine and trainer sections and the GP
  │   GPU = its weights + KV cache        │     │   accumulation), on the core the fp32  │
  │ engine workspace (decode, graphs)     │     │   master copy and Adam's two moments   │
  │ staged weight bucket (sent, received) │     │ activations of one micro-step          │
- │ trainer, released: its CUDA context   │     │ logits of one micro-step (last stage)  │
+ │ trainer, released: its CUDA context   │     │ logits of one chunk of rows (last st.) │
  └───────────────────────────────────────┘     │ engine, released: its CUDA context     │
                                                └───────────────────────────────────────┘
 ```
@@ -43,9 +43,10 @@ ENGINE_WORKSPACE = 4 * GIB
 IPC_CONTEXT = GIB // 2
 """A CUDA context another process opens on this GPU to read a bucket staged here by CUDA IPC
 (each SGLang TP rank but the first, for the life of the server; an estimate)."""
-LOGIT_BYTES = 14
-"""Bytes per logit of one micro-step on the last stage: bf16 logits, the fp32 copy the log-probs
-are taken from, the vocab-parallel softmax it keeps and the fp32 gradient of it."""
+LOGIT_BYTES = 16
+"""Bytes per logit of one chunk of rows on the last stage (``trainer.logprob_chunk``,
+``loss.vocab_logprobs``): the fp32 logits and the few fp32 temporaries of their softmax or its
+gradient that exist at once; no chunk outlives its turn."""
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -350,8 +351,13 @@ def plan(
             saved = layers * t.hidden + t.layer_activation_elements(tp)
         else:
             saved = layers * t.layer_activation_elements(tp)
-        activations = Part("activations", tokens * saved * train_dtype)
-        logits = Part("logits", tokens * -(-t.vocab // tp) * LOGIT_BYTES if last else 0)
+        # context parallelism (``trainer.cp_size``, planned though not run here) splits positions
+        cp = trainer.cp_size
+        activations = Part("activations", -(-tokens // cp) * saved * train_dtype)
+        # a chunk of rows' logits at a time, and the output layer's gradient summed in fp32 over them
+        shard = -(-t.vocab // tp)
+        rows = min(trainer.logprob_chunk, -(-tokens // cp))
+        logits = Part("logits", (rows * LOGIT_BYTES + t.hidden * 4) * shard if last else 0)
         # one layer's token exchange in flight: its positions' copies, each routed to ``active``
         # experts, sent and received (megatron's all-to-all dispatcher)
         exchange = 2 * tokens // tp * t.active * t.hidden * train_dtype if t.experts else 0

@@ -320,6 +320,15 @@ class TrainerConfig:
         min=1,
         max=1024,
     )
+    cp_size: int = knob(
+        1,
+        "Context-parallel size (megatron): each rank would hold 1/cp of a micro-step's positions. "
+        "Only 1 runs: megatron-core's context parallelism lives in Transformer Engine's attention "
+        "(CUDA only), not in the attention this trainer builds (tree masks); the memory plan "
+        "counts a larger value.",
+        min=1,
+        max=1024,
+    )
     moe_aux_loss_coeff: float = knob(
         0.0,
         "megatron, routed-expert models: weight of the router's load-balancing loss (megatron's "
@@ -704,6 +713,13 @@ class Recipe:
             raise RecipeError(
                 f"cells.ranks_per_cell = {cells.ranks_per_cell} must be a multiple of "
                 f"trainer.tp_size * trainer.pp_size = {trainer.tp_size * trainer.pp_size}"
+            )
+        if trainer.cp_size > 1:
+            raise RecipeError(
+                f"trainer.cp_size = {trainer.cp_size}: megatron-core's context parallelism runs only in "
+                "Transformer Engine's attention (megatron/core/transformer/dot_product_attention.py:58, "
+                '"Context parallelism is only supported by TEDotProductAttention!"), which needs CUDA '
+                'and takes no tree mask; valid: 1 (long paths: trainer.recompute = "full", more tp/pp)'
             )
         if 0 < trainer.dual_clip <= 1:
             raise RecipeError(f"trainer.dual_clip = {trainer.dual_clip} must be 0 (off) or above 1")

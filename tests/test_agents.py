@@ -314,6 +314,29 @@ def test_warm_start_is_deterministic_for_a_seed(tmp_path: Path) -> None:
     assert shown == [(1, 2), (2, 2)] * 2  # each optimizer step is reported (the CLI's bar)
 
 
+def test_the_warm_start_is_the_same_bits_whatever_the_threads_and_the_cpu_s_kernels(tmp_path: Path) -> None:
+    """Built as ``resolve`` builds it (its own process, kernels pinned): one digest with one
+    thread or two. The machine's own kernels give other bits where it has AVX-512 — why two
+    fresh machines once built different warm starts from one seed."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+
+    from gyre_hpc.builtin_models.warm_settings import PINNED_KERNELS
+
+    def digest(name: str, env: dict[str, str]) -> str:
+        cmd = [sys.executable, "-m", "gyre_hpc.builtin_models.warmstart", str(tmp_path / name), "qwen3", "3"]
+        proc = subprocess.run(cmd, env=os.environ | env, capture_output=True, text=True, check=True)
+        assert proc.stdout.split() == ["1", "3", "2", "3", "3", "3"]
+        return hashlib.sha256((tmp_path / name / "model.safetensors").read_bytes()).hexdigest()
+
+    one, two = (digest(f"t{n}", PINNED_KERNELS | {"OMP_NUM_THREADS": str(n)}) for n in (1, 2))
+    assert one == two
+    if "avx512f" in Path("/proc/cpuinfo").read_text():
+        assert digest("native", {"OMP_NUM_THREADS": "2"}) != one
+
+
 def test_a_built_in_model_s_build_shows_a_bar_and_a_cached_one_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -6,7 +6,7 @@ and its gradient) against log-probs in chunks of rows (``trainer.logprob_chunk``
 One path of ``--tokens`` tokens, every one a loss token, through the torch trainer (the tiny
 model's shape with a ``--vocab`` vocabulary, tied embeddings, float32), forward and backward.
 Each case runs in a fresh process whose resident set is read before the micro-step and at its
-peak; where the cgroup-v1 memory controller is writable the process is held under
+peak (``VmHWM``); where the cgroup-v1 memory controller is writable the process is held under
 ``--limit-gib`` so that a case which would not fit is killed there, not the machine. Reported side
 by side: the micro-step's extra peak over what the process held before it, the bound the whole
 logits need (tokens × vocabulary × 4 bytes, once), the time, and — at the smallest size — the
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -66,8 +65,13 @@ def path(tokens: int, vocab: int) -> list[TrainSequence]:
     return [TrainSequence("r", ids, mask, np.full(tokens, -5.0, np.float32), 1.0, 1.0 / tokens)]
 
 
-def resident() -> int:
-    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def memory(field: str) -> int:
+    """``VmRSS`` (resident now) or ``VmHWM`` (its peak) of this process, in bytes: kept per address
+    space, unlike ``ru_maxrss``, which a process inherits from the one that started it."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def child(model: Path, rule: str, tokens: int, vocab: int, chunk: int) -> dict:
@@ -75,12 +79,11 @@ def child(model: Path, rule: str, tokens: int, vocab: int, chunk: int) -> dict:
         (CGROUP / "cgroup.procs").write_text(str(os.getpid()))
     t = trainer(model, rule, chunk)
     seqs = path(tokens, vocab)
-    before = resident()
+    before = memory("VmRSS")
     start = time.perf_counter()
     t.micro_step(seqs)
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"extra": peak - before, "seconds": seconds}
+    return {"extra": memory("VmHWM") - before, "seconds": seconds}
 
 
 def gradient_gap(model: Path, tokens: int, vocab: int, chunk: int) -> float:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from gyre_hpc.builtin_models.warm_settings import fingerprint
+from gyre_hpc.builtin_models.warm_settings import PINNED_KERNELS, fingerprint
 from gyre_hpc.errors import GyreError
 
 
@@ -38,14 +40,34 @@ def _build(name: str, directory: Path, progress: Progress) -> None:
 
         init_tiny(directory, 0, WORDS)
     elif name in ("tiny-warm", "tiny-moe-warm"):
-        from gyre_hpc.builtin_models.warmstart import warmstart
-
-        family = "qwen3_moe" if name == "tiny-moe-warm" else "qwen3"
-        warmstart(directory, "smoke", seed=0, progress=progress, family=family)
+        _warm(directory, "qwen3_moe" if name == "tiny-moe-warm" else "qwen3", progress)
     else:
         from gyre_hpc.models.gguf import from_gguf, packaged_smollm2
 
         from_gguf(packaged_smollm2(), directory)
+
+
+def _warm(directory: Path, family: str, progress: Progress) -> None:
+    """``warmstart`` in a process of its own, its CPU kernels pinned (``PINNED_KERNELS``): the
+    same weights on any x86 machine with AVX2."""
+    env = os.environ | (PINNED_KERNELS if "avx2" in _cpu_flags() else {})
+    cmd = [sys.executable, "-m", "gyre_hpc.builtin_models.warmstart", str(directory), family]
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        for line in proc.stdout:
+            done, total = (int(x) for x in line.split())
+            progress(done, total)
+        err = proc.stderr.read()
+    if proc.returncode:
+        last = err.strip().splitlines()[-1] if err.strip() else f"exit status {proc.returncode}"
+        raise GyreError(f"building the warm start failed: {last}")
+
+
+def _cpu_flags() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
 
 
 def needs_build(name: str) -> bool:

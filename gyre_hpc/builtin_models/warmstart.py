@@ -6,7 +6,9 @@ the smoke suite — the harness's system prompt and tools, a ``write_file`` tool
 end with a summary call — from synthetic demonstrations that are deliberately only partly
 right: they always write the right word, but often to the wrong file, so that the policy's
 pass rate leaves room for RL to improve it (held-out: 17 % measured for seed 0).
-Deterministic for a seed; a few CPU minutes at most.
+Deterministic for a seed: bit for bit, whatever the thread count and, with the kernels pinned
+(``warm_settings.PINNED_KERNELS``, as ``resolve`` runs it: ``python -m`` this module), whatever
+the x86 CPU with AVX2; a few CPU minutes at most.
 """
 
 from __future__ import annotations
@@ -167,3 +169,15 @@ def warmstart(
         progress(step + 1, steps)
     save_weights(model.eval(), model_dir / "model.safetensors")
     return model_dir
+
+
+if __name__ == "__main__":  # python -m gyre_hpc.builtin_models.warmstart DIR FAMILY [STEPS]: progress lines
+    import sys
+
+    steps = int(sys.argv[3]) if len(sys.argv) > 3 else STEPS
+    warmstart(
+        sys.argv[1],
+        family=sys.argv[2],
+        steps=steps,
+        progress=lambda done, total: print(done, total, flush=True),
+    )

@@ -195,6 +195,16 @@ def test_sequence_tis_weights_a_path_s_fresh_tokens_by_its_truncated_ratio() -> 
     assert logp.grad.tolist() == pytest.approx([-math.exp(0.2) / 5] * 3 + [-2.0 / 5] * 2)
 
 
+def test_sequence_mis_weights_a_path_by_its_ratio_or_rejects_it() -> None:
+    gaps = [0.2, 0.1, 0.5, 0.6]  # path 0: Π = e^0.3 kept, weight e^0.3; path 1: e^1.1 > 2, rejected
+    rule = Surrogate(mismatch_correction="sequence-mis", mismatch_low=0.5, mismatch_cap=2.0)
+    logp, (loss, rejected) = fresh_terms(gaps, rule, [0, 0, 1, 1])
+    assert rejected.tolist() == [False, False, True, True]
+    assert float(loss.detach()) == pytest.approx(-2 * math.exp(0.3) / 4)
+    loss.backward()
+    assert logp.grad.tolist() == pytest.approx([-math.exp(0.3) / 4] * 2 + [0.0, 0.0])
+
+
 def test_a_geometric_mask_rejects_a_whole_path_and_keeps_the_other() -> None:
     gaps = [0.001, -0.002, 0.5, 0.1]  # path 0: geometric mean e^−0.0005, in band; path 1: e^0.3, out
     rule = Surrogate(mismatch_correction="geometric-mask", mismatch_low=0.99, mismatch_cap=1.01)

@@ -5,8 +5,9 @@ trainer/engine mismatch, per-token weighted.
  loss token t of path p:   weight_t · c_t · objective(log π_t, anchor_t, A)
    anchor_t = log μ_t (behaviour)            a stale token, or any token with correction none
             = log π_t, no gradient (proximal) a token sampled at the version trained, corrected
-   c_t      = 1 | min(π/μ, C) (tis) | π/μ inside [low, C], else rejected (mis)
-            | min(Π_p π/μ, C) (sequence-tis) | rejected if (Π_p π/μ)^(1/n) ∉ [low, C] (geometric-mask)
+   c_t      = 1 | min(π/μ, C) (tis) | π/μ inside [low, C], else rejected (mis, icepop)
+            | min(Π_p π/μ, C) (sequence-tis) | Π_p π/μ inside [low, C], else rejected (sequence-mis)
+            | 1, rejected if (Π_p π/μ)^(1/n) ∉ [low, C] (geometric-mask)
  objective: ppo  −min(r·A, clip(r)·A), dual clip if A < 0           r = π/anchor
             gspo the same with r = exp(mean_p log π/anchor), one ratio for the whole path
             cispo −clip(r)ᵍ·A·log π   (ᵍ: no gradient)
@@ -46,7 +47,7 @@ import torch
 from gyre_hpc.errors import RecipeError
 
 OBJECTIVES = ("ppo", "gspo", "cispo")
-CORRECTIONS = ("none", "tis", "mis", "sequence-tis", "geometric-mask")
+CORRECTIONS = ("none", "tis", "mis", "sequence-tis", "sequence-mis", "geometric-mask")
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,11 @@ def mismatch_weights(
     if kind == "sequence-tis":
         weight = torch.exp(total).clamp(max=cap).to(gap.dtype)
         return Terms(torch.where(corrected, weight[segments], 1.0), none)
+    if kind == "sequence-mis":
+        ratio = torch.exp(total)
+        bad = (ratio < low) | (ratio > cap)
+        out = bad[segments] & corrected
+        return Terms(torch.where(out, 0.0, torch.where(corrected, ratio.to(gap.dtype)[segments], 1.0)), out)
     if kind == "geometric-mask":
         n = segment_sum(corrected.double(), segments)
         mean = torch.exp(total / n.clamp(min=1))

@@ -273,16 +273,19 @@ class TrainerConfig:
         "(path/file.py:function) taking (logprobs, anchor, advantages, segments, rule) and "
         "returning the per-token loss (see loss.policy_loss).",
     )
-    mismatch_correction: Literal["none", "tis", "mis", "sequence-tis", "geometric-mask"] = knob(
-        "none",
-        "Tokens sampled at the version being trained (their gap to the behaviour log-prob is the "
-        "engine's numerics, not staleness): none treats them as any other (the objective against "
-        "the behaviour log-prob); the others train them against the weights being trained (ratio 1) "
-        "times an importance weight: tis min(π/μ, mismatch_cap); mis π/μ, the token rejected "
-        "outside [mismatch_low, mismatch_cap]; sequence-tis the path's min(Π π/μ, mismatch_cap); "
-        "geometric-mask 1, the path rejected when (Π π/μ)^(1/n) lies outside [mismatch_low, "
-        "mismatch_cap] (use a narrow band, e.g. 0.99–1.01). Stale tokens keep the objective "
-        "against μ either way; a rejected token leaves its path's denominator.",
+    mismatch_correction: Literal["none", "tis", "mis", "sequence-tis", "sequence-mis", "geometric-mask"] = (
+        knob(
+            "none",
+            "Tokens sampled at the version being trained (their gap to the behaviour log-prob is the "
+            "engine's numerics, not staleness): none treats them as any other (the objective against "
+            "the behaviour log-prob); the others train them against the weights being trained (ratio 1) "
+            "times an importance weight: tis min(π/μ, mismatch_cap); mis π/μ, the token rejected "
+            "outside [mismatch_low, mismatch_cap] (icepop); sequence-tis the path's min(Π π/μ, "
+            "mismatch_cap); sequence-mis the path's Π π/μ, the path rejected outside the same bounds; "
+            "geometric-mask 1, the path rejected when (Π π/μ)^(1/n) lies outside [mismatch_low, "
+            "mismatch_cap] (use a narrow band, e.g. 0.99–1.01). Stale tokens keep the objective "
+            "against μ either way; a rejected token leaves its path's denominator.",
+        )
     )
     mismatch_cap: float = knob(
         2.0,

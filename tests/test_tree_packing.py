@@ -303,6 +303,7 @@ def test_megatron_attention_takes_the_block_mask_as_the_dense_mask(megatron_tree
     blocky = build_model(t.model_config, t.layout, t.dtype, block_masks=True)
     blocky.rotary_pos_emb = PositionedRotary(blocky.rotary_pos_emb)
     blocky.load_state_dict(t.model.state_dict())
+    t._emit_hidden(blocky.output_layer)  # the trainer's forward ends at the last hidden states
     ids, positions = tree_inputs(tree)
     blocky.rotary_pos_emb.positions = positions[0]
     with torch.no_grad():
@@ -327,6 +328,7 @@ def test_with_recomputation_the_block_mask_reaches_every_layer_beside_megatron_s
     blocky = build_model(t.model_config, t.layout, t.dtype, block_masks=True, recompute="full")
     blocky.rotary_pos_emb = PositionedRotary(blocky.rotary_pos_emb)
     blocky.load_state_dict(t.model.state_dict())
+    t._emit_hidden(blocky.output_layer)
     blocky.train()
     ids, positions = tree_inputs(tree)
     blocky.rotary_pos_emb.positions = positions[0]

@@ -52,15 +52,19 @@ def _warm(directory: Path, family: str, progress: Progress) -> None:
     same weights on any x86 machine with AVX2."""
     env = os.environ | (PINNED_KERNELS if "avx2" in _cpu_flags() else {})
     cmd = [sys.executable, "-m", "gyre_hpc.builtin_models.warmstart", str(directory), family]
-    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
-        assert proc.stdout is not None and proc.stderr is not None
-        for line in proc.stdout:
-            done, total = (int(x) for x in line.split())
-            progress(done, total)
-        err = proc.stderr.read()
-    if proc.returncode:
-        last = err.strip().splitlines()[-1] if err.strip() else f"exit status {proc.returncode}"
-        raise GyreError(f"building the warm start failed: {last}")
+    # its warnings go to a file, not a pipe nobody reads while it runs (a full pipe would stall it)
+    with tempfile.TemporaryFile("w+") as err:
+        with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                counts = line.split()
+                if len(counts) == 2 and all(c.isdigit() for c in counts):  # anything else printed: not ours
+                    progress(int(counts[0]), int(counts[1]))
+        if proc.returncode:
+            err.seek(0)
+            said = err.read().strip()
+            last = said.splitlines()[-1] if said else f"exit status {proc.returncode}"
+            raise GyreError(f"building the warm start failed: {last}")
 
 
 def _cpu_flags() -> str:

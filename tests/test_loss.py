@@ -12,7 +12,7 @@ import torch
 
 from gyre_hpc.loss.policy_loss import (
     Surrogate,
-    policy_loss,
+    policy_terms,
     ppo_clip_loss,
     token_logprobs,
     weighted_policy_loss,
@@ -140,13 +140,13 @@ def test_tis_trains_same_version_tokens_on_policy_weighted_by_the_truncated_rati
     adv = torch.ones(4)
     fresh = torch.tensor([True, True, False, False])
     rule = Surrogate(mismatch_correction="tis", mismatch_cap=2.0)
-    loss = policy_loss(logp, behaviour, adv, rule, fresh)
+    loss = policy_terms(logp, behaviour, adv, rule, fresh).loss
     assert loss.tolist() == pytest.approx([-0.5, -2.0, -0.5, -1.28])
     loss.sum().backward()
     # fresh: −w·A; stale: d(−r·A)/d log π = −r·A inside the clip, 0 once clipped (r = 3 > 1.28)
     assert logp.grad.tolist() == pytest.approx([-0.5, -2.0, -0.5, 0.0])
     # without the correction every token is under the clip, fresh or not
-    plain = policy_loss(logp.detach(), behaviour, adv, Surrogate(), fresh)
+    plain = policy_terms(logp.detach(), behaviour, adv, Surrogate(), fresh).loss
     assert plain.tolist() == pytest.approx([-0.5, -1.28, -0.5, -1.28])
 
 
@@ -220,7 +220,7 @@ def test_stale_tokens_are_never_rejected_nor_reweighted() -> None:
     logp = torch.tensor([3.0, 3.0]).requires_grad_()
     fresh = torch.tensor([True, False])
     rule = Surrogate(mismatch_correction="mis")
-    loss = policy_loss(logp, behaviour, torch.ones(2), rule, fresh)
+    loss = policy_terms(logp, behaviour, torch.ones(2), rule, fresh).loss
     assert loss.tolist() == pytest.approx(
         [0.0, -1.28]
     )  # the fresh one rejected (e^3 > 2), the stale one clipped
@@ -232,7 +232,7 @@ def test_gspo_shares_one_clipped_ratio_per_path() -> None:
     behaviour = torch.zeros(4)
     logp = torch.tensor([0.0, 0.1, 0.4, 0.6]).requires_grad_()
     segs = torch.tensor([0, 0, 1, 1])
-    loss = policy_loss(logp, behaviour, torch.ones(4), Surrogate(objective="gspo"), None, segs)
+    loss = policy_terms(logp, behaviour, torch.ones(4), Surrogate(objective="gspo"), None, segs).loss
     r = math.exp(0.05)
     assert loss.tolist() == pytest.approx([-r, -r, -1.28, -1.28])
     loss.sum().backward()
@@ -242,7 +242,7 @@ def test_gspo_shares_one_clipped_ratio_per_path() -> None:
 def test_cispo_keeps_the_gradient_of_a_clipped_token() -> None:
     behaviour = torch.zeros(2)
     logp = torch.tensor([0.1, 1.0]).requires_grad_()
-    loss = policy_loss(logp, behaviour, torch.ones(2), Surrogate(objective="cispo"), None)
+    loss = policy_terms(logp, behaviour, torch.ones(2), Surrogate(objective="cispo"), None).loss
     assert loss.tolist() == pytest.approx([-math.exp(0.1), -1.28])
     loss.sum().backward()
     assert logp.grad.tolist() == pytest.approx([-math.exp(0.1), -1.28])  # PPO's would be 0 for the second
@@ -261,7 +261,7 @@ def test_a_custom_policy_loss_by_import_path_and_its_one_line_refusals(tmp_path:
     recipe = load_recipe(REPO / "recipes" / "smoke.toml", [f"trainer.policy_loss={good}:reinforce"])
     rule = Surrogate.of(recipe.trainer)
     logp = torch.tensor([0.5, -0.5]).requires_grad_()
-    assert policy_loss(logp, torch.zeros(2), torch.tensor([1.0, -2.0]), rule).tolist() == pytest.approx(
+    assert policy_terms(logp, torch.zeros(2), torch.tensor([1.0, -2.0]), rule).loss.tolist() == pytest.approx(
         [-0.5, -1.0]
     )
     (tmp_path / "bad.py").write_text("def loss(logprobs):\n    return logprobs\n")

@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
-import importlib.util
 import inspect
 import os
 import shutil
@@ -58,6 +56,7 @@ from gyre_hpc.agents.workspace import CommandResult, Workspace
 from gyre_hpc.errors import GyreError
 from gyre_hpc.execution.outcome import Execution
 from gyre_hpc.proxy.run_shard import shard_of
+from gyre_hpc.recipe.entry import import_entry, split_entry
 from gyre_hpc.recipe.schema import AgentConfig
 from gyre_hpc.sandbox import relay, supervise
 from gyre_hpc.sandbox.confine import UNCONFINED, Launch, Sandbox
@@ -344,19 +343,11 @@ class PythonHarness:
 def load_entry(entry: str) -> PythonAgent:
     """``module:function`` or ``path/to/file.py:function`` → the function; one line naming what is
     wrong otherwise. A relative path is taken from the current directory."""
-    where, _, name = entry.rpartition(":")
-    if not where or not name:
+    parts = split_entry(entry)
+    if parts is None:
         raise GyreError(f"agent.entry = {entry!r}: expected module:function or path/to/file.py:function")
     try:
-        if where.endswith(".py"):
-            spec = importlib.util.spec_from_file_location(Path(where).stem, Path(where).resolve())
-            if spec is None or spec.loader is None:
-                raise ImportError(f"cannot load {where}")
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-        fn = getattr(module, name)
+        fn = import_entry(*parts)
     except (ImportError, AttributeError, OSError) as err:
         raise GyreError(f"agent.entry = {entry!r}: {err}") from None
     if not inspect.iscoroutinefunction(fn):

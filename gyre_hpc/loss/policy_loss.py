@@ -33,20 +33,15 @@ result independent of how the batch was split. Pure torch: it knows nothing of m
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
-from gyre_hpc.errors import RecipeError
+from gyre_hpc.recipe.entry import custom_policy_loss
 
-OBJECTIVES = ("ppo", "gspo", "cispo")
 CORRECTIONS = ("none", "tis", "mis", "sequence-tis", "sequence-mis", "geometric-mask")
 
 
@@ -134,36 +129,10 @@ tokens (``segments``: each token's path, 0..paths−1)."""
 
 @cache
 def objective(name: str) -> Objective:
-    """``trainer.policy_loss`` → its function: a built-in name or ``module:function`` (or
-    ``path/file.py:function``); ``RecipeError`` in one line when it does not import or cannot take
-    the five arguments of ``Objective``."""
+    """``trainer.policy_loss`` → its function: a built-in name or an import path
+    (``recipe.entry.custom_policy_loss``, which refuses a bad one in one line)."""
     builtin = {"ppo": _ppo, "gspo": gspo_loss, "cispo": cispo_loss}
-    if name in builtin:
-        return builtin[name]
-    where, _, attr = name.rpartition(":")
-    valid = f"valid: {', '.join(OBJECTIVES)} or module:function"
-    if not where or not attr:
-        raise RecipeError(f"trainer.policy_loss = {name!r}: not a built-in loss; {valid}")
-    try:
-        if where.endswith(".py"):
-            spec = importlib.util.spec_from_file_location(Path(where).stem, Path(where).resolve())
-            if spec is None or spec.loader is None:
-                raise ImportError(f"cannot load {where}")
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-        fn = getattr(module, attr)
-    except Exception as err:  # whatever the user's module raises while importing
-        raise RecipeError(f"trainer.policy_loss = {name!r} does not import: {err}") from None
-    try:
-        inspect.signature(fn).bind(*range(5))
-    except (TypeError, ValueError):
-        raise RecipeError(
-            f"trainer.policy_loss = {name!r} must be a function of (logprobs, anchor, advantages, "
-            "segments, rule) returning the per-token loss"
-        ) from None
-    return fn
+    return builtin[name] if name in builtin else custom_policy_loss(name)
 
 
 class Terms(NamedTuple):
@@ -212,20 +181,6 @@ def mismatch_weights(
     raise ValueError(f"mismatch_correction {kind!r}; valid: {', '.join(CORRECTIONS)}")
 
 
-def policy_loss(
-    logprobs: torch.Tensor,
-    behaviour: torch.Tensor,
-    advantages: torch.Tensor,
-    rule: Surrogate,
-    fresh: torch.Tensor | None = None,
-    segments: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Per-token loss under ``rule`` over loss tokens [M]; ``fresh`` marks the tokens sampled at
-    the version trained (None: not known, every token is treated as stale), ``segments`` each
-    token's path (None: one path)."""
-    return policy_terms(logprobs, behaviour, advantages, rule, fresh, segments).loss
-
-
 def policy_terms(
     logprobs: torch.Tensor,
     behaviour: torch.Tensor,
@@ -234,7 +189,9 @@ def policy_terms(
     fresh: torch.Tensor | None = None,
     segments: torch.Tensor | None = None,
 ) -> Terms:
-    """``policy_loss`` and the tokens the correction rejected."""
+    """Per-token loss under ``rule`` over loss tokens [M] (``fresh``: the tokens sampled at the
+    version trained, None when not known: every token is treated as stale; ``segments``: each
+    token's path, None for one), and the tokens the correction rejected."""
     if segments is None:
         segments = torch.zeros(logprobs.shape, dtype=torch.int64, device=logprobs.device)
     corrected = torch.zeros(logprobs.shape, dtype=torch.bool, device=logprobs.device)

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gyre_hpc.loss.diagnostics import entropy_from_logprobs
+
 
 class _Selected(torch.autograd.Function):
     @staticmethod
@@ -131,4 +133,4 @@ def full_logprobs(
     """The unchunked rule: log-softmax over whole [M, V] logits; the target's log-prob and each
     row's entropy (no gradient)."""
     logp = torch.log_softmax(logits.float(), -1)
-    return logp.gather(-1, targets[:, None])[:, 0], -(logp.detach().exp() * logp.detach()).sum(-1)
+    return logp.gather(-1, targets[:, None])[:, 0], entropy_from_logprobs(logp.detach())

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gyre_hpc.errors import RecipeError
+from gyre_hpc.recipe.entry import POLICY_LOSSES, custom_policy_loss
 from gyre_hpc.trajectory.records import ROLE_PRIORITY
 
 Mode = Literal["elastic", "async", "colocate"]
@@ -726,10 +727,10 @@ class Recipe:
             )
         if 0 < trainer.dual_clip <= 1:
             raise RecipeError(f"trainer.dual_clip = {trainer.dual_clip} must be 0 (off) or above 1")
-        if trainer.policy_loss not in ("ppo", "gspo", "cispo"):
-            from gyre_hpc.loss.policy_loss import objective
-
-            objective(trainer.policy_loss)  # one line if it does not import or has the wrong signature
+        if trainer.policy_loss not in POLICY_LOSSES:
+            custom_policy_loss(
+                trainer.policy_loss
+            )  # one line if it does not import or has the wrong signature
         stage_ranks = cells.ranks_per_cell // (trainer.tp_size * trainer.pp_size) * trainer.tp_size
         if stage_ranks % trainer.ep_size:
             raise RecipeError(

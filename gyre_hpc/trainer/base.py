@@ -200,7 +200,7 @@ def packed_loss(
 def entry_rows(tree: PackedTree, device: torch.device | None = None) -> tuple[torch.Tensor, ...]:
     """Where each loss entry's log-prob is read: the logits row of its token's parent, the token
     itself, and whether it has a parent (a path's first token has none and gets log-prob 0, as
-    ``loss.policy.token_logprobs`` gives it)."""
+    ``loss.policy_loss.token_logprobs`` gives it)."""
     parents = tree.parents[tree.targets]
     rows = torch.from_numpy(np.maximum(parents, 0)).to(device)
     tokens = torch.from_numpy(tree.tokens[tree.targets]).to(device)
